@@ -1,0 +1,123 @@
+"""Reference paged attention in plain torch: the CPU backend and the oracle for every kernel.
+
+Sequences with short queries (decodes and speculative verification runs) are padded into one
+batched SDPA call; long queries (prefill chunks) run one SDPA call each. Both gather the
+sequence's keys from the paged cache through its block table, so prefix-cache hits and
+chunked prefill read exactly what earlier steps wrote.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specinfer.attention.metadata import AttentionMetadata
+
+SHORT_QUERY_MAX = 16  # query runs up to this length are batched together with padding
+
+
+@dataclass
+class _ShortGroup:
+    token_rows: torch.Tensor  # int64[n]   rows of the batch that belong to the group
+    pad_index: torch.Tensor  # int64[n]   flat index into [G * Q] padded query slots
+    key_slots: torch.Tensor  # int64[G, K] cache slots of each sequence's keys (padded)
+    mask: torch.Tensor  # bool[G, 1, Q, K] True where attention is allowed
+    num_seqs: int
+    max_q: int
+
+
+@dataclass
+class _LongSeq:
+    start: int
+    end: int
+    key_slots: torch.Tensor  # int64[L]
+    mask: torch.Tensor | None  # bool[q, L] or None when the query is the whole sequence
+
+
+@dataclass
+class TorchRefPrepared:
+    meta: AttentionMetadata
+    short: _ShortGroup | None
+    long: list[_LongSeq]
+
+
+def _key_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    pos = torch.arange(length, dtype=torch.int64)
+    return block_table_row.to(torch.int64)[pos // block_size] * block_size + pos % block_size
+
+
+class TorchRefBackend:
+    name = "torch_ref"
+
+    def prepare(self, meta: AttentionMetadata) -> TorchRefPrepared:
+        qsl = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        bs = meta.block_size
+        short_ids, long = [], []
+        for s, L in enumerate(seq_lens):
+            q_len = qsl[s + 1] - qsl[s]
+            if q_len <= SHORT_QUERY_MAX:
+                short_ids.append(s)
+                continue
+            slots = _key_slots(meta.block_table[s], L, bs)
+            mask = None
+            if q_len != L:
+                q_pos = torch.arange(L - q_len, L).unsqueeze(1)
+                mask = torch.arange(L).unsqueeze(0) <= q_pos
+            long.append(_LongSeq(qsl[s], qsl[s + 1], slots, mask))
+        return TorchRefPrepared(meta, self._prepare_short(meta, short_ids, qsl, seq_lens), long)
+
+    @staticmethod
+    def _prepare_short(meta, ids, qsl, seq_lens) -> _ShortGroup | None:
+        if not ids:
+            return None
+        idx = torch.tensor(ids, dtype=torch.int64)
+        start = meta.query_start_loc.to(torch.int64)
+        q_lens = (start[1:] - start[:-1])[idx]  # [G]
+        lens = meta.seq_lens.to(torch.int64)[idx]  # [G]
+        G, Q, K = len(ids), int(q_lens.max()), int(lens.max())
+        bs = meta.block_size
+        kpos = torch.arange(K, dtype=torch.int64)  # [K]
+        blocks = meta.block_table.to(torch.int64)[idx]  # [G, W]
+        kblock = torch.clamp(kpos // bs, max=blocks.shape[1] - 1)
+        key_slots = blocks[:, kblock] * bs + kpos % bs  # [G, K]
+        qi = torch.arange(Q, dtype=torch.int64)  # [Q]
+        q_valid = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # [G, Q]
+        q_pos = lens.unsqueeze(1) - q_lens.unsqueeze(1) + qi.unsqueeze(0)  # [G, Q]
+        mask = kpos.view(1, 1, K) <= q_pos.unsqueeze(2)  # [G, Q, K]
+        mask &= kpos.view(1, 1, K) < lens.view(G, 1, 1)
+        mask |= (~q_valid).unsqueeze(2) & (kpos.view(1, 1, K) == 0)  # padded rows see key 0: no NaN
+        token_rows = (start[idx].unsqueeze(1) + qi.unsqueeze(0))[q_valid]  # [n]
+        pad_index = (torch.arange(G).unsqueeze(1) * Q + qi.unsqueeze(0))[q_valid]  # [n]
+        return _ShortGroup(token_rows, pad_index, key_slots, mask.unsqueeze(1), G, Q)
+
+    def forward(self, q, k, v, kv_cache, prepared: TorchRefPrepared, scale: float):
+        T, H, D = q.shape
+        Hkv = k.shape[1]
+        k_flat = kv_cache[0].view(-1, Hkv, D)
+        v_flat = kv_cache[1].view(-1, Hkv, D)
+        slots = prepared.meta.slot_mapping
+        k_flat[slots] = k.to(k_flat.dtype)
+        v_flat[slots] = v.to(v_flat.dtype)
+        out = torch.empty_like(q)
+        gqa = H != Hkv
+        g = prepared.short
+        if g is not None:
+            qp = q.new_zeros(g.num_seqs * g.max_q, H, D)
+            qp[g.pad_index] = q[g.token_rows]
+            qp = qp.view(g.num_seqs, g.max_q, H, D).transpose(1, 2)  # [G, H, Q, D]
+            kk = k_flat[g.key_slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, K, D]
+            vv = v_flat[g.key_slots].transpose(1, 2).to(q.dtype)
+            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+            out[g.token_rows] = o.transpose(1, 2).reshape(-1, H, D)[g.pad_index]
+        for s in prepared.long:
+            qs = q[s.start : s.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            kk = k_flat[s.key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
+            vv = v_flat[s.key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            if s.mask is None:
+                o = F.scaled_dot_product_attention(qs, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
+            out[s.start : s.end] = o.squeeze(0).transpose(0, 1)
+        return out
