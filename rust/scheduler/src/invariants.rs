@@ -1,0 +1,120 @@
+//! `Scheduler::check_invariants`: the bookkeeping rules that must hold between
+//! any two public calls. Used by the property tests and exposed to Python.
+
+use std::collections::HashSet;
+
+use crate::error::{CoreError, Result};
+use crate::kv_cache_manager::cdiv;
+use crate::request::RequestStatus;
+use crate::scheduler::Scheduler;
+
+impl Scheduler {
+    /// Describes the first broken invariant: free-list integrity, ref counts equal
+    /// to block-table references (no leaks), free + used == total, computed <=
+    /// tokens, queue membership, caps.
+    pub fn check_invariants(&self) -> Result<()> {
+        let broken = |msg: String| Err(CoreError::InvariantViolation(msg));
+        let pool = &self.kv.pool;
+        if let Err(e) = pool.check_integrity() {
+            return broken(format!("block pool: {e}"));
+        }
+        let bs = self.config.block_size;
+        let mut refs = vec![0u32; pool.num_total()];
+        let mut seen = HashSet::new();
+        for (queue, status, slots) in [
+            (
+                "waiting",
+                RequestStatus::Waiting,
+                self.waiting.iter().copied().collect::<Vec<_>>(),
+            ),
+            ("running", RequestStatus::Running, self.running.clone()),
+        ] {
+            for slot in slots {
+                let Some(req) = self.requests.get(slot as usize).and_then(Option::as_ref) else {
+                    return broken(format!("{queue} queue holds empty slot {slot}"));
+                };
+                if !seen.insert(slot) {
+                    return broken(format!("request {} is queued twice", req.id));
+                }
+                if req.status != status {
+                    return broken(format!(
+                        "request {} in {queue} queue has status {:?}",
+                        req.id, req.status
+                    ));
+                }
+                if self.index.get(&req.id) != Some(&slot) {
+                    return broken(format!("request {} is not indexed at its slot", req.id));
+                }
+                if req.num_computed_tokens > req.num_tokens_with_spec() {
+                    return broken(format!(
+                        "request {}: num_computed_tokens {} > num_tokens_with_spec {}",
+                        req.id,
+                        req.num_computed_tokens,
+                        req.num_tokens_with_spec()
+                    ));
+                }
+                if req.num_tokens() > self.config.max_model_len
+                    || req.num_output_tokens() > req.stop.max_tokens as usize
+                {
+                    return broken(format!(
+                        "request {} is past max_model_len or max_tokens",
+                        req.id
+                    ));
+                }
+                if req.block_ids.len() * bs < req.num_computed_tokens {
+                    return broken(format!(
+                        "request {}: computed tokens without KV slots",
+                        req.id
+                    ));
+                }
+                if req.block_hashes.len() > req.block_ids.len() {
+                    return broken(format!("request {}: more block hashes than blocks", req.id));
+                }
+                if status == RequestStatus::Waiting
+                    && (!req.block_ids.is_empty() || req.num_computed_tokens != 0)
+                {
+                    return broken(format!("waiting request {} holds KV", req.id));
+                }
+                let max_blocks = cdiv(self.config.max_model_len, bs);
+                if req.block_ids.len() > max_blocks {
+                    return broken(format!(
+                        "request {} holds {} blocks > {max_blocks}",
+                        req.id,
+                        req.block_ids.len()
+                    ));
+                }
+                for &b in &req.block_ids {
+                    refs[b as usize] += 1;
+                }
+            }
+        }
+        if seen.len() != self.index.len() {
+            return broken(format!(
+                "{} requests indexed but {} queued",
+                self.index.len(),
+                seen.len()
+            ));
+        }
+        if self.running.len() > self.config.max_num_seqs {
+            return broken(format!("{} running > max_num_seqs", self.running.len()));
+        }
+        let mut used = 0;
+        for (b, &r) in refs.iter().enumerate() {
+            if pool.ref_count(b as u32) != r {
+                return broken(format!(
+                    "block {b}: ref_cnt {} but {r} block-table references (leak or double free)",
+                    pool.ref_count(b as u32)
+                ));
+            }
+            used += usize::from(r > 0);
+        }
+        if used + pool.num_free() != pool.num_total() {
+            return broken(format!(
+                "free {} + used {used} != total {}",
+                pool.num_free(),
+                pool.num_total()
+            ));
+        }
+        Ok(())
+    }
+}

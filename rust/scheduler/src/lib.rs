@@ -1,0 +1,25 @@
+//! specinfer's scheduling core: request state, the paged-KV block pool with prefix
+//! caching, the token-budget scheduler (continuous batching, chunked prefill,
+//! speculative lookahead, preemption by recompute), batch packing into flat arrays,
+//! and the n-gram (prompt lookup) proposer. Pure Rust; `rust/bindings` exposes it
+//! to Python as `specinfer._core` (see `docs/core_api.md`).
+
+pub mod batch;
+pub mod block_pool;
+pub mod config;
+pub mod error;
+mod hash;
+mod invariants;
+pub mod kv_cache_manager;
+pub mod ngram;
+pub mod request;
+pub mod scheduler;
+pub mod update;
+
+pub use batch::{ScheduledRun, SchedulerOutput};
+pub use block_pool::{BlockHash, BlockId, BlockPool};
+pub use config::SchedulerConfig;
+pub use error::{CoreError, Result};
+pub use request::{FinishReason, Request, RequestId, RequestStatus, StopParams};
+pub use scheduler::{Scheduler, SchedulerStats};
+pub use update::UpdateOutput;

@@ -1,0 +1,483 @@
+//! The token-budget scheduler.
+//!
+//! Algorithm (one `schedule`): there are no phases, only tokens. Every request has
+//! `num_computed_tokens` and `num_tokens_with_spec`; a run of query tokens closes
+//! part of that gap. A prefill chunk, a decode (1 token) and a verification (1 + k)
+//! are all runs.
+//! 1. Running requests, FCFS: each gets its whole gap, capped by the remaining
+//!    token budget (a cut verification drops the drafts past the cut). If its KV
+//!    slots cannot be allocated, the most recently admitted running request is
+//!    preempted (recompute) until the allocation succeeds or the request itself
+//!    was the one preempted.
+//! 2. Waiting requests, FCFS (only in steps without preemption): prefix-cache
+//!    lookup, then a run of the rest of the prompt capped by the budget; stop at
+//!    the first that does not fit or when `max_num_seqs` are running.
+//! Every run whose logits are sampled reserves `num_lookahead_tokens` more slots.
+//!
+//! `update` applies the step's emitted tokens: rollback of rejected drafts, stop
+//! conditions (never overshooting), prefix caching of confirmed blocks, freeing.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::batch::{pack, ScheduledRun, SchedulerOutput};
+use crate::config::SchedulerConfig;
+use crate::error::{CoreError, Result};
+use crate::hash::FxBuildHasher;
+use crate::kv_cache_manager::{CachedPrefix, KvCacheManager};
+use crate::ngram::{propose_with, NgramScratch};
+use crate::request::{FinishReason, Request, RequestId, RequestStatus, StopParams};
+use crate::update::{validate_cu, UpdateOutput};
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub num_preemptions: u64,
+    /// Tokens of admitted requests looked up in the prefix cache.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found.
+    pub prefix_cache_hits: u64,
+    pub num_steps: u64,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    pub(crate) config: SchedulerConfig,
+    pub(crate) kv: KvCacheManager,
+    /// Slab of live requests; `index` maps ids to slots.
+    pub(crate) requests: Vec<Option<Request>>,
+    free_slots: Vec<u32>,
+    pub(crate) index: HashMap<RequestId, u32, FxBuildHasher>,
+    pub(crate) waiting: VecDeque<u32>,
+    /// In admission order: the last one is preempted first.
+    pub(crate) running: Vec<u32>,
+    /// Runs of the step awaiting `update` (or of the last step).
+    pub(crate) runs: Vec<ScheduledRun>,
+    pub(crate) pending_update: bool,
+    pub(crate) stats: SchedulerStats,
+    prefix_scratch: CachedPrefix,
+    ngram_scratch: NgramScratch,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        Ok(Scheduler {
+            kv: KvCacheManager::new(
+                config.num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+            ),
+            config,
+            requests: Vec::new(),
+            free_slots: Vec::new(),
+            index: HashMap::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            runs: Vec::new(),
+            pending_update: false,
+            stats: SchedulerStats::default(),
+            prefix_scratch: CachedPrefix::default(),
+            ngram_scratch: NgramScratch::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
+    }
+    pub fn num_free_blocks(&self) -> usize {
+        self.kv.pool.num_free()
+    }
+    pub fn num_total_blocks(&self) -> usize {
+        self.kv.pool.num_total()
+    }
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.index.is_empty()
+    }
+    pub fn request(&self, id: RequestId) -> Option<&Request> {
+        let slot = *self.index.get(&id)?;
+        self.requests[slot as usize].as_ref()
+    }
+
+    /// Appends a request to the waiting queue.
+    pub fn add_request(&mut self, id: RequestId, prompt: Vec<u32>, stop: StopParams) -> Result<()> {
+        if self.index.contains_key(&id) {
+            return Err(CoreError::DuplicateRequest(id));
+        }
+        if prompt.is_empty() {
+            return Err(CoreError::invalid("prompt_token_ids", "empty prompt"));
+        }
+        if prompt.len() > self.config.max_model_len {
+            return Err(CoreError::invalid(
+                "prompt_token_ids",
+                format!(
+                    "prompt of {} tokens exceeds max_model_len = {}",
+                    prompt.len(),
+                    self.config.max_model_len
+                ),
+            ));
+        }
+        if stop.max_tokens == 0 {
+            return Err(CoreError::invalid("max_tokens", "must be >= 1"));
+        }
+        let req = Request::new(id, prompt, stop);
+        let slot = match self.free_slots.pop() {
+            Some(s) => {
+                self.requests[s as usize] = Some(req);
+                s
+            }
+            None => {
+                self.requests.push(Some(req));
+                (self.requests.len() - 1) as u32
+            }
+        };
+        self.index.insert(id, slot);
+        self.waiting.push_back(slot);
+        Ok(())
+    }
+
+    /// Removes a request wherever it is and frees its blocks; false if unknown.
+    pub fn abort_request(&mut self, id: RequestId) -> bool {
+        let Some(slot) = self.index.remove(&id) else {
+            return false;
+        };
+        let mut req = self.requests[slot as usize]
+            .take()
+            .expect("indexed slot is live");
+        match req.status {
+            RequestStatus::Waiting => self.waiting.retain(|&s| s != slot),
+            RequestStatus::Running => self.running.retain(|&s| s != slot),
+        }
+        self.kv.free(&mut req);
+        self.free_slots.push(slot);
+        true
+    }
+
+    /// A request Python decided is done (e.g. a stop string matched): same as abort.
+    pub fn finish_request(&mut self, id: RequestId) -> bool {
+        self.abort_request(id)
+    }
+
+    /// Stores each request's proposal for the next step, clamped so verification
+    /// never passes `max_tokens` or `max_model_len`. Requests that are unknown or
+    /// not decoding (waiting, or mid-prefill) are ignored.
+    pub fn set_draft_tokens(
+        &mut self,
+        req_ids: &[RequestId],
+        cu_num_draft: &[i32],
+        drafts: &[u32],
+    ) -> Result<()> {
+        if self.pending_update {
+            return Err(CoreError::InvalidCallOrder(
+                "set_draft_tokens() called between schedule() and update(); call it after update()",
+            ));
+        }
+        validate_cu("cu_num_draft", cu_num_draft, req_ids.len(), drafts.len())?;
+        for (i, id) in req_ids.iter().enumerate() {
+            let Some(&slot) = self.index.get(id) else {
+                continue;
+            };
+            let req = self.requests[slot as usize]
+                .as_mut()
+                .expect("indexed slot is live");
+            if req.status != RequestStatus::Running
+                || req.num_computed_tokens + 1 != req.num_tokens()
+            {
+                continue;
+            }
+            let d = &drafts[cu_num_draft[i] as usize..cu_num_draft[i + 1] as usize];
+            let n = d
+                .len()
+                .min(req.max_num_draft_tokens(self.config.max_model_len));
+            req.draft_token_ids.clear();
+            req.draft_token_ids.extend_from_slice(&d[..n]);
+        }
+        Ok(())
+    }
+
+    /// Prompt-lookup proposals for each request (empty for unknown ids), as
+    /// (cu_num_draft [R + 1], draft token ids).
+    pub fn propose_ngram(
+        &mut self,
+        req_ids: &[RequestId],
+        k: usize,
+        min_n: usize,
+        max_n: usize,
+    ) -> Result<(Vec<i32>, Vec<u32>)> {
+        if min_n == 0 {
+            return Err(CoreError::invalid("min_n", "must be >= 1"));
+        }
+        if max_n < min_n {
+            return Err(CoreError::invalid(
+                "max_n",
+                format!("max_n = {max_n} < min_n = {min_n}"),
+            ));
+        }
+        let mut cu = Vec::with_capacity(req_ids.len() + 1);
+        let mut out = Vec::with_capacity(req_ids.len() * k);
+        cu.push(0);
+        for id in req_ids {
+            if let Some(req) = self
+                .index
+                .get(id)
+                .and_then(|&s| self.requests[s as usize].as_ref())
+            {
+                out.extend_from_slice(propose_with(
+                    &mut self.ngram_scratch,
+                    &req.token_ids,
+                    min_n,
+                    max_n,
+                    k,
+                ));
+            }
+            cu.push(out.len() as i32);
+        }
+        Ok((cu, out))
+    }
+
+    /// Decides the next step and packs it. See the module doc for the algorithm.
+    pub fn schedule(&mut self) -> Result<SchedulerOutput> {
+        if self.pending_update {
+            return Err(CoreError::InvalidCallOrder(
+                "schedule() called again before update() of the previous step",
+            ));
+        }
+        let step = self.stats.num_steps;
+        self.stats.num_steps += 1;
+        self.runs.clear();
+        let cfg = &self.config;
+        let (max_len, lookahead) = (cfg.max_model_len, cfg.num_lookahead_tokens);
+        let mut budget = cfg.max_num_batched_tokens;
+        let mut preempted = Vec::new();
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let slot = self.running[i];
+            let req = self.requests[slot as usize]
+                .as_mut()
+                .expect("running slot is live");
+            let n = (req.num_tokens_with_spec() - req.num_computed_tokens).min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let end = req.num_computed_tokens + n;
+            // A cut verification keeps only the drafts inside the run.
+            req.draft_token_ids
+                .truncate(end.saturating_sub(req.num_tokens()));
+            let sampled = end >= req.num_tokens();
+            let reserve = if sampled { lookahead } else { 0 };
+            let mut self_preempted = false;
+            loop {
+                let req = self.requests[slot as usize]
+                    .as_mut()
+                    .expect("running slot is live");
+                if self.kv.allocate_slots(req, None, n, reserve, max_len) {
+                    break;
+                }
+                let victim = self.running.pop().expect("the request itself is running");
+                self.preempt(victim, &mut preempted);
+                if victim == slot {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted {
+                break;
+            }
+            let req = self.requests[slot as usize]
+                .as_mut()
+                .expect("running slot is live");
+            self.runs.push(ScheduledRun {
+                slot,
+                req_id: req.id,
+                num_computed_tokens: req.num_computed_tokens as u32,
+                num_scheduled_tokens: n as u32,
+                num_draft_tokens: req.draft_token_ids.len() as u32,
+                sampled,
+                is_prefill: req.is_prefilling(),
+                num_cached_tokens: 0,
+            });
+            req.num_computed_tokens += n;
+            req.last_scheduled_step = step;
+            budget -= n;
+            i += 1;
+        }
+
+        if preempted.is_empty() {
+            self.admit_waiting(step, &mut budget);
+        }
+        self.pending_update = !self.runs.is_empty();
+        let out = pack(
+            &self.runs,
+            &self.requests,
+            self.config.block_size,
+            self.config.batch_expansion,
+            preempted,
+        );
+        Ok(out)
+    }
+
+    fn admit_waiting(&mut self, step: u64, budget: &mut usize) {
+        let bs = self.config.block_size;
+        while let Some(&slot) = self.waiting.front() {
+            if self.running.len() >= self.config.max_num_seqs || *budget == 0 {
+                break;
+            }
+            let req = self.requests[slot as usize]
+                .as_mut()
+                .expect("waiting slot is live");
+            self.kv.find_cached_prefix(req, &mut self.prefix_scratch);
+            let cached = self.prefix_scratch.num_tokens(bs);
+            let n = (req.num_tokens() - cached).min(*budget);
+            let sampled = cached + n >= req.num_tokens();
+            let reserve = if sampled {
+                self.config.num_lookahead_tokens
+            } else {
+                0
+            };
+            if !self.kv.allocate_slots(
+                req,
+                Some(&self.prefix_scratch),
+                n,
+                reserve,
+                self.config.max_model_len,
+            ) {
+                break;
+            }
+            self.stats.prefix_cache_queries += req.num_tokens() as u64;
+            self.stats.prefix_cache_hits += cached as u64;
+            self.waiting.pop_front();
+            req.status = RequestStatus::Running;
+            self.running.push(slot);
+            self.runs.push(ScheduledRun {
+                slot,
+                req_id: req.id,
+                num_computed_tokens: req.num_computed_tokens as u32,
+                num_scheduled_tokens: n as u32,
+                num_draft_tokens: 0,
+                sampled,
+                is_prefill: req.is_prefilling(),
+                num_cached_tokens: cached as u32,
+            });
+            req.num_computed_tokens += n;
+            req.last_scheduled_step = step;
+            *budget -= n;
+        }
+    }
+
+    /// Recompute preemption: free the blocks, forget the KV and the drafts, go to the
+    /// front of the waiting queue (output so far is kept and recomputed).
+    fn preempt(&mut self, slot: u32, preempted: &mut Vec<RequestId>) {
+        let req = self.requests[slot as usize]
+            .as_mut()
+            .expect("preempted slot is live");
+        self.kv.free(req);
+        req.num_computed_tokens = 0;
+        req.draft_token_ids.clear();
+        req.status = RequestStatus::Waiting;
+        self.waiting.push_front(slot);
+        self.stats.num_preemptions += 1;
+        preempted.push(req.id);
+    }
+
+    /// Applies the emitted tokens of the pending step (see the module doc).
+    pub fn update(
+        &mut self,
+        sampled_token_ids: &[u32],
+        cu_num_sampled: &[i32],
+    ) -> Result<UpdateOutput> {
+        if !self.pending_update {
+            return Err(CoreError::InvalidCallOrder(
+                "update() called without a pending non-empty schedule()",
+            ));
+        }
+        validate_cu(
+            "cu_num_sampled",
+            cu_num_sampled,
+            self.runs.len(),
+            sampled_token_ids.len(),
+        )?;
+        for (i, run) in self.runs.iter().enumerate() {
+            let emitted = (cu_num_sampled[i + 1] - cu_num_sampled[i]) as u32;
+            let max = if run.sampled {
+                1 + run.num_draft_tokens
+            } else {
+                0
+            };
+            let min = u32::from(run.sampled);
+            if emitted < min || emitted > max {
+                return Err(CoreError::invalid(
+                    "cu_num_sampled",
+                    format!(
+                        "request {} emitted {emitted} tokens; expected {min}..={max}",
+                        run.req_id
+                    ),
+                ));
+            }
+        }
+        self.pending_update = false;
+        let step = self.stats.num_steps - 1;
+        let max_len = self.config.max_model_len;
+        let mut out = UpdateOutput::with_capacity(self.runs.len());
+        let mut any_finished = false;
+        for (i, run) in self.runs.iter().enumerate() {
+            let Some(req) = self.requests[run.slot as usize].as_mut() else {
+                continue;
+            };
+            if req.id != run.req_id
+                || req.last_scheduled_step != step
+                || req.status != RequestStatus::Running
+            {
+                continue; // aborted (and maybe replaced) since schedule()
+            }
+            let tokens =
+                &sampled_token_ids[cu_num_sampled[i] as usize..cu_num_sampled[i + 1] as usize];
+            if run.sampled {
+                let rejected = run.num_draft_tokens as usize + 1 - tokens.len();
+                self.kv.rollback(req, rejected);
+            }
+            req.draft_token_ids.clear();
+            let mut finish = None;
+            let mut num_new = 0;
+            for &t in tokens {
+                num_new += 1;
+                if let Some(reason) = req.append_token(t, max_len) {
+                    finish = Some((reason, t));
+                    break;
+                }
+            }
+            if num_new > 0 {
+                out.push_tokens(req.id, &tokens[..num_new]);
+            }
+            self.kv.cache_confirmed_blocks(req);
+            if let Some((reason, t)) = finish {
+                self.kv.free(req);
+                let stop_token = if reason == FinishReason::Stop {
+                    t as i64
+                } else {
+                    -1
+                };
+                out.push_finished(req.id, reason, stop_token);
+                any_finished = true;
+            }
+        }
+        if any_finished {
+            for &id in &out.finished_req_ids {
+                let slot = self.index.remove(&id).expect("finished request is indexed");
+                self.requests[slot as usize] = None;
+                self.free_slots.push(slot);
+            }
+            let requests = &self.requests;
+            self.running.retain(|&s| requests[s as usize].is_some());
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,283 @@
+//! The scheduler's contract (docs/core_api.md), one behaviour per test.
+
+use specinfer_scheduler::{CoreError, Scheduler, SchedulerConfig, StopParams};
+
+fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        num_blocks,
+        block_size,
+        max_num_seqs: 8,
+        max_num_batched_tokens: budget,
+        max_model_len: 64,
+        enable_prefix_caching: true,
+        num_lookahead_tokens: 0,
+        batch_expansion: false,
+    }
+}
+
+fn stop(max_tokens: u32) -> StopParams {
+    StopParams { max_tokens, ..Default::default() }
+}
+
+fn prompt(len: u32, base: u32) -> Vec<u32> {
+    (0..len).map(|i| base + i).collect()
+}
+
+#[test]
+fn prefill_then_decode() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(7, prompt(10, 100), stop(5)).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.req_ids, vec![7]);
+    assert_eq!(out.num_scheduled_tokens, vec![10]);
+    assert_eq!(out.positions, (0..10).collect::<Vec<i64>>());
+    assert_eq!(out.input_ids, (100..110).collect::<Vec<i64>>());
+    assert_eq!(out.cu_num_logits, vec![0, 1]);
+    assert_eq!(out.logits_indices, vec![9]);
+    assert_eq!((out.num_prefill_tokens, out.num_prefill_requests), (10, 1));
+    let row = out.block_table_row(0).to_vec();
+    for (p, &slot) in out.slot_mapping.iter().enumerate() {
+        assert_eq!(slot, row[p / 4] as i64 * 4 + (p % 4) as i64);
+    }
+    assert_eq!(out.seq_lens, vec![10]);
+    let up = s.update(&[42], &[0, 1]).unwrap();
+    assert_eq!((up.req_ids, up.new_token_ids), (vec![7], vec![42]));
+
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![1]);
+    assert_eq!(out.num_computed_tokens, vec![10]);
+    assert_eq!((out.input_ids[0], out.positions[0]), (42, 10));
+    assert_eq!(out.num_prefill_tokens, 0);
+    s.update(&[43], &[0, 1]).unwrap();
+    assert_eq!(s.request(7).unwrap().token_ids[10..], [42, 43]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn chunked_prefill_samples_only_the_final_chunk() {
+    let mut s = Scheduler::new(config(16, 4, 4)).unwrap();
+    s.add_request(1, prompt(10, 0), stop(5)).unwrap();
+    let mut chunks = vec![];
+    loop {
+        let out = s.schedule().unwrap();
+        chunks.push((out.num_scheduled_tokens[0], out.cu_num_logits[1], out.num_prefill_tokens));
+        let sampled: Vec<u32> = if out.cu_num_logits[1] == 1 { vec![9] } else { vec![] };
+        s.update(&sampled, &[0, sampled.len() as i32]).unwrap();
+        if !sampled.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(chunks, vec![(4, 0, 4), (4, 0, 4), (2, 1, 2)]);
+}
+
+#[test]
+fn verification_rolls_back_rejected_drafts() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, prompt(5, 0), stop(20)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[50], &[0, 1]).unwrap();
+    s.set_draft_tokens(&[1], &[0, 3], &[51, 52, 53]).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![4]);
+    assert_eq!(out.num_draft_tokens, vec![3]);
+    assert_eq!(out.input_ids, vec![50, 51, 52, 53]);
+    assert_eq!(out.cu_num_logits, vec![0, 4]);
+    assert_eq!(out.logits_indices, vec![0, 1, 2, 3]);
+    assert_eq!(out.num_verify_requests, 1);
+    // 51 accepted, 52 rejected -> recovered token 60
+    let up = s.update(&[51, 60], &[0, 2]).unwrap();
+    assert_eq!(up.new_token_ids, vec![51, 60]);
+    let r = s.request(1).unwrap();
+    assert_eq!(r.num_computed_tokens, 7);
+    assert_eq!(r.num_tokens(), 8);
+    assert!(r.draft_token_ids.is_empty());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn budget_cut_truncates_drafts() {
+    let mut s = Scheduler::new(config(16, 4, 8)).unwrap();
+    s.add_request(1, prompt(5, 0), stop(20)).unwrap();
+    s.add_request(2, prompt(6, 0), stop(20)).unwrap();
+    s.schedule().unwrap(); // 5 + 3 tokens
+    s.update(&[9], &[0, 1, 1]).unwrap();
+    s.schedule().unwrap(); // 1 + 3 (rest of prompt 2)
+    s.update(&[9, 9], &[0, 1, 2]).unwrap();
+    s.set_draft_tokens(&[1, 2], &[0, 4, 8], &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![5, 3]);
+    assert_eq!(out.num_draft_tokens, vec![4, 2]);
+    assert_eq!(out.cu_num_logits, vec![0, 5, 8]);
+    assert_eq!(s.request(2).unwrap().draft_token_ids, vec![5, 6]);
+}
+
+#[test]
+fn drafts_are_clamped_to_max_tokens() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, prompt(5, 0), stop(3)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[9], &[0, 1]).unwrap();
+    s.set_draft_tokens(&[1, 99], &[0, 4, 5], &[1, 2, 3, 4, 5]).unwrap();
+    assert_eq!(s.request(1).unwrap().draft_token_ids, vec![1]);
+}
+
+#[test]
+fn lookahead_is_reserved_only_for_sampled_runs() {
+    let mut cfg = config(32, 4, 6);
+    cfg.num_lookahead_tokens = 5;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request(1, prompt(10, 0), stop(20)).unwrap();
+    s.schedule().unwrap(); // chunk of 6: not sampled, no lookahead
+    assert_eq!(s.request(1).unwrap().block_ids.len(), 2);
+    s.update(&[], &[0, 0]).unwrap();
+    s.schedule().unwrap(); // final chunk: 10 tokens + 5 lookahead = 15 slots
+    assert_eq!(s.request(1).unwrap().block_ids.len(), 4);
+}
+
+#[test]
+fn preemption_recomputes_the_most_recently_admitted_request() {
+    // 4 blocks of 4 slots: two prompts of 7 take all of them.
+    let mut cfg = config(4, 4, 100);
+    cfg.max_model_len = 16;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request(1, prompt(7, 0), stop(10)).unwrap();
+    s.add_request(2, prompt(7, 50), stop(10)).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.req_ids, vec![1, 2]);
+    s.update(&[8, 9], &[0, 1, 2]).unwrap();
+    // decode step needs a slot at position 7: still in block 1 of each. Then position 8 needs new blocks.
+    s.schedule().unwrap();
+    s.update(&[8, 9], &[0, 1, 2]).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.req_ids, vec![1]);
+    assert_eq!(out.preempted_req_ids, vec![2]);
+    assert_eq!(s.stats().num_preemptions, 1);
+    let r2 = s.request(2).unwrap();
+    assert_eq!((r2.num_computed_tokens, r2.block_ids.len(), r2.num_output_tokens()), (0, 0, 2));
+    s.check_invariants().unwrap();
+    s.update(&[8], &[0, 1]).unwrap();
+    assert!(s.abort_request(1));
+    // request 2 comes back with prompt + its 2 outputs recomputed (prefix cache may cover part)
+    let out = s.schedule().unwrap();
+    assert_eq!(out.req_ids, vec![2]);
+    assert_eq!(out.num_computed_tokens[0] + out.num_scheduled_tokens[0], 9);
+    assert_eq!(out.cu_num_logits, vec![0, 1]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn stop_conditions_never_overshoot() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    let p = StopParams { max_tokens: 10, min_tokens: 2, eos_token_id: Some(0), ..Default::default() };
+    s.add_request(1, prompt(3, 10), p).unwrap();
+    s.add_request(2, prompt(3, 10), stop(2)).unwrap();
+    s.schedule().unwrap();
+    let up = s.update(&[0, 5], &[0, 1, 2]).unwrap(); // EOS before min_tokens is kept
+    assert!(up.finished_req_ids.is_empty());
+    s.set_draft_tokens(&[1, 2], &[0, 3, 4], &[0, 7, 7, 7]).unwrap();
+    assert_eq!(s.request(2).unwrap().draft_token_ids.len(), 0); // 1 left: no room for drafts
+    s.schedule().unwrap();
+    let up = s.update(&[7, 0, 7, 7], &[0, 3, 4]).unwrap();
+    assert_eq!(up.new_token_ids, vec![7, 0, 7]);
+    assert_eq!(up.cu_num_new, vec![0, 2, 3]);
+    assert_eq!(up.finished_req_ids, vec![1, 2]);
+    let reasons: Vec<_> = up.finish_reasons.iter().map(|r| r.as_str()).collect();
+    assert_eq!(reasons, vec!["stop", "length"]);
+    assert_eq!(up.stop_token, vec![0, -1]);
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.num_free_blocks(), 16);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn shared_prefix_is_served_from_the_cache() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, prompt(10, 0), stop(1)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[3], &[0, 1]).unwrap(); // finishes; blocks freed but stay cached
+    let mut p = prompt(9, 0);
+    p.push(77);
+    s.add_request(2, p, stop(1)).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_cached_tokens, vec![8]);
+    assert_eq!(out.num_computed_tokens, vec![8]);
+    assert_eq!(out.num_scheduled_tokens, vec![2]);
+    let st = s.stats();
+    assert_eq!((st.prefix_cache_queries, st.prefix_cache_hits), (20, 8));
+}
+
+#[test]
+fn batch_expansion_splits_verification_into_single_token_queries() {
+    let mut cfg = config(16, 4, 100);
+    cfg.batch_expansion = true;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request(1, prompt(5, 0), stop(20)).unwrap();
+    s.add_request(2, prompt(3, 0), stop(20)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[9, 9], &[0, 1, 2]).unwrap();
+    s.set_draft_tokens(&[1], &[0, 2], &[4, 4]).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![3, 1]);
+    assert_eq!(out.query_start_loc, vec![0, 1, 2, 3, 4]);
+    assert_eq!(out.seq_lens, vec![6, 7, 8, 4]);
+    assert_eq!(out.seq_req_indices, vec![0, 0, 0, 1]);
+    assert_eq!(out.block_table_row(0), out.block_table_row(2));
+    assert_eq!(out.max_query_len, 1);
+}
+
+#[test]
+fn max_num_seqs_caps_admission() {
+    let mut cfg = config(64, 4, 1000);
+    cfg.max_num_seqs = 2;
+    let mut s = Scheduler::new(cfg).unwrap();
+    for id in 0..4 {
+        s.add_request(id, prompt(3, 0), stop(5)).unwrap();
+    }
+    let out = s.schedule().unwrap();
+    assert_eq!(out.req_ids, vec![0, 1]);
+    assert_eq!(s.num_waiting(), 2);
+}
+
+#[test]
+fn abort_between_schedule_and_update_is_safe() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, prompt(3, 0), stop(5)).unwrap();
+    s.add_request(2, prompt(3, 0), stop(5)).unwrap();
+    s.schedule().unwrap();
+    assert!(s.abort_request(1));
+    assert!(!s.abort_request(1));
+    s.add_request(3, prompt(3, 0), stop(5)).unwrap(); // may reuse the slot
+    let up = s.update(&[5, 6], &[0, 1, 2]).unwrap();
+    assert_eq!(up.req_ids, vec![2]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn bad_input_names_the_field() {
+    let mut cfg = config(3, 4, 100);
+    let err = Scheduler::new(cfg.clone()).unwrap_err();
+    assert!(err.to_string().contains("num_kv_blocks"), "{err}");
+    cfg.num_blocks = 16;
+    cfg.block_size = 0;
+    assert!(Scheduler::new(cfg).unwrap_err().to_string().starts_with("block_size"));
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, vec![1], stop(5)).unwrap();
+    assert_eq!(s.add_request(1, vec![1], stop(5)), Err(CoreError::DuplicateRequest(1)));
+    assert!(s.add_request(2, vec![], stop(5)).unwrap_err().to_string().contains("empty prompt"));
+    assert!(s.add_request(2, prompt(65, 0), stop(5)).unwrap_err().to_string().contains("max_model_len"));
+    assert!(matches!(s.update(&[], &[0]), Err(CoreError::InvalidCallOrder(_))));
+    s.schedule().unwrap();
+    assert!(matches!(s.schedule(), Err(CoreError::InvalidCallOrder(_))));
+    let err = s.update(&[1, 2], &[0, 2]).unwrap_err();
+    assert!(err.to_string().starts_with("cu_num_sampled"), "{err}");
+    s.update(&[1], &[0, 1]).unwrap(); // the failed update changed nothing
+    assert_eq!(s.request(1).unwrap().num_output_tokens(), 1);
+}
+
+#[test]
+fn empty_step_has_no_rows() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.num_reqs(), out.query_start_loc.len(), out.cu_num_logits.len()), (0, 1, 1));
+    assert!(s.update(&[], &[0]).is_err());
+}
