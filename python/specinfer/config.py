@@ -1,0 +1,37 @@
+"""Engine configuration: frozen dataclasses validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: sized from the memory budget
+    kv_cache_memory_fraction: float = 0.25  # of available memory, when num_kv_blocks is None
+    kv_cache_max_bytes: int = 4 << 30
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1 (got {self.block_size!r})")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be an integer >= 1 or None (got {self.num_kv_blocks!r})")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1] (got {self.kv_cache_memory_fraction!r})")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self):
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1 (got {self.max_num_seqs!r})")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1 (got {self.max_num_batched_tokens!r})")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2 or None (got {self.max_model_len!r})")

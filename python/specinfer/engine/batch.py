@@ -1,0 +1,58 @@
+"""The Rust scheduler's flat arrays, seen as torch tensors (zero-copy on CPU)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specinfer.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class ModelBatch:
+    input_ids: torch.Tensor  # int64[T]
+    positions: torch.Tensor  # int64[T]
+    logits_indices: torch.Tensor  # int64[L]
+    attn: AttentionMetadata
+
+
+def _t(a: np.ndarray, device) -> torch.Tensor:
+    t = torch.from_numpy(a)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+def model_batch_from_schedule(out, block_size: int, device: torch.device) -> ModelBatch:
+    attn = AttentionMetadata(
+        slot_mapping=_t(out.slot_mapping, device),
+        query_start_loc=_t(out.query_start_loc, device),
+        seq_lens=_t(out.seq_lens, device),
+        block_table=_t(out.block_table, device),
+        block_size=block_size,
+        max_query_len=int(out.max_query_len),
+        max_seq_len=int(out.max_seq_len),
+    )
+    return ModelBatch(_t(out.input_ids, device), _t(out.positions, device), _t(out.logits_indices, device), attn)
+
+
+def attention_metadata_for_runs(block_table: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                                block_size: int, device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
+    """Metadata for query runs that begin at position starts[i] and have lens[i] tokens.
+
+    block_table int32[S, W], starts int64[S], lens int64[S] (>= 1). Returns the metadata and the
+    positions int64[T] of every query token (runs laid out one after another).
+    """
+    lens = lens.astype(np.int64)
+    cu = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(lens, out=cu[1:])
+    T = int(cu[-1])
+    run_of_token = np.repeat(np.arange(len(lens)), lens)
+    positions = starts.astype(np.int64)[run_of_token] + (np.arange(T) - cu[:-1][run_of_token])
+    blocks = block_table[run_of_token, positions // block_size].astype(np.int64)
+    slots = blocks * block_size + positions % block_size
+    seq_lens = (starts + lens).astype(np.int32)
+    attn = AttentionMetadata(
+        slot_mapping=_t(slots, device), query_start_loc=_t(cu, device), seq_lens=_t(seq_lens, device),
+        block_table=_t(np.ascontiguousarray(block_table, dtype=np.int32), device), block_size=block_size,
+        max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()))
+    return attn, positions

@@ -1,0 +1,40 @@
+"""Paged KV cache tensors. Target and draft share block ids, so a block's bytes count both."""
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block costs across every model that keeps a cache over the block tables."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * m.config.num_layers * block_size * m.config.num_kv_heads * m.config.head_dim * elem
+               for m in models)
+
+
+def choose_num_blocks(num_kv_blocks: int | None, *, block_size: int, max_model_len: int, block_bytes: int,
+                      available_bytes: int, memory_fraction: float, max_bytes: int) -> int:
+    """Blocks for the pool: the user's count, or as many as the memory budget allows.
+
+    Refuses a pool that cannot hold one request of max_model_len tokens.
+    """
+    needed = -(-max_model_len // block_size)
+    if num_kv_blocks is None:
+        budget = min(int(available_bytes * memory_fraction), max_bytes)
+        num_kv_blocks = budget // block_bytes
+        if num_kv_blocks < needed:
+            raise ValueError(
+                f"num_kv_blocks: the KV memory budget ({budget / 2**20:.0f} MiB) holds {num_kv_blocks} blocks of "
+                f"{block_size} tokens, fewer than the {needed} one max_model_len={max_model_len} request needs; "
+                f"lower max_model_len or set num_kv_blocks")
+        return int(num_kv_blocks)
+    if num_kv_blocks < needed:
+        raise ValueError(
+            f"num_kv_blocks={num_kv_blocks} is too small: one request of max_model_len={max_model_len} tokens "
+            f"needs {needed} blocks of block_size={block_size}")
+    return num_kv_blocks
+
+
+def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype, device) -> list[torch.Tensor]:
+    """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = model.kv_cache_shape(num_blocks, block_size)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]

@@ -1,0 +1,28 @@
+"""Runs one model's forward over a paged batch. The target and a draft model each have one."""
+from __future__ import annotations
+
+import torch
+
+from specinfer.attention import ForwardContext
+from specinfer.attention.metadata import AttentionMetadata
+
+
+class ModelRunner:
+    def __init__(self, model, kv_caches: list[torch.Tensor], backend):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                prepared=None) -> tuple[torch.Tensor, object]:
+        """input_ids/positions int64[T] -> final hidden states [T, hidden]; also the prepared
+        attention metadata, so a second model over the same batch can reuse it."""
+        if prepared is None:
+            prepared = self.backend.prepare(attn)
+        ctx = ForwardContext(self.backend, prepared, self.kv_caches)
+        return self.model(input_ids, positions, ctx), prepared
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [L, hidden] -> float32[L, vocab]
+        return self.model.compute_logits(hidden)

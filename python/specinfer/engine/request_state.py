@@ -1,0 +1,81 @@
+"""Python-side state of one request: what the user sees (text, logprobs) and per-request RNG."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specinfer.engine.detokenizer import IncrementalDetokenizer
+from specinfer.outputs import RequestOutput
+from specinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    core_id: int  # id in the Rust core
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None  # seeded requests only
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # the latest step's delta, for streaming
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def append(self, tokens: list[int], logprobs: list[dict[int, float]] | None) -> bool:
+        """Append tokens the core accepted; returns True when a stop string ended the request."""
+        text_before = len(self.detokenizer.text)
+        for i, t in enumerate(tokens):
+            self.output_token_ids.append(t)
+            self.new_token_ids.append(t)
+            if self.logprobs is not None:
+                self.logprobs.append(logprobs[i] if logprobs is not None else {})
+            hit = self.detokenizer.push(t)
+            if hit is not None:
+                self.finish("stop", hit)
+                break
+        self.new_text += self.detokenizer.text[text_before:]
+        return self.finished
+
+    def finish(self, reason: str, stop_reason=None) -> None:
+        self.finished = True
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def to_output(self) -> RequestOutput:
+        out = RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=list(self.output_token_ids), text=self.detokenizer.text, finished=self.finished,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            new_token_ids=self.new_token_ids, new_text=self.new_text, num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
+            num_cached_tokens=self.num_cached_tokens)
+        self.new_token_ids, self.new_text = [], ""
+        return out

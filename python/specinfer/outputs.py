@@ -1,0 +1,29 @@
+"""What the engine hands back for a request: cumulative, with the latest delta on streams."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all output tokens so far
+    text: str  # detokenized output so far (stop string excluded)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    # one dict per output token: {token_id: logprob} with the chosen token and the top-N
+    logprobs: list[dict[int, float]] | None = None
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added by the latest step
+    new_text: str = ""  # text added by the latest step
+    # speculation accounting for this request
+    num_drafts: int = 0  # verification steps that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

@@ -1,0 +1,77 @@
+"""The one place that knows what hardware we run on. Resolved once per engine.
+
+Scheduler, proposer and sampler code never asks "is this CUDA?": they get a Platform.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    name: str  # "cpu" | "cuda" | "hpu"
+    device: torch.device
+    default_dtype: torch.dtype
+    attention_backend: str  # key in specinfer.attention's registry
+
+    def available_memory_bytes(self) -> int:
+        if self.name == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free)
+        if self.name == "hpu":  # pragma: no cover - needs Gaudi
+            import habana_frameworks.torch.hpu as hthpu  # noqa: F401
+
+            return int(torch.hpu.mem_get_info()[0])
+        try:
+            pages = os.sysconf("SC_AVPHYS_PAGES")
+            return int(pages * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):  # pragma: no cover - non-POSIX
+            return 8 << 30
+
+    def synchronize(self) -> None:
+        if self.name == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _hpu_available() -> bool:
+    try:
+        import habana_frameworks.torch  # noqa: F401
+    except ImportError:
+        return False
+    return bool(getattr(torch, "hpu", None)) and torch.hpu.is_available()
+
+
+def resolve_platform(device: str = "auto") -> Platform:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else ("hpu" if _hpu_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return Platform("cpu", dev, torch.float32, "torch_ref")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} requested but CUDA is not available")
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return Platform("cuda", dev, dtype, "torch_ref")
+    if dev.type == "hpu":
+        if not _hpu_available():
+            raise ValueError(f"device={device!r} requested but habana_frameworks is not available")
+        return Platform("hpu", dev, torch.bfloat16, "torch_ref")
+    raise ValueError(f"device={device!r} is not supported (cpu, cuda, hpu)")
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype, platform: Platform) -> torch.dtype:
+    if dtype == "auto" or dtype is None:
+        return platform.default_dtype
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype)]
+    except KeyError:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)} or 'auto'") from None

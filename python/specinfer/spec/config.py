@@ -1,0 +1,62 @@
+"""Speculative decoding configuration (frozen, validated at construction)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from specinfer.spec.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
+
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"  # a registered proposer: "draft_model", "ngram", ...
+    num_speculative_tokens: int = 4  # k, 1..16
+    model: str | None = None  # draft model (HF directory, .gguf file or pack name) for draft_model
+    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram to match
+    prompt_lookup_max: int = 4  # ngram: longest suffix n-gram to match
+    acceptance_method: str = "rejection_sampler"  # or "typical_acceptance_sampler"
+    posterior_threshold: float = 0.09  # typical acceptance
+    posterior_alpha: float = 0.3  # typical acceptance
+    scorer: str = "mqa"  # or "batch_expansion"
+    disable_by_batch_size: int | None = None  # no speculation while >= this many requests run
+    # True: skip logprob work in steps that verify drafts; tokens emitted in such steps carry
+    # no logprobs (their entry in RequestOutput.logprobs is an empty dict).
+    disable_logprobs: bool = False
+
+    def __post_init__(self):
+        if self.method not in proposer_names():
+            raise ValueError(f"speculative.method {self.method!r} is unknown; choose one of {proposer_names()}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative.num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} (got {k!r})")
+        if self.acceptance_method not in ACCEPTANCE_METHODS:
+            raise ValueError(f"speculative.acceptance_method {self.acceptance_method!r} is unknown; "
+                             f"choose one of {sorted(ACCEPTANCE_METHODS)}")
+        if self.scorer not in SCORERS:
+            raise ValueError(f"speculative.scorer {self.scorer!r} is unknown; choose one of {sorted(SCORERS)}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative.model is required for method 'draft_model' (a draft model path or pack)")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"speculative.prompt_lookup_min/max must satisfy 1 <= min <= max (got {lo!r}, {hi!r})")
+        if not 0.0 <= self.posterior_threshold <= 1.0:
+            raise ValueError(f"speculative.posterior_threshold must be in [0, 1] (got {self.posterior_threshold!r})")
+        if not 0.0 <= self.posterior_alpha <= 1.0:
+            raise ValueError(f"speculative.posterior_alpha must be in [0, 1] (got {self.posterior_alpha!r})")
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or d < 1):
+            raise ValueError(f"speculative.disable_by_batch_size must be an integer >= 1 or None (got {d!r})")
+
+    @classmethod
+    def from_any(cls, value) -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"speculative has unknown keys {unknown}; known: {sorted(known)}")
+            return cls(**value)
+        raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None (got {type(value).__name__})")

@@ -1,0 +1,51 @@
+"""Speculation metrics, per engine (requests keep their own counts in RequestOutput)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+class SpecMetrics:
+    def __init__(self, k: int):
+        self.k = k
+        self.num_drafts = 0  # verifications that carried >= 1 draft token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_emitted_tokens = 0  # in verifications, bonus/recovered included
+        self.max_emittable_tokens = 0  # sum over verifications of (drafts + 1)
+        self.drafts_at = np.zeros(k, dtype=np.int64)  # verifications with a draft at position j
+        self.accepted_at = np.zeros(k, dtype=np.int64)
+        self.propose_s = self.score_s = self.verify_s = self.total_s = 0.0
+        self.num_steps = 0
+
+    def record(self, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
+        """num_draft / num_accepted int[R] for the requests verified in one step."""
+        has = num_draft > 0
+        if not has.any():
+            return
+        d, a = num_draft[has], num_accepted[has]
+        self.num_drafts += int(has.sum())
+        self.num_draft_tokens += int(d.sum())
+        self.num_accepted_tokens += int(a.sum())
+        self.num_emitted_tokens += int(a.sum() + len(a))
+        self.max_emittable_tokens += int(d.sum() + len(d))
+        pos = np.arange(self.k)
+        self.drafts_at += (pos[None, :] < d[:, None]).sum(0)
+        self.accepted_at += (pos[None, :] < a[:, None]).sum(0)
+
+    def as_dict(self) -> dict:
+        nd, ndt = self.num_drafts, self.num_draft_tokens
+        return {
+            "num_speculative_tokens": self.k,
+            "num_drafts": nd,
+            "num_draft_tokens": ndt,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.num_accepted_tokens / ndt if ndt else 0.0,
+            "mean_acceptance_length": self.num_emitted_tokens / nd if nd else 0.0,
+            "accepted_per_position": [float(a / d) if d else 0.0 for a, d in zip(self.accepted_at, self.drafts_at)],
+            "system_efficiency": self.num_emitted_tokens / self.max_emittable_tokens if self.max_emittable_tokens else 0.0,
+            "propose_s": self.propose_s,
+            "score_s": self.score_s,
+            "verify_s": self.verify_s,
+            "overhead_s": max(0.0, self.total_s - self.propose_s - self.score_s - self.verify_s),
+            "num_steps": self.num_steps,
+        }

@@ -1,0 +1,32 @@
+"""Prompt-lookup (n-gram) proposer: the Rust core matches each request's latest n-gram in its
+own history and proposes the tokens that followed its most recent earlier occurrence."""
+from __future__ import annotations
+
+import numpy as np
+
+from specinfer.spec.proposer import Proposal, ProposalInput
+
+
+class NgramProposer:
+    kv_models: list = []
+    num_lookahead_tokens = 0
+
+    def __init__(self, spec, ctx):
+        self.k = spec.num_speculative_tokens
+        self.min_n, self.max_n = spec.prompt_lookup_min, spec.prompt_lookup_max
+        self.core = None  # set by the engine once the core exists
+
+    def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
+        pass
+
+    def bind_core(self, core) -> None:
+        self.core = core
+
+    def propose(self, inp: ProposalInput) -> Proposal:
+        rows = np.flatnonzero(inp.speculate)
+        ids = np.asarray(inp.sched.req_ids)[rows]
+        cu, tokens = self.core.propose_ngram(ids, self.k, self.min_n, self.max_n)
+        return Proposal(ids, np.asarray(cu, dtype=np.int32), np.asarray(tokens, dtype=np.int64), None)
+
+    def forget(self, core_ids) -> None:
+        pass

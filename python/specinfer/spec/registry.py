@@ -1,0 +1,28 @@
+"""Proposer registry: a method name maps to a module that builds its proposer (lazily imported).
+
+Adding a proposer (mlp_speculator, medusa, eagle, ...) is one new module plus one line here.
+"""
+from __future__ import annotations
+
+import importlib
+
+_PROPOSERS: dict[str, str] = {
+    "ngram": "specinfer.spec.ngram:NgramProposer",
+    "draft_model": "specinfer.spec.draft_model:DraftModelProposer",
+}
+
+ACCEPTANCE_METHODS = frozenset({"rejection_sampler", "typical_acceptance_sampler"})
+SCORERS = frozenset({"mqa", "batch_expansion"})
+
+
+def register_proposer(name: str, target: str) -> None:
+    _PROPOSERS[name] = target
+
+
+def proposer_names() -> list[str]:
+    return sorted(_PROPOSERS)
+
+
+def proposer_class(name: str):
+    module_name, cls_name = _PROPOSERS[name].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)

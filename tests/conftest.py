@@ -1,0 +1,27 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A cache of tiny random models by (arch, tied, seed): built once per session."""
+    from tiny_models import build_tiny_model
+
+    cache = {}
+
+    def get(arch="llama", tied=False, seed=0, **kw):
+        key = (arch, tied, seed, tuple(sorted(kw.items())))
+        if key not in cache:
+            path = tmp_path_factory.mktemp(f"{arch}_{'tied' if tied else 'untied'}_{seed}")
+            model = build_tiny_model(path, arch, tied=tied, seed=seed, **kw)
+            cache[key] = (path, model)
+        return cache[key]
+
+    return get
