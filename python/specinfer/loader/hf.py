@@ -1,0 +1,138 @@
+"""HF model directories: config.json, safetensors (single or sharded), tokenizer.json.
+
+Weights stream shard by shard into the model's fused parameters, so peak memory is the model
+plus one tensor. Every failure names the file it came from.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import tokenizers
+import torch
+from safetensors import safe_open
+
+from specinfer.loader.loaded import LoadedModel
+from specinfer.models.config import ModelConfig
+from specinfer.models.llama import LlamaForCausalLM
+
+
+def _read_json(path: str, *, required: bool) -> dict | None:
+    if not os.path.exists(path):
+        if required:
+            raise FileNotFoundError(f"missing {os.path.basename(path)}: {path}")
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def _shard_files(model_dir: str) -> list[str]:
+    index = _read_json(os.path.join(model_dir, "model.safetensors.index.json"), required=False)
+    if index is not None:
+        names = sorted(set(index.get("weight_map", {}).values()))
+        if not names:
+            raise ValueError(f"{model_dir}/model.safetensors.index.json: empty weight_map")
+        files = [os.path.join(model_dir, n) for n in names]
+        for f in files:
+            if not os.path.exists(f):
+                raise FileNotFoundError(f"missing safetensors shard listed in the index: {f}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def _safetensors_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name).to(dtype)
+        except Exception as e:  # safetensors raises its own SafetensorError (an Exception)
+            raise ValueError(f"{file}: corrupted or truncated safetensors file ({type(e).__name__}: {e})") from e
+
+
+def _token_id(tokenizer: tokenizers.Tokenizer, token) -> int | None:
+    if isinstance(token, dict):  # serialized AddedToken
+        token = token.get("content")
+    return tokenizer.token_to_id(token) if isinstance(token, str) else None
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def ensure_bos(tokenizer: tokenizers.Tokenizer, bos_token_id: int | None, wanted: bool) -> bool:
+    """Make `tokenizer.encode` prepend BOS when `wanted`; -> whether encode adds BOS now."""
+    if bos_token_id is None:
+        return False
+
+    def adds() -> bool:
+        ids = tokenizer.encode("a").ids
+        return bool(ids) and ids[0] == bos_token_id
+
+    if wanted and not adds():
+        bos = tokenizer.id_to_token(bos_token_id)
+        tokenizer.post_processor = tokenizers.processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_token_id)]
+        )
+    return adds()
+
+
+def load_hf_dir(model_dir: str, *, dtype: torch.dtype, device) -> LoadedModel:
+    hf_config = _read_json(os.path.join(model_dir, "config.json"), required=True)
+    try:
+        cfg = ModelConfig.from_hf_config(hf_config)
+    except KeyError as e:
+        raise ValueError(f"{model_dir}/config.json: missing field {e}") from e
+    except ValueError as e:
+        raise ValueError(f"{model_dir}/config.json: {e}") from e
+    gen_config = _read_json(os.path.join(model_dir, "generation_config.json"), required=False) or {}
+    tok_config = _read_json(os.path.join(model_dir, "tokenizer_config.json"), required=False) or {}
+
+    tok_path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.exists(tok_path):
+        raise FileNotFoundError(f"missing tokenizer.json (only fast tokenizers are supported): {tok_path}")
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(tok_path)
+    except Exception as e:
+        raise ValueError(f"{tok_path}: unreadable tokenizer ({e})") from e
+
+    model = LlamaForCausalLM(cfg, dtype=dtype, device=device)
+    model.load_weights(_safetensors_weights(_shard_files(model_dir), dtype), source=model_dir)
+    model.eval()
+
+    bos = cfg.bos_token_id
+    if bos is None:
+        bos = (_ids(gen_config.get("bos_token_id")) or [None])[0]
+    if bos is None:
+        bos = _token_id(tokenizer, tok_config.get("bos_token"))
+    eos: list[int] = []
+    for i in list(cfg.eos_token_ids) + _ids(gen_config.get("eos_token_id")):
+        if i not in eos:
+            eos.append(i)
+    if not eos and (tok_eos := _token_id(tokenizer, tok_config.get("eos_token"))) is not None:
+        eos.append(tok_eos)
+    add_bos = ensure_bos(tokenizer, bos, bool(tok_config.get("add_bos_token", False)))
+
+    chat_template = tok_config.get("chat_template")
+    jinja = os.path.join(model_dir, "chat_template.jinja")
+    if chat_template is None and os.path.exists(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            chat_template = f.read()
+    if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, ...]
+        by_name = {t.get("name"): t.get("template") for t in chat_template}
+        chat_template = by_name.get("default") or next(iter(by_name.values()), None)
+
+    return LoadedModel(
+        model=model, config=cfg, tokenizer=tokenizer, bos_token_id=bos, eos_token_ids=tuple(eos),
+        add_bos_token=add_bos, chat_template=chat_template, source=model_dir,
+    )

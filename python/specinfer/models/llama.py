@@ -1,0 +1,165 @@
+"""One Llama-family decoder (Llama, Mistral, Qwen2) over a flat varlen batch and a paged KV cache.
+
+    hidden = model(input_ids, positions, ctx)   # [T, hidden]  final-normed
+    logits = model.compute_logits(hidden[rows]) # float32[L, vocab]
+
+A batch is any mix of prefill chunks, single-token decodes and 1 + k verification runs: the
+model only sees T tokens with their positions, and attention (ctx.backend) sorts out which
+sequence each token belongs to from ctx.metadata. Weights are stored fused — q/k/v in one
+matrix, gate/up in one — so each layer runs four GEMMs; `load_weights` takes HF-named tensors
+and copies them into the fused slices.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specinfer.attention.metadata import ForwardContext
+from specinfer.models.config import ModelConfig
+from specinfer.models.rope import apply_rope, rope_table
+
+
+def _param(*shape: int, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim ** -0.5
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_size, kv_size
+        h = cfg.hidden_size
+        self.input_norm = _param(h, dtype=dtype, device=device)
+        self.qkv_weight = _param(q_size + 2 * kv_size, h, dtype=dtype, device=device)  # rows: q | k | v
+        self.qkv_bias = _param(q_size + 2 * kv_size, dtype=dtype, device=device) if cfg.attention_bias else None
+        self.o_weight = _param(h, q_size, dtype=dtype, device=device)
+        self.o_bias = _param(h, dtype=dtype, device=device) if cfg.attention_output_bias else None
+        self.post_attention_norm = _param(h, dtype=dtype, device=device)
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)  # rows: gate | up
+        self.down_weight = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden] residual stream
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,  # [T, 1, D/2]
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, hidden]
+        T = x.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
+        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)  # [T, H+Hkv, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
+        attn = ctx.backend.forward(
+            qk[:, :H], qk[:, H:], v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale
+        )  # [T, H, D]
+        x = x + F.linear(attn.reshape(T, H * D), self.o_weight, self.o_bias)
+        h = F.rms_norm(x, (x.shape[-1],), self.post_attention_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        self.config = cfg
+        self.num_layers = cfg.num_layers
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        cos, sin = rope_table(cfg, cfg.max_position_embeddings)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)  # float32[P, D/2]
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        """Shape of one layer's paged cache: (2 [k|v], num_blocks, block_size, num_kv_heads, head_dim)."""
+        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # int64[T] -> [T, hidden]
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64[T]
+        positions: torch.Tensor,  # int64[T] position of each token in its sequence
+        ctx: ForwardContext,
+    ) -> torch.Tensor:  # [T, hidden] final-normed hidden states
+        x = self.embed(input_ids)
+        dtype = x.dtype
+        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
+        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [L, hidden] -> float32[L, vocab]
+        return F.linear(hidden, self.lm_head).float()
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def _slots(self) -> dict[str, tuple[torch.Tensor, slice | None]]:
+        """HF parameter name -> (our tensor, row slice of it that the HF tensor fills)."""
+        cfg = self.config
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        rows_q, rows_k, rows_v = slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)
+        slots: dict[str, tuple[torch.Tensor, slice | None]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, None),
+            "model.norm.weight": (self.norm, None),
+        }
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = (self.lm_head, None)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            slots[p + "input_layernorm.weight"] = (layer.input_norm, None)
+            slots[p + "post_attention_layernorm.weight"] = (layer.post_attention_norm, None)
+            for name, rows in (("q", rows_q), ("k", rows_k), ("v", rows_v)):
+                slots[p + f"self_attn.{name}_proj.weight"] = (layer.qkv_weight, rows)
+                if layer.qkv_bias is not None:
+                    slots[p + f"self_attn.{name}_proj.bias"] = (layer.qkv_bias, rows)
+            slots[p + "self_attn.o_proj.weight"] = (layer.o_weight, None)
+            if layer.o_bias is not None:
+                slots[p + "self_attn.o_proj.bias"] = (layer.o_bias, None)
+            slots[p + "mlp.gate_proj.weight"] = (layer.gate_up_weight, slice(0, inter))
+            slots[p + "mlp.up_proj.weight"] = (layer.gate_up_weight, slice(inter, 2 * inter))
+            slots[p + "mlp.down_proj.weight"] = (layer.down_weight, None)
+        return slots
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint") -> None:
+        """Copy HF-named tensors into the fused parameters; every parameter must be filled once.
+
+        Names the model does not use (rotary inv_freq buffers, a tied lm_head copy) are ignored;
+        a missing tensor or a shape mismatch raises ValueError naming `source`.
+        """
+        slots = self._slots()
+        tied_ok = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name not in slots:
+                if name in tied_ok or name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ValueError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+            target, rows = slots[name]
+            dest = target if rows is None else target[rows]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(
+                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(slots) - loaded)
+        if missing:
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise ValueError(f"{source}: missing tensors {missing[:5]}{more}")
