@@ -346,7 +346,7 @@ def test_seeded_requests_differ_across_seeds():
 
 @pytest.mark.parametrize("bad,field", [
     (dict(draft_token_ids=torch.tensor([1, 2, 3])), "draft_token_ids"),
-    (dict(target_probs=torch.full((4, 5), 0.2)), "target_probs"),
+    (dict(target_probs=torch.full((3, 5), 0.2)), "target_probs"),
     (dict(draft_probs=torch.full((2, 4), 0.25)), "draft_probs"),
     (dict(is_greedy=torch.tensor([False])), "is_greedy"),
     (dict(generators=[None]), "generators"),
