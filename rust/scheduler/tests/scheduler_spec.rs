@@ -16,7 +16,10 @@ fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfi
 }
 
 fn stop(max_tokens: u32) -> StopParams {
-    StopParams { max_tokens, ..Default::default() }
+    StopParams {
+        max_tokens,
+        ..Default::default()
+    }
 }
 
 fn prompt(len: u32, base: u32) -> Vec<u32> {
@@ -60,8 +63,16 @@ fn chunked_prefill_samples_only_the_final_chunk() {
     let mut chunks = vec![];
     loop {
         let out = s.schedule().unwrap();
-        chunks.push((out.num_scheduled_tokens[0], out.cu_num_logits[1], out.num_prefill_tokens));
-        let sampled: Vec<u32> = if out.cu_num_logits[1] == 1 { vec![9] } else { vec![] };
+        chunks.push((
+            out.num_scheduled_tokens[0],
+            out.cu_num_logits[1],
+            out.num_prefill_tokens,
+        ));
+        let sampled: Vec<u32> = if out.cu_num_logits[1] == 1 {
+            vec![9]
+        } else {
+            vec![]
+        };
         s.update(&sampled, &[0, sampled.len() as i32]).unwrap();
         if !sampled.is_empty() {
             break;
@@ -103,7 +114,8 @@ fn budget_cut_truncates_drafts() {
     s.update(&[9], &[0, 1, 1]).unwrap();
     s.schedule().unwrap(); // 1 + 3 (rest of prompt 2)
     s.update(&[9, 9], &[0, 1, 2]).unwrap();
-    s.set_draft_tokens(&[1, 2], &[0, 4, 8], &[1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
+    s.set_draft_tokens(&[1, 2], &[0, 4, 8], &[1, 2, 3, 4, 5, 6, 7, 8])
+        .unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.num_scheduled_tokens, vec![5, 3]);
     assert_eq!(out.num_draft_tokens, vec![4, 2]);
@@ -117,7 +129,8 @@ fn drafts_are_clamped_to_max_tokens() {
     s.add_request(1, prompt(5, 0), stop(3)).unwrap();
     s.schedule().unwrap();
     s.update(&[9], &[0, 1]).unwrap();
-    s.set_draft_tokens(&[1, 99], &[0, 4, 5], &[1, 2, 3, 4, 5]).unwrap();
+    s.set_draft_tokens(&[1, 99], &[0, 4, 5], &[1, 2, 3, 4, 5])
+        .unwrap();
     assert_eq!(s.request(1).unwrap().draft_token_ids, vec![1]);
 }
 
@@ -153,7 +166,14 @@ fn preemption_recomputes_the_most_recently_admitted_request() {
     assert_eq!(out.preempted_req_ids, vec![2]);
     assert_eq!(s.stats().num_preemptions, 1);
     let r2 = s.request(2).unwrap();
-    assert_eq!((r2.num_computed_tokens, r2.block_ids.len(), r2.num_output_tokens()), (0, 0, 2));
+    assert_eq!(
+        (
+            r2.num_computed_tokens,
+            r2.block_ids.len(),
+            r2.num_output_tokens()
+        ),
+        (0, 0, 2)
+    );
     s.check_invariants().unwrap();
     s.update(&[8], &[0, 1]).unwrap();
     assert!(s.abort_request(1));
@@ -168,13 +188,19 @@ fn preemption_recomputes_the_most_recently_admitted_request() {
 #[test]
 fn stop_conditions_never_overshoot() {
     let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
-    let p = StopParams { max_tokens: 10, min_tokens: 2, eos_token_id: Some(0), ..Default::default() };
+    let p = StopParams {
+        max_tokens: 10,
+        min_tokens: 2,
+        eos_token_id: Some(0),
+        ..Default::default()
+    };
     s.add_request(1, prompt(3, 10), p).unwrap();
     s.add_request(2, prompt(3, 10), stop(2)).unwrap();
     s.schedule().unwrap();
     let up = s.update(&[0, 5], &[0, 1, 2]).unwrap(); // EOS before min_tokens is kept
     assert!(up.finished_req_ids.is_empty());
-    s.set_draft_tokens(&[1, 2], &[0, 3, 4], &[0, 7, 7, 7]).unwrap();
+    s.set_draft_tokens(&[1, 2], &[0, 3, 4], &[0, 7, 7, 7])
+        .unwrap();
     assert_eq!(s.request(2).unwrap().draft_token_ids.len(), 0); // 1 left: no room for drafts
     s.schedule().unwrap();
     let up = s.update(&[7, 0, 7, 7], &[0, 3, 4]).unwrap();
@@ -259,13 +285,30 @@ fn bad_input_names_the_field() {
     assert!(err.to_string().contains("num_kv_blocks"), "{err}");
     cfg.num_blocks = 16;
     cfg.block_size = 0;
-    assert!(Scheduler::new(cfg).unwrap_err().to_string().starts_with("block_size"));
+    assert!(Scheduler::new(cfg)
+        .unwrap_err()
+        .to_string()
+        .starts_with("block_size"));
     let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
     s.add_request(1, vec![1], stop(5)).unwrap();
-    assert_eq!(s.add_request(1, vec![1], stop(5)), Err(CoreError::DuplicateRequest(1)));
-    assert!(s.add_request(2, vec![], stop(5)).unwrap_err().to_string().contains("empty prompt"));
-    assert!(s.add_request(2, prompt(65, 0), stop(5)).unwrap_err().to_string().contains("max_model_len"));
-    assert!(matches!(s.update(&[], &[0]), Err(CoreError::InvalidCallOrder(_))));
+    assert_eq!(
+        s.add_request(1, vec![1], stop(5)),
+        Err(CoreError::DuplicateRequest(1))
+    );
+    assert!(s
+        .add_request(2, vec![], stop(5))
+        .unwrap_err()
+        .to_string()
+        .contains("empty prompt"));
+    assert!(s
+        .add_request(2, prompt(65, 0), stop(5))
+        .unwrap_err()
+        .to_string()
+        .contains("max_model_len"));
+    assert!(matches!(
+        s.update(&[], &[0]),
+        Err(CoreError::InvalidCallOrder(_))
+    ));
     s.schedule().unwrap();
     assert!(matches!(s.schedule(), Err(CoreError::InvalidCallOrder(_))));
     let err = s.update(&[1, 2], &[0, 2]).unwrap_err();
@@ -278,6 +321,13 @@ fn bad_input_names_the_field() {
 fn empty_step_has_no_rows() {
     let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
     let out = s.schedule().unwrap();
-    assert_eq!((out.num_reqs(), out.query_start_loc.len(), out.cu_num_logits.len()), (0, 1, 1));
+    assert_eq!(
+        (
+            out.num_reqs(),
+            out.query_start_loc.len(),
+            out.cu_num_logits.len()
+        ),
+        (0, 1, 1)
+    );
     assert!(s.update(&[], &[0]).is_err());
 }

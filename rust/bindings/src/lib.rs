@@ -1,0 +1,350 @@
+//! `specinfer._core`: a thin PyO3 layer over `specinfer_scheduler`.
+//!
+//! Newtypes over the core structs, one error map (bad input -> ValueError, call
+//! order or broken invariant -> RuntimeError), the GIL released around every core
+//! call that does real work, and numpy arrays built from the core's `Vec`s without
+//! copying (`IntoPyArray` hands the allocation to numpy).
+
+use numpy::{AllowTypeChange, IntoPyArray, PyArray1, PyArray2, PyArrayLike1, PyArrayMethods};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use specinfer_scheduler as core;
+use specinfer_scheduler::{CoreError, Scheduler, SchedulerConfig, StopParams};
+
+fn to_py(err: CoreError) -> PyErr {
+    match err {
+        CoreError::InvariantViolation(_) | CoreError::InvalidCallOrder(_) => {
+            PyRuntimeError::new_err(err.to_string())
+        }
+        _ => PyValueError::new_err(err.to_string()),
+    }
+}
+
+fn invalid(field: &str, msg: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("{field}: {msg}"))
+}
+
+fn non_negative(field: &str, v: i64) -> PyResult<usize> {
+    usize::try_from(v).map_err(|_| invalid(field, format!("must be >= 0, got {v}")))
+}
+
+fn token_id(field: &str, t: i64) -> PyResult<u32> {
+    u32::try_from(t).map_err(|_| invalid(field, format!("token id {t} out of range [0, 2**32)")))
+}
+
+fn token_ids(field: &str, arr: &PyArrayLike1<'_, i64, AllowTypeChange>) -> PyResult<Vec<u32>> {
+    arr.as_array().iter().map(|&t| token_id(field, t)).collect()
+}
+
+/// The core scheduler: requests, KV blocks, one `schedule()` + `update()` per step.
+#[pyclass(module = "specinfer._core")]
+struct SchedulerCore {
+    inner: Scheduler,
+}
+
+#[pymethods]
+impl SchedulerCore {
+    #[new]
+    #[pyo3(signature = (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+                        enable_prefix_caching = true, num_lookahead_tokens = 0, batch_expansion = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_blocks: i64,
+        block_size: i64,
+        max_num_seqs: i64,
+        max_num_batched_tokens: i64,
+        max_model_len: i64,
+        enable_prefix_caching: bool,
+        num_lookahead_tokens: i64,
+        batch_expansion: bool,
+    ) -> PyResult<Self> {
+        let config = SchedulerConfig {
+            num_blocks: non_negative("num_blocks", num_blocks)?,
+            block_size: non_negative("block_size", block_size)?,
+            max_num_seqs: non_negative("max_num_seqs", max_num_seqs)?,
+            max_num_batched_tokens: non_negative("max_num_batched_tokens", max_num_batched_tokens)?,
+            max_model_len: non_negative("max_model_len", max_model_len)?,
+            enable_prefix_caching,
+            num_lookahead_tokens: non_negative("num_lookahead_tokens", num_lookahead_tokens)?,
+            batch_expansion,
+        };
+        Ok(SchedulerCore {
+            inner: Scheduler::new(config).map_err(to_py)?,
+        })
+    }
+
+    #[pyo3(signature = (req_id, prompt_token_ids, max_tokens, min_tokens = 0, eos_token_id = -1,
+                        ignore_eos = false, stop_token_ids = Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_request(
+        &mut self,
+        req_id: u64,
+        prompt_token_ids: PyArrayLike1<'_, i64, AllowTypeChange>,
+        max_tokens: i64,
+        min_tokens: i64,
+        eos_token_id: i64,
+        ignore_eos: bool,
+        stop_token_ids: Vec<i64>,
+    ) -> PyResult<()> {
+        let prompt = token_ids("prompt_token_ids", &prompt_token_ids)?;
+        let max_tokens = u32::try_from(max_tokens)
+            .map_err(|_| invalid("max_tokens", format!("must be >= 1, got {max_tokens}")))?;
+        let min_tokens = u32::try_from(min_tokens)
+            .map_err(|_| invalid("min_tokens", format!("must be >= 0, got {min_tokens}")))?;
+        let eos_token_id = match eos_token_id {
+            -1 => None,
+            t => Some(token_id("eos_token_id", t)?),
+        };
+        let stop_token_ids = stop_token_ids
+            .into_iter()
+            .map(|t| token_id("stop_token_ids", t))
+            .collect::<PyResult<_>>()?;
+        let stop = StopParams {
+            max_tokens,
+            min_tokens,
+            eos_token_id,
+            ignore_eos,
+            stop_token_ids,
+        };
+        self.inner.add_request(req_id, prompt, stop).map_err(to_py)
+    }
+
+    fn abort_request(&mut self, req_id: u64) -> bool {
+        self.inner.abort_request(req_id)
+    }
+
+    fn finish_request(&mut self, req_id: u64) -> bool {
+        self.inner.finish_request(req_id)
+    }
+
+    fn has_unfinished_requests(&self) -> bool {
+        self.inner.has_unfinished_requests()
+    }
+
+    fn num_waiting(&self) -> usize {
+        self.inner.num_waiting()
+    }
+
+    fn num_running(&self) -> usize {
+        self.inner.num_running()
+    }
+
+    fn get_token_ids<'py>(
+        &self,
+        py: Python<'py>,
+        req_id: u64,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let req = self
+            .inner
+            .request(req_id)
+            .ok_or_else(|| to_py(CoreError::UnknownRequest(req_id)))?;
+        let ids: Vec<i64> = req.token_ids.iter().map(|&t| t as i64).collect();
+        Ok(ids.into_pyarray(py))
+    }
+
+    fn num_output_tokens(&self, req_id: u64) -> PyResult<usize> {
+        let req = self
+            .inner
+            .request(req_id)
+            .ok_or_else(|| to_py(CoreError::UnknownRequest(req_id)))?;
+        Ok(req.num_output_tokens())
+    }
+
+    fn set_draft_tokens(
+        &mut self,
+        py: Python<'_>,
+        req_ids: PyArrayLike1<'_, u64, AllowTypeChange>,
+        cu_num_draft: PyArrayLike1<'_, i32, AllowTypeChange>,
+        draft_token_ids: PyArrayLike1<'_, i64, AllowTypeChange>,
+    ) -> PyResult<()> {
+        let ids = req_ids.as_array().to_vec();
+        let cu = cu_num_draft.as_array().to_vec();
+        let drafts = token_ids("draft_token_ids", &draft_token_ids)?;
+        let inner = &mut self.inner;
+        py.detach(|| inner.set_draft_tokens(&ids, &cu, &drafts))
+            .map_err(to_py)
+    }
+
+    fn propose_ngram<'py>(
+        &mut self,
+        py: Python<'py>,
+        req_ids: PyArrayLike1<'py, u64, AllowTypeChange>,
+        k: i64,
+        min_n: i64,
+        max_n: i64,
+    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>)> {
+        let ids = req_ids.as_array().to_vec();
+        let (k, min_n, max_n) = (
+            non_negative("k", k)?,
+            non_negative("min_n", min_n)?,
+            non_negative("max_n", max_n)?,
+        );
+        let inner = &mut self.inner;
+        let (cu, drafts) = py
+            .detach(|| {
+                inner
+                    .propose_ngram(&ids, k, min_n, max_n)
+                    .map(|(cu, d)| (cu, d.into_iter().map(|t| t as i64).collect::<Vec<i64>>()))
+            })
+            .map_err(to_py)?;
+        Ok((cu.into_pyarray(py), drafts.into_pyarray(py)))
+    }
+
+    fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
+        let inner = &mut self.inner;
+        let out = py.detach(|| inner.schedule()).map_err(to_py)?;
+        SchedulerOutput::new(py, out)
+    }
+
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        sampled_token_ids: PyArrayLike1<'_, i64, AllowTypeChange>,
+        cu_num_sampled: PyArrayLike1<'_, i32, AllowTypeChange>,
+    ) -> PyResult<UpdateOutput> {
+        let tokens = token_ids("sampled_token_ids", &sampled_token_ids)?;
+        let cu = cu_num_sampled.as_array().to_vec();
+        let inner = &mut self.inner;
+        let out = py.detach(|| inner.update(&tokens, &cu)).map_err(to_py)?;
+        Ok(UpdateOutput::new(py, out))
+    }
+
+    fn num_free_blocks(&self) -> usize {
+        self.inner.num_free_blocks()
+    }
+
+    fn num_total_blocks(&self) -> usize {
+        self.inner.num_total_blocks()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("num_preemptions", s.num_preemptions)?;
+        d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
+        d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
+        d.set_item("num_steps", s.num_steps)?;
+        Ok(d)
+    }
+
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().map_err(to_py)
+    }
+}
+
+/// One step's batch (see docs/core_api.md for shapes). Arrays own the core's buffers.
+#[pyclass(module = "specinfer._core", frozen, get_all)]
+struct SchedulerOutput {
+    req_ids: Py<PyArray1<u64>>,
+    num_scheduled_tokens: Py<PyArray1<i32>>,
+    num_computed_tokens: Py<PyArray1<i32>>,
+    num_draft_tokens: Py<PyArray1<i32>>,
+    cu_num_logits: Py<PyArray1<i32>>,
+    logits_indices: Py<PyArray1<i64>>,
+    input_ids: Py<PyArray1<i64>>,
+    positions: Py<PyArray1<i64>>,
+    slot_mapping: Py<PyArray1<i64>>,
+    query_start_loc: Py<PyArray1<i32>>,
+    seq_lens: Py<PyArray1<i32>>,
+    block_table: Py<PyArray2<i32>>,
+    seq_req_indices: Py<PyArray1<i32>>,
+    preempted_req_ids: Py<PyArray1<u64>>,
+    num_cached_tokens: Py<PyArray1<i32>>,
+    num_prefill_tokens: usize,
+    num_prefill_requests: usize,
+    num_verify_requests: usize,
+    total_num_scheduled_tokens: usize,
+    max_query_len: usize,
+    max_seq_len: usize,
+    num_reqs: usize,
+}
+
+impl SchedulerOutput {
+    fn new(py: Python<'_>, o: core::SchedulerOutput) -> PyResult<Self> {
+        let shape = [o.seq_lens.len(), o.block_table_width];
+        Ok(SchedulerOutput {
+            num_reqs: o.req_ids.len(),
+            req_ids: o.req_ids.into_pyarray(py).unbind(),
+            num_scheduled_tokens: o.num_scheduled_tokens.into_pyarray(py).unbind(),
+            num_computed_tokens: o.num_computed_tokens.into_pyarray(py).unbind(),
+            num_draft_tokens: o.num_draft_tokens.into_pyarray(py).unbind(),
+            cu_num_logits: o.cu_num_logits.into_pyarray(py).unbind(),
+            logits_indices: o.logits_indices.into_pyarray(py).unbind(),
+            input_ids: o.input_ids.into_pyarray(py).unbind(),
+            positions: o.positions.into_pyarray(py).unbind(),
+            slot_mapping: o.slot_mapping.into_pyarray(py).unbind(),
+            query_start_loc: o.query_start_loc.into_pyarray(py).unbind(),
+            seq_lens: o.seq_lens.into_pyarray(py).unbind(),
+            block_table: o.block_table.into_pyarray(py).reshape(shape)?.unbind(),
+            seq_req_indices: o.seq_req_indices.into_pyarray(py).unbind(),
+            preempted_req_ids: o.preempted_req_ids.into_pyarray(py).unbind(),
+            num_cached_tokens: o.num_cached_tokens.into_pyarray(py).unbind(),
+            num_prefill_tokens: o.num_prefill_tokens,
+            num_prefill_requests: o.num_prefill_requests,
+            num_verify_requests: o.num_verify_requests,
+            total_num_scheduled_tokens: o.total_num_scheduled_tokens,
+            max_query_len: o.max_query_len,
+            max_seq_len: o.max_seq_len,
+        })
+    }
+}
+
+#[pymethods]
+impl SchedulerOutput {
+    fn __len__(&self) -> usize {
+        self.num_reqs
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedulerOutput(num_reqs={}, total_num_scheduled_tokens={}, num_prefill_tokens={}, num_verify_requests={})",
+            self.num_reqs, self.total_num_scheduled_tokens, self.num_prefill_tokens, self.num_verify_requests
+        )
+    }
+}
+
+/// Tokens appended by one `update()`.
+#[pyclass(module = "specinfer._core", frozen, get_all)]
+struct UpdateOutput {
+    req_ids: Py<PyArray1<u64>>,
+    cu_num_new: Py<PyArray1<i32>>,
+    new_token_ids: Py<PyArray1<i64>>,
+    finished_req_ids: Py<PyArray1<u64>>,
+    finish_reasons: Vec<&'static str>,
+    stop_token: Py<PyArray1<i64>>,
+}
+
+impl UpdateOutput {
+    fn new(py: Python<'_>, o: core::UpdateOutput) -> Self {
+        UpdateOutput {
+            req_ids: o.req_ids.into_pyarray(py).unbind(),
+            cu_num_new: o.cu_num_new.into_pyarray(py).unbind(),
+            new_token_ids: o.new_token_ids.into_pyarray(py).unbind(),
+            finished_req_ids: o.finished_req_ids.into_pyarray(py).unbind(),
+            finish_reasons: o.finish_reasons.iter().map(|r| r.as_str()).collect(),
+            stop_token: o.stop_token.into_pyarray(py).unbind(),
+        }
+    }
+}
+
+#[pymethods]
+impl UpdateOutput {
+    fn __repr__(&self) -> String {
+        format!("UpdateOutput(finish_reasons={:?})", self.finish_reasons)
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SchedulerCore>()?;
+    m.add_class::<SchedulerOutput>()?;
+    m.add_class::<UpdateOutput>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
