@@ -1,6 +1,6 @@
 """Lossless verification of draft tokens by modified rejection sampling.
 
-Vocabulary (docs/DESIGN.md §4):
+Vocabulary (DESIGN.md §4):
 - target: the model whose output distribution must be preserved; p = its probabilities.
 - draft: the proposer's guesses; q = the proposer's probabilities (one-hot for a model-free
   proposer such as n-gram, passed as ``draft_probs=None``).
