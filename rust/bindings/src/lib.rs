@@ -37,6 +37,9 @@ fn token_ids(field: &str, arr: &PyArrayLike1<'_, i64, AllowTypeChange>) -> PyRes
     arr.as_array().iter().map(|&t| token_id(field, t)).collect()
 }
 
+/// (cu_num_draft int32[R + 1], draft_token_ids int64[N]).
+type Proposals<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
+
 /// The core scheduler: requests, KV blocks, one `schedule()` + `update()` per step.
 #[pyclass(module = "specinfer._core")]
 struct SchedulerCore {
@@ -173,7 +176,7 @@ impl SchedulerCore {
         k: i64,
         min_n: i64,
         max_n: i64,
-    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>)> {
+    ) -> PyResult<Proposals<'py>> {
         let ids = req_ids.as_array().to_vec();
         let (k, min_n, max_n) = (
             non_negative("k", k)?,

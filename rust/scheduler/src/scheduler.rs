@@ -12,6 +12,7 @@
 //! 2. Waiting requests, FCFS (only in steps without preemption): prefix-cache
 //!    lookup, then a run of the rest of the prompt capped by the budget; stop at
 //!    the first that does not fit or when `max_num_seqs` are running.
+//!
 //! Every run whose logits are sampled reserves `num_lookahead_tokens` more slots.
 //!
 //! `update` applies the step's emitted tokens: rollback of rejected drafts, stop

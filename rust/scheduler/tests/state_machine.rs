@@ -1,0 +1,317 @@
+//! Property test: random sequences of add / set drafts / schedule + update (random
+//! partial acceptance, random stops) / abort / finish on small pools (forcing
+//! preemption) with shared prompt prefixes (hitting the prefix cache). After every
+//! step the bookkeeping invariants hold; after draining, every block is free.
+//! Also: the O(len) n-gram proposer equals a naive reference.
+
+use proptest::prelude::*;
+use specinfer_scheduler::ngram::propose;
+use specinfer_scheduler::{Scheduler, SchedulerConfig, SchedulerOutput, StopParams};
+
+const VOCAB: u32 = 6;
+const EOS: u32 = 0;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Add {
+        shared: usize,
+        suffix: Vec<u32>,
+        max_tokens: u32,
+        min_tokens: u32,
+        ignore_eos: bool,
+    },
+    SetDrafts {
+        seed: u64,
+    },
+    Step {
+        seed: u64,
+    },
+    Abort {
+        pick: usize,
+    },
+    Finish {
+        pick: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0usize..12, prop::collection::vec(0..VOCAB, 0..10), 1u32..8, 0u32..3, any::<bool>()).prop_map(
+            |(shared, suffix, max_tokens, min_tokens, ignore_eos)| Op::Add { shared, suffix, max_tokens, min_tokens, ignore_eos }
+        ),
+        2 => any::<u64>().prop_map(|seed| Op::SetDrafts { seed }),
+        6 => any::<u64>().prop_map(|seed| Op::Step { seed }),
+        1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
+        1 => any::<usize>().prop_map(|pick| Op::Finish { pick }),
+    ]
+}
+
+fn config() -> impl Strategy<Value = SchedulerConfig> {
+    (
+        4usize..24,
+        1usize..5,
+        1usize..6,
+        1usize..24,
+        0usize..4,
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(
+            |(num_blocks, block_size, max_num_seqs, budget, lookahead, expansion, caching)| {
+                SchedulerConfig {
+                    num_blocks,
+                    block_size,
+                    max_num_seqs,
+                    max_num_batched_tokens: budget,
+                    max_model_len: (num_blocks * block_size).min(24),
+                    enable_prefix_caching: caching,
+                    num_lookahead_tokens: lookahead,
+                    batch_expansion: expansion,
+                }
+            },
+        )
+}
+
+/// xorshift64*: per-step randomness derived from the op's seed.
+struct Rng(u64);
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n.max(1)
+    }
+}
+
+/// Batch-level checks: caps, shapes, slot mapping == block table == request rows,
+/// lookahead reserved for every sampled run.
+fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
+    let cfg = s.config();
+    let bs = cfg.block_size;
+    assert!(
+        out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens,
+        "token budget exceeded"
+    );
+    assert!(
+        out.num_reqs() <= cfg.max_num_seqs && s.num_running() <= cfg.max_num_seqs,
+        "max_num_seqs exceeded"
+    );
+    assert_eq!(
+        out.query_start_loc.last().copied().unwrap() as usize,
+        out.input_ids.len()
+    );
+    assert_eq!(
+        *out.cu_num_logits.last().unwrap() as usize,
+        out.logits_indices.len()
+    );
+    for seq in 0..out.num_seqs() {
+        let row = out.block_table_row(seq);
+        let r = out.seq_req_indices[seq] as usize;
+        let req = s
+            .request(out.req_ids[r])
+            .expect("scheduled request is live");
+        assert_eq!(
+            &row[..req.block_ids.len()],
+            req.block_ids.iter().map(|&b| b as i32).collect::<Vec<_>>()
+        );
+        let (q0, q1) = (
+            out.query_start_loc[seq] as usize,
+            out.query_start_loc[seq + 1] as usize,
+        );
+        for t in q0..q1 {
+            let pos = out.positions[t] as usize;
+            assert_eq!(
+                out.slot_mapping[t],
+                row[pos / bs] as i64 * bs as i64 + (pos % bs) as i64
+            );
+            assert_eq!(out.input_ids[t], req.token_with_spec(pos) as i64);
+        }
+        assert_eq!(
+            out.seq_lens[seq] as usize,
+            out.positions[q1 - 1] as usize + 1
+        );
+    }
+    for r in 0..out.num_reqs() {
+        let req = s.request(out.req_ids[r]).unwrap();
+        let end = (out.num_computed_tokens[r] + out.num_scheduled_tokens[r]) as usize;
+        assert_eq!(req.num_computed_tokens, end);
+        assert!(end <= req.num_tokens_with_spec());
+        let logits = out.cu_num_logits[r + 1] - out.cu_num_logits[r];
+        if logits > 0 {
+            // the sampled rows are the run's last 1 + k tokens, and exactly the drafts kept
+            assert_eq!(logits, 1 + out.num_draft_tokens[r]);
+            assert_eq!(req.draft_token_ids.len(), out.num_draft_tokens[r] as usize);
+            let seq_end = out
+                .seq_req_indices
+                .iter()
+                .rposition(|&x| x as usize == r)
+                .unwrap();
+            let tok_end = out.query_start_loc[seq_end + 1] as i64;
+            let rows = &out.logits_indices
+                [out.cu_num_logits[r] as usize..out.cu_num_logits[r + 1] as usize];
+            assert_eq!(
+                rows.to_vec(),
+                (tok_end - logits as i64..tok_end).collect::<Vec<_>>()
+            );
+            assert_eq!(
+                end,
+                req.num_tokens_with_spec(),
+                "a sampled run reaches the end of its tokens"
+            );
+            let want = (end + cfg.num_lookahead_tokens).min(cfg.max_model_len);
+            assert!(req.block_ids.len() * bs >= want, "lookahead not reserved");
+        } else {
+            assert_eq!(out.num_draft_tokens[r], 0);
+        }
+    }
+}
+
+/// Random proposals (0..=4 tokens) for every live request; the core clamps them.
+fn set_random_drafts(s: &mut Scheduler, live: &[u64], rng: &mut Rng) {
+    let mut cu = vec![0i32];
+    let mut drafts = vec![];
+    for _ in live {
+        for _ in 0..rng.below(5) {
+            drafts.push(rng.below(VOCAB as u64) as u32);
+        }
+        cu.push(drafts.len() as i32);
+    }
+    s.set_draft_tokens(live, &cu, &drafts).unwrap();
+    let max_model_len = s.config().max_model_len;
+    for &id in live {
+        let req = s.request(id).unwrap();
+        assert!(req.draft_token_ids.len() <= req.max_num_draft_tokens(max_model_len));
+    }
+}
+
+fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
+    let mut s = Scheduler::new(cfg.clone()).unwrap();
+    let mut live: Vec<u64> = vec![];
+    let mut next_id = 0u64;
+    let shared_prefix: Vec<u32> = [1, 2, 3, 4].repeat(3);
+    let step = |s: &mut Scheduler, live: &mut Vec<u64>, rng: &mut Rng, all_accept: bool| {
+        let out = s.schedule().unwrap();
+        check_batch(s, &out);
+        s.check_invariants().unwrap();
+        if out.num_reqs() == 0 {
+            assert_eq!(s.num_running(), 0);
+            return;
+        }
+        let mut tokens = vec![];
+        let mut cu = vec![0i32];
+        for r in 0..out.num_reqs() {
+            let max = (out.cu_num_logits[r + 1] - out.cu_num_logits[r]) as u64;
+            let n = if max == 0 {
+                0
+            } else if all_accept {
+                1
+            } else {
+                1 + rng.below(max)
+            };
+            for _ in 0..n {
+                tokens.push(if all_accept {
+                    3
+                } else {
+                    rng.below(VOCAB as u64) as u32
+                });
+            }
+            cu.push(tokens.len() as i32);
+        }
+        let up = s.update(&tokens, &cu).unwrap();
+        live.retain(|id| !up.finished_req_ids.contains(id));
+        if !all_accept && rng.below(3) > 0 {
+            set_random_drafts(s, live, rng); // usually speculate on the next step
+        }
+        for &id in live.iter() {
+            let req = s.request(id).unwrap();
+            assert!(
+                req.num_computed_tokens < req.num_tokens(),
+                "computed must trail tokens after update"
+            );
+        }
+    };
+    for op in ops {
+        match op {
+            Op::Add {
+                shared,
+                suffix,
+                max_tokens,
+                min_tokens,
+                ignore_eos,
+            } => {
+                let mut prompt = shared_prefix[..shared].to_vec();
+                prompt.extend(suffix);
+                prompt.truncate(cfg.max_model_len);
+                if prompt.is_empty() {
+                    prompt.push(5);
+                }
+                let stop = StopParams {
+                    max_tokens,
+                    min_tokens,
+                    eos_token_id: Some(EOS),
+                    ignore_eos,
+                    stop_token_ids: vec![VOCAB - 1],
+                };
+                s.add_request(next_id, prompt, stop).unwrap();
+                live.push(next_id);
+                next_id += 1;
+            }
+            Op::SetDrafts { seed } => set_random_drafts(&mut s, &live, &mut Rng(seed | 1)),
+            Op::Step { seed } => step(&mut s, &mut live, &mut Rng(seed | 1), false),
+            Op::Abort { pick } | Op::Finish { pick } if !live.is_empty() => {
+                let id = live.remove(pick % live.len());
+                assert!(s.abort_request(id));
+            }
+            Op::Abort { .. } | Op::Finish { .. } => assert!(!s.finish_request(12345)),
+        }
+        s.check_invariants().unwrap();
+        assert_eq!(s.num_waiting() + s.num_running(), live.len());
+    }
+    // Drain: no drafts, one token per sampled run; max_tokens is small so all finish.
+    let mut rng = Rng(7);
+    for _ in 0..10_000 {
+        if !s.has_unfinished_requests() {
+            break;
+        }
+        step(&mut s, &mut live, &mut rng, true);
+    }
+    assert!(!s.has_unfinished_requests(), "requests starved");
+    assert_eq!(s.num_free_blocks(), s.num_total_blocks(), "blocks leaked");
+    s.check_invariants().unwrap();
+}
+
+fn naive_ngram(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
+    let len = tokens.len();
+    for n in (min_n.max(1)..=max_n).rev() {
+        if n >= len {
+            continue;
+        }
+        let suffix = &tokens[len - n..];
+        for s in (0..len - n).rev() {
+            if &tokens[s..s + n] == suffix {
+                return tokens[s + n..(s + n + k).min(len)].to_vec();
+            }
+        }
+    }
+    vec![]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn bookkeeping_survives_any_op_sequence(cfg in config(), ops in prop::collection::vec(op(), 1..80)) {
+        run(cfg, ops);
+    }
+
+    #[test]
+    fn ngram_matches_naive_reference(
+        tokens in prop::collection::vec(0u32..4, 0..200),
+        min_n in 1usize..4,
+        extra in 0usize..4,
+        k in 0usize..6,
+    ) {
+        let max_n = min_n + extra;
+        prop_assert_eq!(propose(&tokens, min_n, max_n, k).to_vec(), naive_ngram(&tokens, min_n, max_n, k));
+    }
+}
