@@ -1,0 +1,176 @@
+"""Single-file GGUF models: config from `{arch}.*` metadata, tensors dequantized to torch.
+
+The traps (see shared/MODELS.md): GGUF lists dims innermost-first (the reader's numpy arrays
+are already [rows, cols]); llama.cpp's converter permutes the rows of llama-arch Q and K
+(`LlamaModel.permute`: interleaved rotary pairs) which we undo; Qwen2 carries q/k/v biases and
+is not permuted; a file without `output.weight` ties the LM head to the embeddings.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from specinfer.loader.gguf_tokenizer import build_gguf_tokenizer
+from specinfer.loader.loaded import LoadedModel
+from specinfer.models.config import ModelConfig
+from specinfer.models.llama import LlamaForCausalLM
+
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute(w, n_head)`: rows (head, pair, 2) -> (head, 2, pair). w [rows, ...]."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _read(path: str):
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # bad magic, truncated header or tensor data (numpy memmap errors)
+        raise ValueError(f"{path}: not a valid GGUF file or truncated ({type(e).__name__}: {e})") from e
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception as e:
+            raise ValueError(f"{path}: unreadable GGUF metadata field {key!r} ({e})") from e
+    return reader, meta
+
+
+def _rope_scaling(meta: dict, arch: str, path: str) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return None
+    factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": factor,
+                "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"])}
+    raise ValueError(f"{path}: unsupported GGUF rope scaling type {kind!r}")
+
+
+def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_GGUF_ARCHITECTURES)}"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{path}: GGUF per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: missing GGUF metadata {arch}.{key}")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    rot = meta.get(f"{arch}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count {rot} != head_dim {head_dim})")
+    eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta]
+    eos = list(dict.fromkeys(int(i) for i in eos))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    has_bias = "blk.0.attn_q.bias" in tensor_names
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length")),
+        rope_scaling=_rope_scaling(meta, arch, path),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias=has_bias,
+        attention_output_bias="blk.0.attn_output.bias" in tensor_names,
+        sliding_window=None,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(eos),
+    )
+
+
+def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    permuted = cfg.architecture == "llama"
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
+        try:
+            array = dequantize(t.data, t.tensor_type)  # float32 ndarray, [rows, cols] (dims reversed)
+        except Exception as e:
+            raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({type(e).__name__}: {e})") from e
+        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if array.size != int(np.prod(expected)):
+            raise ValueError(f"{path}: tensor {t.name!r} data is truncated")
+        array = array.reshape(expected)
+        if not array.flags.writeable:  # F32 tensors are read-only views of the file's memmap
+            array = array.copy()
+        w = torch.from_numpy(array)
+        if permuted and ".attn_q." in t.name:
+            w = unpermute_rows(w, cfg.num_heads)
+        elif permuted and ".attn_k." in t.name:
+            w = unpermute_rows(w, cfg.num_kv_heads)
+        yield name, w.to(dtype)
+
+
+def load_gguf(path: str, *, dtype: torch.dtype, device) -> LoadedModel:
+    reader, meta = _read(path)
+    tensor_names = {t.name for t in reader.tensors}
+    cfg = gguf_config(meta, tensor_names, path)
+    tokenizer, add_bos = build_gguf_tokenizer(meta, path)
+    model = LlamaForCausalLM(cfg, dtype=dtype, device=device)
+    model.load_weights(_gguf_weights(reader, cfg, dtype, path), source=path)
+    model.eval()
+    return LoadedModel(
+        model=model, config=cfg, tokenizer=tokenizer, bos_token_id=cfg.bos_token_id,
+        eos_token_ids=cfg.eos_token_ids, add_bos_token=add_bos,
+        chat_template=meta.get("tokenizer.chat_template"), source=path,
+    )
