@@ -48,6 +48,9 @@ class DraftModelProposer:
         starts = np.empty(R, np.int64)
         ends = np.empty(R, np.int64)
         for r, st in enumerate(inp.states):
+            if st.finished:
+                starts[r] = ends[r] = 0
+                continue
             starts[r] = self.num_seen.get(st.core_id, num_computed[r])
             # confirmed tokens: through the new token when sampled, else the prefill chunk
             ends[r] = st.num_tokens if inp.sampled[r] else num_computed[r] + scheduled[r]

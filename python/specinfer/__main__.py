@@ -1,0 +1,3 @@
+from specinfer.cli import main
+
+raise SystemExit(main())
