@@ -1,0 +1,164 @@
+"""Speculative decoding is lossless: greedy output equals greedy target-only output token for
+token, for every proposer x scorer x k, with chunked prefill, tiny blocks, preemption and
+steps where some requests prefill while others verify."""
+import pytest
+import torch
+
+from specinfer import Generator, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir, tmp_path_factory):
+    from tiny_models import build_tiny_model
+
+    target, _ = tiny_dir("llama", False)
+    draft = tmp_path_factory.mktemp("draft")
+    # a slightly perturbed copy: agrees with the target often but not always
+    build_tiny_model(draft, "llama", base=target, perturb=0.004)
+    return target, draft
+
+
+def _prompts(n):
+    g = torch.Generator().manual_seed(99)
+    out = []
+    for i in range(n):
+        base = torch.randint(3, 256, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        out.append(base + base[: 1 + i % 7] + base if i % 2 else base)  # repeats give n-gram matches
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    target, _ = models
+    gen = Generator(str(target), max_model_len=256)
+    prompts = _prompts(32)
+    return prompts, [o.token_ids for o in gen.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _spec(method, draft, k, scorer):
+    s = {"method": method, "num_speculative_tokens": k, "scorer": scorer}
+    if method == "draft_model":
+        s["model"] = str(draft)
+    else:
+        s["prompt_lookup_max"], s["prompt_lookup_min"] = 3, 1
+    return s
+
+
+# (block_size, token budget, KV blocks, batch size): a tiny budget with 4-token blocks and a
+# pool small enough to preempt; a large budget with 16-token blocks; a single request.
+SETTINGS = [(4, 24, 36, 32), (16, 2048, 16, 8), (4, 16, 36, 1)]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("scorer", ["mqa", "batch_expansion"])
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_greedy_speculation_is_exact(models, reference, method, scorer, k):
+    target, draft = models
+    prompts, want = reference
+    verified_mixed = preempted = 0
+    for block_size, budget, blocks, batch in SETTINGS:
+        gen = Generator(str(target), block_size=block_size, max_num_batched_tokens=budget, num_kv_blocks=blocks,
+                        max_model_len=128, speculative=_spec(method, draft, k, scorer))
+        outs = gen.generate(prompts[:batch], GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want[:batch], (block_size, budget, batch)
+        core = gen.engine.core
+        assert core.num_free_blocks() == core.num_total_blocks()
+        core.check_invariants()
+        m = gen.spec_metrics()
+        assert m["num_draft_tokens"] > 0 and 0 < m["acceptance_rate"] < 1, m
+        verified_mixed += gen.engine.num_mixed_steps
+        preempted += core.stats()["num_preemptions"]
+    assert verified_mixed > 0, "no step mixed prefill chunks with verification runs"
+    assert preempted > 0, "no request was preempted"
+
+
+@pytest.mark.parametrize("scorer", ["mqa", "batch_expansion"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_target_drafting_for_itself_accepts_everything(models, k, scorer):
+    target, _ = models
+    # max_tokens = 1 + 6(k+1) and ignore_eos: every verification carries k full drafts
+    params = SamplingParams(max_tokens=1 + 6 * (k + 1), temperature=0.0, ignore_eos=True)
+    gen = Generator(str(target), speculative={"method": "draft_model", "model": str(target),
+                                              "num_speculative_tokens": k, "scorer": scorer})
+    outs = gen.generate(_prompts(4), params, use_tqdm=False)
+    m = gen.spec_metrics()
+    assert m["acceptance_rate"] == 1.0
+    assert m["mean_acceptance_length"] == k + 1
+    assert m["accepted_per_position"] == [1.0] * k
+    assert m["system_efficiency"] == 1.0
+    assert all(o.num_accepted_tokens == o.num_draft_tokens == 6 * k for o in outs)
+
+
+def test_seeded_speculative_sampling_is_batch_invariant(models):
+    target, draft = models
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    gen = Generator(str(target), speculative=spec)
+    prompts = _prompts(6)
+    sp = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=11)
+    alone = gen.generate([prompts[3]], sp, use_tqdm=False)[0].token_ids
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=i) for i in range(3)] + [sp] + \
+             [SamplingParams(max_tokens=9, temperature=0.0), SamplingParams(max_tokens=15, temperature=1.0)]
+    assert gen.generate(prompts, params, use_tqdm=False)[3].token_ids == alone
+
+
+def test_non_speculating_request_decodes_in_a_speculative_batch(models, reference):
+    target, draft = models
+    prompts, want = reference
+    gen = Generator(str(target), speculative={"method": "draft_model", "model": str(draft),
+                                              "num_speculative_tokens": 3})
+    params = [SamplingParams(max_tokens=24, temperature=0.0, speculate=i % 2 == 0) for i in range(6)]
+    outs = gen.generate(prompts[:6], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want[:6]
+    assert all(o.num_draft_tokens == 0 for o in outs[1::2])
+    assert all(o.num_draft_tokens > 0 for o in outs[0::2])
+
+
+def test_disable_by_batch_size(models, reference):
+    target, draft = models
+    prompts, want = reference
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}
+    gen = Generator(str(target), speculative=spec)
+    outs = gen.generate(prompts[:8], GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want[:8]
+    big = gen.spec_metrics()["num_draft_tokens"]
+    gen2 = Generator(str(target), speculative=spec)
+    gen2.generate(prompts[:2], GREEDY, use_tqdm=False)
+    assert gen2.spec_metrics()["num_draft_tokens"] > 0
+    # with 8 running requests nothing is drafted until fewer than 4 remain
+    assert big < sum(len(w) for w in want[:8])
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"method": "medusa2"}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+    ({"method": "ngram", "scorer": "tree"}, "scorer"),
+    ({"method": "ngram", "acceptance_method": "greedy"}, "acceptance_method"),
+    ({"method": "draft_model"}, "model"),
+    ({"method": "ngram", "typo_key": 1}, "typo_key"),
+])
+def test_bad_speculative_config_is_refused(models, bad, match):
+    target, _ = models
+    with pytest.raises(ValueError, match=match):
+        Generator(str(target), speculative=bad)
+
+
+def test_draft_with_other_vocabulary_is_refused(models, tmp_path):
+    from tiny_models import build_tiny_model
+    import json
+
+    target, _ = models
+    other = tmp_path / "other"
+    build_tiny_model(other, "llama")
+    cfg = json.loads((other / "config.json").read_text())
+    # a draft whose tokenizer differs: rename one token
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["renamed"] = tok["model"]["vocab"].pop("t200")
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    assert cfg["vocab_size"] == 256
+    with pytest.raises(ValueError, match="vocabulary"):
+        Generator(str(target), speculative={"method": "draft_model", "model": str(other)})
+    with pytest.raises(FileNotFoundError):
+        Generator(str(target), speculative={"method": "draft_model", "model": str(tmp_path / "missing")})
