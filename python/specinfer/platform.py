@@ -47,7 +47,10 @@ def _hpu_available() -> bool:
 def resolve_platform(device: str = "auto") -> Platform:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else ("hpu" if _hpu_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not supported (auto, cpu, cuda, hpu)") from None
     if dev.type == "cpu":
         return Platform("cpu", dev, torch.float32, "torch_ref")
     if dev.type == "cuda":
