@@ -298,3 +298,20 @@ def test_missing_tensor_is_named(tmp_path):
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="up_proj"):
         load_model(d)
+
+
+def test_config_is_hashable_and_frozen():
+    cfg = ModelConfig.from_hf_config({**_BASE, "model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    same = ModelConfig.from_hf_config({**_BASE, "model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert cfg == same and hash(cfg) == hash(same) and len({cfg, same}) == 1
+    with pytest.raises(AttributeError):
+        cfg.num_layers = 3
+
+
+def test_sliding_window_is_stored_and_warned():
+    hf = {**_BASE, "model_type": "mistral", "sliding_window": 64}
+    cfg = ModelConfig.from_hf_config(hf)
+    assert cfg.sliding_window == 64
+    with pytest.warns(UserWarning, match="sliding_window=64 is not applied"):
+        LlamaForCausalLM(cfg)
+    assert ModelConfig.from_hf_config({**hf, "model_type": "qwen2", "use_sliding_window": False}).sliding_window is None

@@ -85,6 +85,10 @@ class ModelConfig:
             if factor is not None and not factor > 0:
                 raise ValueError(f"ModelConfig.rope_scaling.factor must be > 0, got {factor!r}")
 
+    def __hash__(self) -> int:  # rope_scaling is a dict; hash its items so configs can key caches
+        scaling = tuple(sorted((self.rope_scaling or {}).items()))
+        return hash(tuple(scaling if f == "rope_scaling" else getattr(self, f) for f in self.__dataclass_fields__))
+
     @property
     def rope_type(self) -> str:
         return "default" if self.rope_scaling is None else self.rope_scaling["rope_type"]

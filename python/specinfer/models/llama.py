@@ -11,6 +11,7 @@ and copies them into the fused slices.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Iterable
 
 import torch
@@ -72,6 +73,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.num_layers = cfg.num_layers
+        if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
+            warnings.warn(
+                f"sliding_window={cfg.sliding_window} is not applied: attention is full, so outputs "
+                f"differ from the reference for contexts longer than {cfg.sliding_window} tokens",
+                stacklevel=2,
+            )
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
