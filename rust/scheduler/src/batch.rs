@@ -107,7 +107,17 @@ pub fn pack(
         num_computed_tokens: Vec::with_capacity(r),
         num_draft_tokens: Vec::with_capacity(r),
         cu_num_logits: Vec::with_capacity(r + 1),
-        logits_indices: Vec::with_capacity(r),
+        logits_indices: Vec::with_capacity(
+            runs.iter()
+                .map(|x| {
+                    if x.sampled {
+                        1 + x.num_draft_tokens as usize
+                    } else {
+                        0
+                    }
+                })
+                .sum(),
+        ),
         input_ids: Vec::with_capacity(t),
         positions: Vec::with_capacity(t),
         slot_mapping: Vec::with_capacity(t),

@@ -16,13 +16,24 @@
 //!   A freed block keeps its cache entry until it is handed out again (evicted).
 //!
 //! Complexity contract (n = num_blocks, b = block_size):
-//! - `allocate`, `free`, `touch`: O(1) (plus O(b) to evict a cached block's key).
+//! - `allocate`, `free`, `touch`: O(1) (evicting a cached block unlinks it from its
+//!   bucket's collision chain, O(1) expected). No heap allocation: keys' tokens live
+//!   in one arena of `n * b` token ids.
 //! - `lookup`, `cache_block`: O(b) expected (hash + compare of one block's tokens).
 //! - `check_integrity`: O(n + cache entries) — tests and debugging only.
 
 use std::collections::HashMap;
 
 use crate::hash::{hash_block, FxBuildHasher};
+
+/// Content bucket of a key (tests can force every key into one bucket).
+fn bucket_of(parent: BlockHash, tokens: &[u32]) -> u64 {
+    #[cfg(test)]
+    if tests::FORCE_COLLISIONS.with(|c| c.get()) {
+        return 42;
+    }
+    hash_block(parent, tokens)
+}
 
 /// Index of a block in the pool.
 pub type BlockId = u32;
@@ -36,13 +47,15 @@ pub const ROOT_HASH: BlockHash = 0;
 
 const NIL: u32 = u32::MAX;
 
-/// The exact cache key of a full block and the id it was given.
-#[derive(Debug, Clone)]
+/// The exact cache key of a full block and the id it was given. The key's token
+/// ids live in the pool's token arena at `[block * block_size, +block_size)`.
+#[derive(Debug, Clone, Copy)]
 struct CacheKey {
     parent: BlockHash,
-    tokens: Box<[u32]>,
     hash: BlockHash,
     bucket: u64,
+    /// Next block in the same content bucket (collision chain), or NIL.
+    next_in_bucket: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -61,14 +74,18 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     num_free: usize,
-    /// content bucket -> blocks whose key hashes there (compared exactly on lookup).
-    cache: HashMap<u64, Vec<BlockId>, FxBuildHasher>,
+    /// content bucket -> first block of the chain of blocks whose keys hash there
+    /// (keys are compared exactly on lookup).
+    cache: HashMap<u64, BlockId, FxBuildHasher>,
+    /// Token ids of each cached block's key: `block_size` per block, no per-key allocation.
+    key_tokens: Vec<u32>,
+    block_size: usize,
     next_hash: BlockHash,
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` free blocks, free list in index order.
-    pub fn new(num_blocks: usize) -> Self {
+    /// A pool of `num_blocks` free blocks of `block_size` slots, free list in index order.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
         assert!(num_blocks < NIL as usize, "num_blocks too large");
         let blocks = (0..num_blocks as u32)
             .map(|i| BlockMeta {
@@ -93,6 +110,8 @@ impl BlockPool {
             },
             num_free: num_blocks,
             cache: HashMap::default(),
+            key_tokens: vec![0; num_blocks * block_size],
+            block_size,
             next_hash: ROOT_HASH + 1,
         }
     }
@@ -147,42 +166,85 @@ impl BlockPool {
 
     /// The cached block holding exactly `tokens` after the prefix `parent`, with its hash.
     pub fn lookup(&self, parent: BlockHash, tokens: &[u32]) -> Option<(BlockId, BlockHash)> {
-        let bucket = hash_block(parent, tokens);
-        self.cache.get(&bucket)?.iter().find_map(|&b| {
-            let key = self.blocks[b as usize].cached.as_ref()?;
-            (key.parent == parent && *key.tokens == *tokens).then_some((b, key.hash))
-        })
+        self.lookup_in(bucket_of(parent, tokens), parent, tokens)
+    }
+
+    fn lookup_in(
+        &self,
+        bucket: u64,
+        parent: BlockHash,
+        tokens: &[u32],
+    ) -> Option<(BlockId, BlockHash)> {
+        let mut b = *self.cache.get(&bucket)?;
+        while b != NIL {
+            let key = self.blocks[b as usize]
+                .cached
+                .as_ref()
+                .expect("chained blocks are cached");
+            if key.parent == parent && self.key_tokens_of(b) == tokens {
+                return Some((b, key.hash));
+            }
+            b = key.next_in_bucket;
+        }
+        None
+    }
+
+    fn key_tokens_of(&self, block: BlockId) -> &[u32] {
+        let start = block as usize * self.block_size;
+        &self.key_tokens[start..start + self.block_size]
     }
 
     /// Registers the full `block` as holding `tokens` after prefix `parent` and returns
     /// the prefix's hash. If that exact prefix is already cached (in another block),
     /// `block` stays uncached and the existing hash is returned.
     pub fn cache_block(&mut self, block: BlockId, parent: BlockHash, tokens: &[u32]) -> BlockHash {
-        if let Some((_, hash)) = self.lookup(parent, tokens) {
+        debug_assert_eq!(tokens.len(), self.block_size);
+        let bucket = bucket_of(parent, tokens);
+        if let Some((_, hash)) = self.lookup_in(bucket, parent, tokens) {
             return hash;
         }
         debug_assert!(self.blocks[block as usize].cached.is_none());
         let hash = self.next_hash;
         self.next_hash += 1;
-        let bucket = hash_block(parent, tokens);
-        self.cache.entry(bucket).or_default().push(block);
+        let start = block as usize * self.block_size;
+        self.key_tokens[start..start + self.block_size].copy_from_slice(tokens);
+        let next_in_bucket = self.cache.insert(bucket, block).unwrap_or(NIL);
         self.blocks[block as usize].cached = Some(CacheKey {
             parent,
-            tokens: tokens.into(),
             hash,
             bucket,
+            next_in_bucket,
         });
         hash
     }
 
     fn evict(&mut self, block: BlockId) {
-        if let Some(key) = self.blocks[block as usize].cached.take() {
-            if let Some(list) = self.cache.get_mut(&key.bucket) {
-                list.retain(|&b| b != block);
-                if list.is_empty() {
-                    self.cache.remove(&key.bucket);
-                }
+        let Some(key) = self.blocks[block as usize].cached.take() else {
+            return;
+        };
+        let head = self
+            .cache
+            .get_mut(&key.bucket)
+            .expect("cached block's bucket exists");
+        if *head == block {
+            if key.next_in_bucket == NIL {
+                self.cache.remove(&key.bucket);
+            } else {
+                *head = key.next_in_bucket;
             }
+            return;
+        }
+        let mut b = *head;
+        loop {
+            let k = self.blocks[b as usize]
+                .cached
+                .as_mut()
+                .expect("chained blocks are cached");
+            if k.next_in_bucket == block {
+                k.next_in_bucket = key.next_in_bucket;
+                return;
+            }
+            b = k.next_in_bucket;
         }
     }
 
@@ -265,19 +327,28 @@ impl BlockPool {
                 "{zero_ref} blocks have ref_cnt 0 but {count} are free"
             ));
         }
-        for (bucket, list) in &self.cache {
-            for &b in list {
+        let mut entries = 0usize;
+        for (&bucket, &first) in &self.cache {
+            let mut b = first;
+            while b != NIL {
                 match &self.blocks[b as usize].cached {
-                    Some(key) if key.bucket == *bucket => {}
-                    _ => return Err(format!("cache bucket points at block {b} without that key")),
+                    Some(key) if key.bucket == bucket => b = key.next_in_bucket,
+                    _ => {
+                        return Err(format!(
+                            "cache bucket chain reaches block {b} without that key"
+                        ))
+                    }
+                }
+                entries += 1;
+                if entries > self.blocks.len() {
+                    return Err("cache bucket chain has a cycle".into());
                 }
             }
         }
         let cached = self.blocks.iter().filter(|m| m.cached.is_some()).count();
-        let entries: usize = self.cache.values().map(Vec::len).sum();
         if cached != entries {
             return Err(format!(
-                "{cached} blocks hold cache keys but the map has {entries}"
+                "{cached} blocks hold cache keys but the map chains {entries}"
             ));
         }
         Ok(())
@@ -288,9 +359,40 @@ impl BlockPool {
 mod tests {
     use super::*;
 
+    thread_local! {
+        pub(super) static FORCE_COLLISIONS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    #[test]
+    fn colliding_keys_stay_exact_and_evict_from_anywhere_in_the_chain() {
+        FORCE_COLLISIONS.with(|c| c.set(true));
+        let mut pool = BlockPool::new(4, 2);
+        let blocks: Vec<_> = (0..4).map(|_| pool.allocate().unwrap()).collect();
+        let hashes: Vec<_> = blocks
+            .iter()
+            .map(|&b| pool.cache_block(b, ROOT_HASH, &[b, b]))
+            .collect();
+        for (&b, &h) in blocks.iter().zip(&hashes) {
+            assert_eq!(pool.lookup(ROOT_HASH, &[b, b]), Some((b, h)));
+        }
+        // free in an order that evicts the middle, the head and the tail of the chain
+        for &b in &[1, 3, 0, 2] {
+            pool.free(blocks[b]);
+        }
+        for evicted in 0..4 {
+            let b = pool.allocate().unwrap();
+            assert_eq!(pool.lookup(ROOT_HASH, &[b, b]), None, "evicted {evicted}");
+            pool.check_integrity().unwrap();
+            for other in (0..4u32).filter(|&o| pool.ref_count(o) == 0) {
+                assert!(pool.lookup(ROOT_HASH, &[other, other]).is_some());
+            }
+        }
+        FORCE_COLLISIONS.with(|c| c.set(false));
+    }
+
     #[test]
     fn allocates_in_index_order_then_lru_order() {
-        let mut pool = BlockPool::new(3);
+        let mut pool = BlockPool::new(3, 2);
         assert_eq!(pool.allocate(), Some(0));
         assert_eq!(pool.allocate(), Some(1));
         pool.free(0);
@@ -303,7 +405,7 @@ mod tests {
 
     #[test]
     fn free_plus_used_is_total_and_shared_blocks_need_every_free() {
-        let mut pool = BlockPool::new(4);
+        let mut pool = BlockPool::new(4, 2);
         let b = pool.allocate().unwrap();
         pool.touch(b);
         assert_eq!(pool.ref_count(b), 2);
@@ -316,7 +418,7 @@ mod tests {
 
     #[test]
     fn freed_block_keeps_its_cache_entry_until_reallocated() {
-        let mut pool = BlockPool::new(2);
+        let mut pool = BlockPool::new(2, 2);
         let b = pool.allocate().unwrap();
         let h = pool.cache_block(b, ROOT_HASH, &[1, 2]);
         pool.free(b);
@@ -335,7 +437,7 @@ mod tests {
 
     #[test]
     fn keys_are_exact_parent_and_tokens() {
-        let mut pool = BlockPool::new(3);
+        let mut pool = BlockPool::new(3, 2);
         let a = pool.allocate().unwrap();
         let ha = pool.cache_block(a, ROOT_HASH, &[1, 2]);
         let b = pool.allocate().unwrap();

@@ -41,7 +41,7 @@ pub fn cdiv(a: usize, b: usize) -> usize {
 impl KvCacheManager {
     pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Self {
         KvCacheManager {
-            pool: BlockPool::new(num_blocks),
+            pool: BlockPool::new(num_blocks, block_size),
             block_size,
             enable_prefix_caching,
         }

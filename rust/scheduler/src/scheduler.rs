@@ -427,7 +427,7 @@ impl Scheduler {
         self.pending_update = false;
         let step = self.stats.num_steps - 1;
         let max_len = self.config.max_model_len;
-        let mut out = UpdateOutput::with_capacity(self.runs.len());
+        let mut out = UpdateOutput::with_capacity(self.runs.len(), sampled_token_ids.len());
         let mut any_finished = false;
         for (i, run) in self.runs.iter().enumerate() {
             let Some(req) = self.requests[run.slot as usize].as_mut() else {

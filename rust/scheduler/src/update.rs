@@ -17,13 +17,13 @@ pub struct UpdateOutput {
 }
 
 impl UpdateOutput {
-    pub fn with_capacity(num_reqs: usize) -> Self {
+    pub fn with_capacity(num_reqs: usize, num_tokens: usize) -> Self {
         let mut cu_num_new = Vec::with_capacity(num_reqs + 1);
         cu_num_new.push(0);
         UpdateOutput {
             req_ids: Vec::with_capacity(num_reqs),
             cu_num_new,
-            new_token_ids: Vec::with_capacity(num_reqs),
+            new_token_ids: Vec::with_capacity(num_tokens),
             ..Default::default()
         }
     }
