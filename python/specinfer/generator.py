@@ -64,7 +64,9 @@ class Generator:
             bar = tqdm(total=len(names), desc="generating", unit="req", leave=False)
         try:
             while any(r is None for r in results):
-                for out in self.engine.step():
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("the engine stopped with requests unfinished")
+                for out in self.engine.step(final_only=True):
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         if bar is not None:

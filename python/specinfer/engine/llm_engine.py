@@ -162,7 +162,9 @@ class LLMEngine:
         return self.metrics.as_dict()
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one step; return outputs of the requests it touched (only finished ones when
+        final_only, which spares building cumulative outputs for every running request)."""
         t0 = time.perf_counter()
         sched = self.core.schedule()
         if len(sched.preempted_req_ids):
@@ -183,7 +185,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._record_spec(sched, states, emitted)
         upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
-        outputs = self._apply_update(sched, states, emitted, upd)
+        outputs = self._apply_update(sched, states, emitted, upd, final_only)
         t3 = time.perf_counter()
         if self.proposer is not None:
             self._propose(sched, states, emitted, hidden)
@@ -206,7 +208,7 @@ class LLMEngine:
                 st.num_draft_tokens += d
                 st.num_accepted_tokens += a
 
-    def _apply_update(self, sched, states, emitted, upd) -> list[RequestOutput]:
+    def _apply_update(self, sched, states, emitted, upd, final_only) -> list[RequestOutput]:
         row_of = {cid: r for r, cid in enumerate(sched.req_ids.tolist())}
         touched = []
         cu = upd.cu_num_new
@@ -228,9 +230,10 @@ class LLMEngine:
         done = []
         for cid in touched:
             st = self._requests[cid]
-            outputs.append(st.to_output())
             if st.finished:
                 done.append(cid)
+            if st.finished or not final_only:
+                outputs.append(st.to_output())
         for cid in done:
             st = self._requests.pop(cid)
             self._by_name.pop(st.request_id, None)
