@@ -5,7 +5,10 @@
 //! call that does real work, and numpy arrays built from the core's `Vec`s without
 //! copying (`IntoPyArray` hands the allocation to numpy).
 
-use numpy::{AllowTypeChange, IntoPyArray, PyArray1, PyArray2, PyArrayLike1, PyArrayMethods};
+use std::sync::{Arc, Mutex};
+
+use numpy::ndarray::ArrayView2;
+use numpy::{AllowTypeChange, IntoPyArray, PyArray1, PyArray2, PyArrayLike1};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -40,10 +43,59 @@ fn token_ids(field: &str, arr: &PyArrayLike1<'_, i64, AllowTypeChange>) -> PyRes
 /// (cu_num_draft int32[R + 1], draft_token_ids int64[N]).
 type Proposals<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
 
+/// Block-table buffers given back by numpy arrays that died, for the next steps.
+type BufferPool = Arc<Mutex<Vec<Vec<i32>>>>;
+const MAX_SPARE_BUFFERS: usize = 4;
+
+/// Owner of a block-table buffer behind a numpy array (the array's `base`). When
+/// the array dies the buffer goes back to its scheduler's pool instead of to the
+/// allocator: the block table (S x W int32, the largest array of a step) is then
+/// written into warm memory, without fresh pages to fault in every step.
+#[pyclass(module = "specinfer._core", frozen)]
+struct RecycledBuffer {
+    data: Vec<i32>,
+    pool: BufferPool,
+}
+
+impl Drop for RecycledBuffer {
+    fn drop(&mut self) {
+        let data = std::mem::take(&mut self.data);
+        if let Ok(mut pool) = self.pool.lock() {
+            if pool.len() < MAX_SPARE_BUFFERS {
+                pool.push(data);
+            }
+        }
+    }
+}
+
+/// A 2-D numpy view of `data` (row-major `shape`) whose base owns `data`: no copy.
+fn recycled_array2<'py>(
+    py: Python<'py>,
+    data: Vec<i32>,
+    shape: [usize; 2],
+    pool: &BufferPool,
+) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    debug_assert_eq!(data.len(), shape[0] * shape[1]);
+    let owner = Bound::new(
+        py,
+        RecycledBuffer {
+            data,
+            pool: pool.clone(),
+        },
+    )?;
+    let ptr = owner.get().data.as_ptr();
+    // SAFETY: the view covers exactly `data` (len == rows * cols, checked by the
+    // packer); `data` lives inside `owner` (frozen, never mutated) until the array,
+    // which keeps `owner` as its base, is gone.
+    let view = unsafe { ArrayView2::from_shape_ptr(shape, ptr) };
+    Ok(unsafe { PyArray2::borrow_from_array(&view, owner.into_any()) })
+}
+
 /// The core scheduler: requests, KV blocks, one `schedule()` + `update()` per step.
 #[pyclass(module = "specinfer._core")]
 struct SchedulerCore {
     inner: Scheduler,
+    spare_block_tables: BufferPool,
 }
 
 #[pymethods]
@@ -74,6 +126,7 @@ impl SchedulerCore {
         };
         Ok(SchedulerCore {
             inner: Scheduler::new(config).map_err(to_py)?,
+            spare_block_tables: BufferPool::default(),
         })
     }
 
@@ -195,9 +248,15 @@ impl SchedulerCore {
     }
 
     fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
+        let buf = self
+            .spare_block_tables
+            .lock()
+            .ok()
+            .and_then(|mut p| p.pop())
+            .unwrap_or_default();
         let inner = &mut self.inner;
-        let out = py.detach(|| inner.schedule()).map_err(to_py)?;
-        SchedulerOutput::new(py, out)
+        let out = py.detach(|| inner.schedule_reusing(buf)).map_err(to_py)?;
+        SchedulerOutput::new(py, out, &self.spare_block_tables)
     }
 
     fn update(
@@ -269,7 +328,7 @@ struct SchedulerOutput {
 }
 
 impl SchedulerOutput {
-    fn new(py: Python<'_>, o: core::SchedulerOutput) -> PyResult<Self> {
+    fn new(py: Python<'_>, o: core::SchedulerOutput, pool: &BufferPool) -> PyResult<Self> {
         let shape = [o.seq_lens.len(), o.block_table_width];
         Ok(SchedulerOutput {
             num_reqs: o.req_ids.len(),
@@ -284,7 +343,7 @@ impl SchedulerOutput {
             slot_mapping: o.slot_mapping.into_pyarray(py).unbind(),
             query_start_loc: o.query_start_loc.into_pyarray(py).unbind(),
             seq_lens: o.seq_lens.into_pyarray(py).unbind(),
-            block_table: o.block_table.into_pyarray(py).reshape(shape)?.unbind(),
+            block_table: recycled_array2(py, o.block_table, shape, pool)?.unbind(),
             seq_req_indices: o.seq_req_indices.into_pyarray(py).unbind(),
             preempted_req_ids: o.preempted_req_ids.into_pyarray(py).unbind(),
             num_cached_tokens: o.num_cached_tokens.into_pyarray(py).unbind(),

@@ -67,13 +67,15 @@ impl SchedulerOutput {
 }
 
 /// Packs the runs (in request order) into a `SchedulerOutput`. Every output vector
-/// is allocated once at its exact size (the vectors then move to Python).
+/// is allocated once at its exact size (the vectors then move to Python), except the
+/// block table, written into `block_table` (cleared first; pass a recycled buffer).
 pub fn pack(
     runs: &[ScheduledRun],
     requests: &[Option<Request>],
     block_size: usize,
     batch_expansion: bool,
     preempted: Vec<u64>,
+    mut block_table: Vec<i32>,
 ) -> SchedulerOutput {
     let r = runs.len();
     let t: usize = runs.iter().map(|x| x.num_scheduled_tokens as usize).sum();
@@ -123,7 +125,11 @@ pub fn pack(
         slot_mapping: Vec::with_capacity(t),
         query_start_loc: Vec::with_capacity(s + 1),
         seq_lens: Vec::with_capacity(s),
-        block_table: vec![0; s * w],
+        block_table: {
+            block_table.clear();
+            block_table.resize(s * w, 0);
+            block_table
+        },
         block_table_width: w,
         seq_req_indices: Vec::with_capacity(s),
         preempted_req_ids: preempted,

@@ -245,6 +245,13 @@ impl Scheduler {
 
     /// Decides the next step and packs it. See the module doc for the algorithm.
     pub fn schedule(&mut self) -> Result<SchedulerOutput> {
+        self.schedule_reusing(Vec::new())
+    }
+
+    /// `schedule`, writing the block table into `block_table_buf` (a buffer of an
+    /// earlier step that its consumer gave back): a warm buffer of the right
+    /// capacity spares the largest allocation of a step and its page faults.
+    pub fn schedule_reusing(&mut self, block_table_buf: Vec<i32>) -> Result<SchedulerOutput> {
         if self.pending_update {
             return Err(CoreError::InvalidCallOrder(
                 "schedule() called again before update() of the previous step",
@@ -322,6 +329,7 @@ impl Scheduler {
             self.config.block_size,
             self.config.batch_expansion,
             preempted,
+            block_table_buf,
         );
         Ok(out)
     }
