@@ -178,6 +178,8 @@ def test_bad_requests_raise_value_error_naming_the_field():
     with pytest.raises(ValueError, match="max_tokens"):
         core.add_request(2, [1], max_tokens=0)
     with pytest.raises(ValueError, match="req_id"):
+        core.add_request(-3, [1], max_tokens=1)
+    with pytest.raises(ValueError, match="req_id"):
         core.get_token_ids(12345)
     with pytest.raises(RuntimeError, match="update"):
         core.update(np.array([], dtype=np.int64), np.array([0], dtype=np.int32))

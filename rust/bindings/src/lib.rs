@@ -32,6 +32,20 @@ fn non_negative(field: &str, v: i64) -> PyResult<usize> {
     usize::try_from(v).map_err(|_| invalid(field, format!("must be >= 0, got {v}")))
 }
 
+/// A request id: any Python int in [0, 2**64); anything else is a ValueError.
+struct ReqId(u64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for ReqId {
+    type Error = PyErr;
+
+    fn extract(ob: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        ob.extract::<u64>().map(ReqId).map_err(|_| {
+            let shown = ob.repr().map(|r| r.to_string()).unwrap_or_default();
+            invalid("req_id", format!("must be an int in [0, 2**64), got {shown}"))
+        })
+    }
+}
+
 fn token_id(field: &str, t: i64) -> PyResult<u32> {
     u32::try_from(t).map_err(|_| invalid(field, format!("token id {t} out of range [0, 2**32)")))
 }
@@ -135,7 +149,7 @@ impl SchedulerCore {
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &mut self,
-        req_id: u64,
+        req_id: ReqId,
         prompt_token_ids: PyArrayLike1<'_, i64, AllowTypeChange>,
         max_tokens: i64,
         min_tokens: i64,
@@ -143,6 +157,7 @@ impl SchedulerCore {
         ignore_eos: bool,
         stop_token_ids: Vec<i64>,
     ) -> PyResult<()> {
+        let req_id = req_id.0;
         let prompt = token_ids("prompt_token_ids", &prompt_token_ids)?;
         let max_tokens = u32::try_from(max_tokens)
             .map_err(|_| invalid("max_tokens", format!("must be >= 1, got {max_tokens}")))?;
@@ -166,11 +181,13 @@ impl SchedulerCore {
         self.inner.add_request(req_id, prompt, stop).map_err(to_py)
     }
 
-    fn abort_request(&mut self, req_id: u64) -> bool {
+    fn abort_request(&mut self, req_id: ReqId) -> bool {
+        let req_id = req_id.0;
         self.inner.abort_request(req_id)
     }
 
-    fn finish_request(&mut self, req_id: u64) -> bool {
+    fn finish_request(&mut self, req_id: ReqId) -> bool {
+        let req_id = req_id.0;
         self.inner.finish_request(req_id)
     }
 
@@ -189,8 +206,9 @@ impl SchedulerCore {
     fn get_token_ids<'py>(
         &self,
         py: Python<'py>,
-        req_id: u64,
+        req_id: ReqId,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let req_id = req_id.0;
         let req = self
             .inner
             .request(req_id)
@@ -199,7 +217,8 @@ impl SchedulerCore {
         Ok(ids.into_pyarray(py))
     }
 
-    fn num_output_tokens(&self, req_id: u64) -> PyResult<usize> {
+    fn num_output_tokens(&self, req_id: ReqId) -> PyResult<usize> {
+        let req_id = req_id.0;
         let req = self
             .inner
             .request(req_id)
