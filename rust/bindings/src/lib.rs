@@ -41,7 +41,10 @@ impl<'a, 'py> FromPyObject<'a, 'py> for ReqId {
     fn extract(ob: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         ob.extract::<u64>().map(ReqId).map_err(|_| {
             let shown = ob.repr().map(|r| r.to_string()).unwrap_or_default();
-            invalid("req_id", format!("must be an int in [0, 2**64), got {shown}"))
+            invalid(
+                "req_id",
+                format!("must be an int in [0, 2**64), got {shown}"),
+            )
         })
     }
 }

@@ -127,7 +127,7 @@ pub fn pack(
         seq_lens: Vec::with_capacity(s),
         block_table: {
             block_table.clear();
-            block_table.resize(s * w, 0);
+            block_table.reserve(s * w);
             block_table
         },
         block_table_width: w,
@@ -141,7 +141,7 @@ pub fn pack(
     out.query_start_loc.push(0);
     let bs = block_size;
     let mut num_logits = 0i32;
-    let mut seq = 0usize;
+    let mut seq = 0usize; // query sequences written so far
     for (row, run) in runs.iter().enumerate() {
         let rq = req(run);
         let start_tok = out.input_ids.len();
@@ -186,10 +186,10 @@ pub fn pack(
             out.query_start_loc.push(q_end as i32);
             out.seq_lens.push(seq_len as i32);
             out.seq_req_indices.push(row as i32);
-            let dst = &mut out.block_table[seq * w..seq * w + rq.block_ids.len()];
-            for (d, &b) in dst.iter_mut().zip(rq.block_ids.iter()) {
-                *d = b as i32;
-            }
+            // one write per entry: the row, then its zero padding
+            out.block_table
+                .extend(rq.block_ids.iter().map(|&b| b as i32));
+            out.block_table.resize((seq + 1) * w, 0);
             seq += 1;
         }
     }

@@ -128,6 +128,10 @@ impl Scheduler {
         if stop.max_tokens == 0 {
             return Err(CoreError::invalid("max_tokens", "must be >= 1"));
         }
+        // Room for every token the request can ever hold: appends never reallocate.
+        let mut prompt = prompt;
+        let max_len = (prompt.len() + stop.max_tokens as usize).min(self.config.max_model_len);
+        prompt.reserve_exact(max_len - prompt.len());
         let req = Request::new(id, prompt, stop);
         let slot = match self.free_slots.pop() {
             Some(s) => {
