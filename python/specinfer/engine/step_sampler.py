@@ -61,8 +61,10 @@ class StepSampler:
             return Emitted(np.zeros(0, np.int64), cu, num_draft, accepted, logprobs)
         s_states = [states[i] for i in sampling]
         if num_draft.sum() == 0:
-            meta = sampling_metadata(s_states, device=logits.device)
-            tokens = self.sampler(logits, meta).token_ids
+            if all(st.params.temperature == 0.0 for st in s_states):
+                tokens = logits.argmax(dim=-1)  # all greedy: nothing else to do
+            else:
+                tokens = self.sampler(logits, sampling_metadata(s_states, device=logits.device)).token_ids
             counts = np.ones(len(sampling), dtype=np.int32)
             flat = tokens.cpu().numpy()
         else:
