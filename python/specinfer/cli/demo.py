@@ -1,11 +1,22 @@
-"""`specinfer demo`: the README's main job. The same input-grounded prompts on SmolLM2-135M
-with and without speculative decoding (n-gram prompt lookup by default); greedy outputs must be
-identical; prints the text, the acceptance statistics and the measured speedup."""
+"""`specinfer demo`: the README's main job.
+
+The same input-grounded editing prompts (rendered through SmolLM2-135M-Instruct's own chat
+template) are decoded greedily with and without speculative decoding (n-gram prompt lookup by
+default). The greedy outputs must be identical token for token; the demo prints the text, the
+acceptance statistics and the measured speedup, and exits 1 if any output differs.
+
+With the model-free n-gram proposer the plain run uses the same engine with
+`SamplingParams(speculate=False)` (one model load instead of two; a non-speculating request is a
+plain decode); with a draft model the plain run gets its own engine without speculation.
+"""
 from __future__ import annotations
 
 import time
 
+from specinfer.cli.errors import CliError
+
 HELP = "speculative vs plain decoding on SmolLM2-135M: identical greedy text, measured speedup"
+DESCRIPTION = __doc__
 
 _CODE = '''def moving_average(values, window):
     result = []
@@ -19,23 +30,32 @@ _CODE = '''def moving_average(values, window):
     return result
 '''
 
-PROMPTS = [
-    "<|im_start|>user\nAdd a docstring to this Python function and return the whole function.\n\n"
-    + _CODE + "<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>user\nRename the variable `total` to `running_sum` in this code and print the result.\n\n"
-    + _CODE + "<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>user\nCopy this text exactly, then summarize it in one sentence: The quick brown fox jumps "
-    "over the lazy dog. The dog does not react, because the dog is asleep in the warm afternoon sun, and "
-    "the fox runs on into the forest.<|im_end|>\n<|im_start|>assistant\n",
+_PASSAGE = ("The Rust scheduler keeps every reqest's state: the tokns it has, the blocks of the paged KV "
+            "cache it owns, and the draft tokns waiting for verification. Each step it hands the Python "
+            "engine one flat batch, and after the forward pass it appends the accepted tokns and rolls "
+            "back the rejected ones.")
+
+_EMAIL = ("Hi Sam,\n\nThe team meeting moved to Tuesday at 10am. Please bring the slides for Tuesday, and "
+          "send the agenda by Monday evening. If Tuesday does not work for you, tell me today.\n\nThanks,\nAlex")
+
+# user messages: editing tasks grounded in their input, so the answer copies long spans of it
+MESSAGES = [
+    "Rename the variable `total` to `running_sum` in this Python code and return the whole code.\n\n"
+    f"```python\n{_CODE}```",
+    f"Fix the spelling mistakes in this text and return the corrected text:\n\n{_PASSAGE}",
+    f"Replace every 'Tuesday' with 'Thursday' in this email and return the whole email.\n\n{_EMAIL}",
 ]
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="target model (pack name, HF directory or .gguf)")
-    p.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
-    p.add_argument("--draft", default=None, help="draft model for --method draft_model")
-    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5)
-    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--model", default="smollm2-135m", help="target model (pack name, HF directory or .gguf; "
+                   "default: smollm2-135m)")
+    p.add_argument("--method", default="ngram", choices=["ngram", "draft_model"], help="proposer (default: ngram)")
+    p.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model")
+    p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, metavar="K",
+                   help="draft tokens per verification (default: 5)")
+    p.add_argument("--max-tokens", type=int, default=160, metavar="N", help="tokens per prompt at most "
+                   "(default: 160)")
     p.add_argument("--batch", action="store_true", help="run the prompts as one batch instead of one by one")
 
 
@@ -49,33 +69,56 @@ def _run(gen, prompts, params, batch: bool):
 
 
 def run(args) -> int:
+    import dataclasses
+
+    from specinfer.cli.options import check_model
+    from specinfer.spec.config import SpeculativeConfig
+
+    check_model(args.model)
+    check_model(args.draft, "draft model")
+    spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
+                             model=args.draft if args.method == "draft_model" else None)
+    if args.draft and args.method != "draft_model":
+        raise CliError("--draft is only used by --method draft_model")
     import torch
 
     from specinfer import Generator, SamplingParams
+    from specinfer.chat_template import ChatTemplate
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
-    if args.method == "draft_model":
-        spec["model"] = args.draft
+    t0 = time.perf_counter()
     print(f"loading {args.model} ...", flush=True)
-    plain = Generator(args.model, max_model_len=2048)
     fast = Generator(args.model, max_model_len=2048, speculative=spec)
-    _run(plain, PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), False)  # warm-up
-    _run(fast, PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), False)
-    fast.engine.metrics.__init__(args.num_speculative_tokens)
-    base, t_base = _run(plain, PROMPTS, params, args.batch)
-    spec_outs, t_spec = _run(fast, PROMPTS, params, args.batch)
-    n_tokens = sum(len(o.token_ids) for o in base)
+    if spec.method == "ngram":
+        plain, plain_params = fast, dataclasses.replace(params, speculate=False)
+    else:
+        plain, plain_params = Generator(args.model, max_model_len=2048), params
+    template = ChatTemplate.for_model(fast.engine.loaded)
+    prompts = [template.encode(fast.tokenizer, [{"role": "user", "content": m}]) for m in MESSAGES]
+    print(f"loaded in {time.perf_counter() - t0:.1f} s; {len(prompts)} prompts, greedy, max {args.max_tokens} "
+          f"tokens each, {torch.get_num_threads()} torch thread(s)", flush=True)
+    warm = SamplingParams(max_tokens=4, temperature=0.0)
+    _run(plain, prompts[:1], dataclasses.replace(warm, speculate=plain_params.speculate), False)
+    _run(fast, prompts[:1], warm, False)
+
+    base, t_base = _run(plain, prompts, plain_params, args.batch)
+    spec_outs, t_spec = _run(fast, prompts, params, args.batch)
     for i, (a, b) in enumerate(zip(base, spec_outs)):
-        print(f"\n--- prompt {i + 1} ({len(b.token_ids)} tokens, {b.num_accepted_tokens}/{b.num_draft_tokens} "
-              f"drafts accepted) ---\n{b.text.strip()}")
+        print(f"\n--- prompt {i + 1}: {MESSAGES[i].splitlines()[0]}\n--- answer ({len(b.token_ids)} tokens, "
+              f"{b.num_accepted_tokens}/{b.num_draft_tokens} draft tokens accepted"
+              f"{'' if a.token_ids == b.token_ids else ', DIFFERS from plain decoding'}):\n{b.text.strip()}")
     same = all(a.token_ids == b.token_ids for a, b in zip(base, spec_outs))
-    m = fast.spec_metrics()
+    n_tokens = sum(len(o.token_ids) for o in base)
+    drafts = sum(o.num_drafts for o in spec_outs)
+    draft_tokens = sum(o.num_draft_tokens for o in spec_outs)
+    accepted = sum(o.num_accepted_tokens for o in spec_outs)
+    rate = accepted / draft_tokens if draft_tokens else 0.0
+    mean_len = (accepted + drafts) / drafts if drafts else 0.0  # emitted per verification, bonus included
     print("\n=== summary ===")
     print(f"greedy outputs identical with and without speculation: {same}")
-    print(f"method={args.method} k={args.num_speculative_tokens}  acceptance rate={m['acceptance_rate']:.3f}  "
-          f"mean acceptance length={m['mean_acceptance_length']:.2f}  system efficiency={m['system_efficiency']:.3f}")
-    print(f"plain: {n_tokens / t_base:.1f} tok/s   speculative: {n_tokens / t_spec:.1f} tok/s   "
-          f"speedup: {t_base / t_spec:.2f}x")
+    print(f"method={spec.method} k={spec.num_speculative_tokens}  acceptance rate={rate:.3f}  "
+          f"mean acceptance length={mean_len:.2f}  ({accepted}/{draft_tokens} draft tokens in {drafts} verifications)")
+    print(f"plain: {n_tokens} tokens in {t_base:.1f} s = {n_tokens / t_base:.1f} tok/s   "
+          f"speculative: {t_spec:.1f} s = {n_tokens / t_spec:.1f} tok/s   speedup: {t_base / t_spec:.2f}x")
+    print(f"total time {time.perf_counter() - t0:.1f} s (after imports)")
     return 0 if same else 1

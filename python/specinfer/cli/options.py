@@ -1,0 +1,133 @@
+"""Flags shared by `generate`, `chat` and `demo`, and their translation into engine objects.
+
+Everything here is checked before a model is loaded: a bad k, an unknown model or a missing
+file costs the user a second, not a model load.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specinfer.cli.errors import CliError
+
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+
+
+def add_model_argument(p: argparse.ArgumentParser, *, default: str | None = None) -> None:
+    kw = {"nargs": "?", "default": default} if default else {}
+    p.add_argument("model", metavar="MODEL", help="target model: a pack name (see `specinfer models`), an HF "
+                   "directory or a .gguf file" + (f" (default: {default})" if default else ""), **kw)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default: auto, "
+                   "fp32 on CPU)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or hpu (default: auto)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest sequence (prompt + output) in tokens (default: the model's limit)")
+    g.add_argument("--block-size", type=int, default=16, metavar="N", help="KV cache block size in tokens")
+    g.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="most requests decoded at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                   help="token budget of one step (prefill chunks + decode + verification)")
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    from specinfer.spec.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
+
+    g = p.add_argument_group("speculative decoding (off unless --method, --draft or -k is given)")
+    g.add_argument("--method", choices=[*proposer_names(), "none"], default=None,
+                   help="proposer (default: draft_model with --draft, else ngram with -k, else none)")
+    g.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model "
+                   "(pack name, HF directory or .gguf; same tokenizer as the target)")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft tokens per verification, 1..16 (default: 4)")
+    g.add_argument("--acceptance-method", choices=sorted(ACCEPTANCE_METHODS), default="rejection_sampler",
+                   help="rejection_sampler is lossless; typical_acceptance_sampler is not distribution-preserving")
+    g.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance threshold")
+    g.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance alpha")
+    g.add_argument("--scorer", choices=sorted(SCORERS), default="mqa", help="how drafts go through the target")
+    g.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N", help="ngram: shortest n-gram to match")
+    g.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N", help="ngram: longest n-gram to match")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N", help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    g.add_argument("--min-p", type=float, default=0.0, metavar="P")
+    g.add_argument("--seed", type=int, default=None, help="per-request seed: the same tokens in any batch")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string (repeatable); excluded from the output")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def check_model(name: str | None, what: str = "model") -> None:
+    """Fail fast on a name that is neither a pack nor an existing path (before any load)."""
+    from specinfer.packs import is_pack_name
+
+    if name is None or is_pack_name(name) or Path(name).exists():
+        return
+    from specinfer.packs import BUILTIN_PACKS
+
+    packs = ", ".join(p.name for p in BUILTIN_PACKS.packs)
+    raise CliError(f"{what} {name!r} is neither a known pack ({packs}) nor an existing HF directory or .gguf file")
+
+
+def speculative_config(args):
+    """The SpeculativeConfig the flags ask for, or None; validated now."""
+    method = args.method
+    if method is None:
+        method = "draft_model" if args.draft else ("ngram" if args.num_speculative_tokens is not None else "none")
+    if method == "none":
+        if args.draft:
+            raise CliError("--draft needs speculation; drop --method none")
+        return None
+    if args.draft and method != "draft_model":
+        raise CliError(f"--draft is only used by --method draft_model (got --method {method})")
+    if method == "draft_model" and not args.draft:
+        raise CliError("--method draft_model needs --draft MODEL")
+    check_model(args.draft, "draft model")
+    from specinfer.spec.config import SpeculativeConfig
+
+    k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
+    return SpeculativeConfig(
+        method=method, num_speculative_tokens=k, model=args.draft,
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+        acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
+        posterior_alpha=args.posterior_alpha, scorer=args.scorer)
+
+
+def sampling_params(args, **overrides):
+    from specinfer.sampling_params import SamplingParams
+
+    fields = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                  min_p=args.min_p, seed=args.seed, stop=tuple(args.stop) if args.stop else None,
+                  ignore_eos=args.ignore_eos)
+    fields.update(overrides)
+    return SamplingParams(**fields)
+
+
+def engine_kwargs(args) -> dict:
+    for flag in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def load_generator(args, spec):
+    """Build the Generator (the slow part), after every cheap check has passed."""
+    from specinfer.generator import Generator
+
+    return Generator(args.model, speculative=spec, **engine_kwargs(args))
+
+
+def format_spec_summary(metrics: dict | None) -> str:
+    if not metrics or not metrics.get("num_drafts"):
+        return "speculation: off" if metrics is None else "acceptance rate: - (no drafts)"
+    return (f"acceptance rate: {metrics['acceptance_rate']:.3f}  "
+            f"mean acceptance length: {metrics['mean_acceptance_length']:.2f}")
