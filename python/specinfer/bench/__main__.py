@@ -1,0 +1,3 @@
+from specinfer.bench.cli import main
+
+raise SystemExit(main())

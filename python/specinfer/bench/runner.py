@@ -1,0 +1,140 @@
+"""The benchmark runner: methods measured interleaved (A B C A B C ...) over repeats, per task
+and batch size; wall and process CPU time per run; results.json, plots and a table."""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from specinfer.bench.aggregate import build_rows
+from specinfer.bench.config import BenchConfig, load_config
+from specinfer.bench.engines import PeerUnavailable, make_engine
+from specinfer.bench.machine import load_average, machine_info
+from specinfer.bench.prompting import batches_for, load_task, prompt_encoder
+
+
+def _merge_metrics(acc: dict | None, m: dict | None) -> dict | None:
+    """Pool speculation counts over the generate() calls of one run."""
+    if m is None:
+        return acc
+    if acc is None:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in m.items()}
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens", "max_emittable_tokens",
+                "propose_s", "score_s", "verify_s", "overhead_s", "num_steps"):
+        acc[key] = acc.get(key, 0) + m.get(key, 0)
+    for key in ("drafts_at", "accepted_at"):
+        acc[key] = [a + b for a, b in zip(acc[key], m[key])]
+    return acc
+
+
+def run_benchmark(config, out_dir, *, log=print) -> dict:
+    """Run `config` (BenchConfig, preset name, JSON path or dict); write results.json and plots
+    under out_dir; return the results dict."""
+    cfg = config if isinstance(config, BenchConfig) else load_config(config)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    machine = machine_info()
+    started = time.time()
+
+    # the baseline is built first: its tokenizer and chat template make every method's prompt ids
+    baseline = cfg.baseline
+    order = [baseline] + [m for m in cfg.methods if m is not baseline]
+    tasks = {t: load_task(t, cfg.prompt_dir) for t in cfg.tasks}
+    engines, unavailable = {}, {}
+    prompt_ids = None
+    for m in order:
+        log(f"[bench] loading {m.name} ({m.engine})")
+        try:
+            if prompt_ids is None:
+                # load the target once without a KV pool: tokenizer, chat template, prompt lengths
+                from specinfer.engine.model_loading import load_any
+
+                loaded = load_any(m.model or cfg.model, dtype=getattr(torch, cfg.dtype), device=torch.device("cpu"))
+                encode = prompt_encoder(loaded, cfg.use_chat_template)
+                need = max(cfg.num_prompts, max(cfg.batch_sizes))
+                prompt_ids = {t: [encode(p) for p in s.prompts[:need]] for t, s in tasks.items()}
+                max_len = max(len(p) for ps in prompt_ids.values() for p in ps)
+                eos = tuple(loaded.eos_token_ids)
+                limit = int(loaded.config.max_position_embeddings)
+                del loaded
+            engines[m.name] = make_engine(cfg, m, max_prompt_len=max_len, eos_token_ids=eos,
+                                          model_limit=limit if m.model is None else None)
+        except PeerUnavailable as e:
+            unavailable[m.name] = str(e)
+            log(f"[bench] {m.name}: unavailable: {e}")
+    runs = []
+    if cfg.warmup:
+        for name, eng in list(engines.items()):
+            warm = BenchConfig.from_dict({**cfg.to_dict(), "max_tokens": min(8, cfg.max_tokens)})
+            first = next(iter(prompt_ids.values()))
+            try:
+                eng.run([first[0]], warm)
+            except PeerUnavailable as e:
+                unavailable[name] = str(e)
+    for rep in range(cfg.repeats):
+        for b in cfg.batch_sizes:
+            for task in cfg.tasks:
+                calls = batches_for(prompt_ids[task], b, cfg.num_prompts)
+                for m in cfg.methods:  # interleaved: every method once before the next repeat
+                    eng = engines.get(m.name)
+                    if eng is None:
+                        continue
+                    load = load_average()
+                    tokens, metrics, error = 0, None, None
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    try:
+                        for i, call in enumerate(calls):
+                            n, mm = eng.run(call, cfg, seed=rep * 1000 + i)
+                            tokens += n
+                            metrics = _merge_metrics(metrics, mm)
+                    except PeerUnavailable as e:
+                        error = str(e)
+                    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+                    if error is not None:
+                        runs.append(dict(method=m.name, task=task, batch_size=b, repeat=rep, error=error))
+                        continue
+                    runs.append(dict(method=m.name, task=task, batch_size=b, repeat=rep, num_requests=sum(map(len, calls)),
+                                     tokens=tokens, wall_s=wall, cpu_s=cpu, tokens_per_s=tokens / wall if wall else None,
+                                     load_average=load, metrics=metrics))
+                    log(f"[bench] rep {rep} b={b} {task:16s} {m.name:20s} {tokens:5d} tok {wall:7.2f} s wall "
+                        f"{cpu:7.2f} s cpu  {tokens / wall:7.2f} tok/s  load {load[0] if load else '?'}")
+    for eng in engines.values():
+        eng.close()
+    rows, costs = build_rows(cfg, runs)
+    results = {
+        "schema": "specinfer-bench/1",
+        "name": cfg.name,
+        "machine": {**machine, "load_average_end": load_average()},
+        "config": cfg.to_dict(),
+        "started_unix": started,
+        "duration_s": time.time() - started,
+        "baseline": baseline.name,
+        "unavailable": unavailable,
+        "cost_ratio": costs,
+        "prompts": {t: {"num_available": len(s), "prompt_tokens": [len(p) for p in prompt_ids[t]]}
+                    for t, s in tasks.items()},
+        "rows": rows,
+        "runs": runs,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default), encoding="utf-8")
+    if cfg.plots:
+        try:
+            from specinfer.bench.plots import write_plots
+
+            results["plots"] = write_plots(results, out)
+        except ImportError as e:
+            results["plots_error"] = f"matplotlib is not installed ({e})"
+        except Exception:  # noqa: BLE001 - a plotting failure must not lose the numbers
+            results["plots_error"] = traceback.format_exc(limit=3)
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default), encoding="utf-8")
+    return results
+
+
+def _json_default(o):
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)

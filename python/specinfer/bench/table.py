@@ -1,0 +1,35 @@
+"""The printed summary table of a results dict (also used for docs/benchmarks.md)."""
+from __future__ import annotations
+
+
+def _f(x, fmt="{:.2f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def format_table(results: dict, markdown: bool = False) -> str:
+    head = ["method", "batch", "task", "tok/s med [min-max]", "cpu ms/tok", "speedup", "alpha", "acc len",
+            "k", "c", "theory", "ach/theory"]
+    lines = []
+    for r in results["rows"]:
+        if "error" in r:
+            lines.append([r["method"], str(r["batch_size"]), r["task"], "unavailable: " + r["error"][:60]]
+                         + [""] * (len(head) - 4))
+            continue
+        lines.append([
+            r["method"], str(r["batch_size"]), r["task"],
+            f"{_f(r['tokens_per_s_median'])} [{_f(r['tokens_per_s_min'])}-{_f(r['tokens_per_s_max'])}]",
+            _f(r["cpu_s_per_token"] and r["cpu_s_per_token"] * 1e3, "{:.1f}"),
+            _f(r["speedup"]) + ("x" if r["speedup"] is not None else ""),
+            _f(r.get("acceptance_rate")), _f(r.get("mean_acceptance_length")),
+            str(r["k"]) if r.get("k") else "-", _f(r.get("c"), "{:.3f}"),
+            _f(r.get("theoretical_speedup")), _f(r.get("achieved_over_theoretical")),
+        ])
+    for name, why in results.get("unavailable", {}).items():
+        lines.append([name, "-", "-", "unavailable: " + why[:80]] + [""] * (len(head) - 4))
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(line) + " |" for line in lines]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*line) for line in lines])
