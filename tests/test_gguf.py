@@ -9,11 +9,11 @@ import importlib.util
 import math
 import os
 
+import gguf  # a runtime dependency of specinfer: never skipped
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from specinfer.attention import AttentionMetadata, ForwardContext, get_backend  # noqa: E402

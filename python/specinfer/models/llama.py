@@ -23,6 +23,13 @@ from specinfer.models.config import ModelConfig
 from specinfer.models.rope import apply_rope, rope_table
 
 
+def _rms_norm_fallback(x, shape, weight, eps):  # torch < 2.4 has no F.rms_norm
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+_rms_norm = getattr(F, "rms_norm", _rms_norm_fallback)
+
+
 def _param(*shape: int, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -55,7 +62,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        h = _rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
         qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)  # [T, H+Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
@@ -63,7 +70,7 @@ class DecoderLayer(nn.Module):
             qk[:, :H], qk[:, H:], v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale
         )  # [T, H, D]
         x = x + F.linear(attn.reshape(T, H * D), self.o_weight, self.o_bias)
-        h = F.rms_norm(x, (x.shape[-1],), self.post_attention_norm, self.eps)
+        h = _rms_norm(x, (x.shape[-1],), self.post_attention_norm, self.eps)
         gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down_weight)
 
@@ -109,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
-        return F.rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return _rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [L, hidden] -> float32[L, vocab]
         return F.linear(hidden, self.lm_head).float()
