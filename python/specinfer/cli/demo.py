@@ -47,6 +47,11 @@ MESSAGES = [
 ]
 
 
+# a fixed KV pool (128 blocks of 16 tokens: one 1024-token request, or the three prompts at once)
+# rather than one sized from free memory, so the demo runs the same on a busy machine
+_ENGINE = dict(max_model_len=1024, num_kv_blocks=128)
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target model (pack name, HF directory or .gguf; "
                    "default: smollm2-135m)")
@@ -88,11 +93,11 @@ def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     t0 = time.perf_counter()
     print(f"loading {args.model} ...", flush=True)
-    fast = Generator(args.model, max_model_len=2048, speculative=spec)
+    fast = Generator(args.model, speculative=spec, **_ENGINE)
     if spec.method == "ngram":
         plain, plain_params = fast, dataclasses.replace(params, speculate=False)
     else:
-        plain, plain_params = Generator(args.model, max_model_len=2048), params
+        plain, plain_params = Generator(args.model, **_ENGINE), params
     template = ChatTemplate.for_model(fast.engine.loaded)
     prompts = [template.encode(fast.tokenizer, [{"role": "user", "content": m}]) for m in MESSAGES]
     print(f"loaded in {time.perf_counter() - t0:.1f} s; {len(prompts)} prompts, greedy, max {args.max_tokens} "

@@ -27,6 +27,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest sequence (prompt + output) in tokens (default: the model's limit)")
     g.add_argument("--block-size", type=int, default=16, metavar="N", help="KV cache block size in tokens")
+    g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks (default: sized from free memory)")
     g.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="most requests decoded at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="token budget of one step (prefill chunks + decode + verification)")
@@ -111,11 +113,12 @@ def sampling_params(args, **overrides):
 
 
 def engine_kwargs(args) -> dict:
-    for flag in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+    for flag in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
+                num_kv_blocks=args.num_kv_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
 
 
