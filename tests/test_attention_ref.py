@@ -19,13 +19,18 @@ def _dense(q, k, v, q_len, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
 
 
+MIXED = [(7, 1), (12, 5), (3, 40), (0, 33), (0, 1), (20, 17)]  # decode, verification, prefills
+DECODES = [(7, 1), (30, 1), (0, 1), (12, 1)]  # the dense fast path, with key padding
+EQUAL_DECODES = [(9, 1), (9, 1), (9, 1)]  # dense, no mask at all
+VERIFY = [(7, 4), (20, 4), (3, 4)]  # dense multi-token runs (causal mask)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, DECODES, EQUAL_DECODES, VERIFY, [(50, 1)]])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("hkv", [1, 2, 4])
-def test_paged_mixed_batch_matches_dense(block_size, hkv):
+def test_paged_batch_matches_dense(seqs, block_size, hkv):
     torch.manual_seed(0)
     H, D = 4, 8
-    # (context already cached, query length): decode, verification, long prefill, first chunk
-    seqs = [(7, 1), (12, 5), (3, 40), (0, 33), (0, 1), (20, 17)]
     num_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs) + 3
     cache = torch.zeros(2, num_blocks, block_size, hkv, D)
     perm = torch.randperm(num_blocks).tolist()  # scattered, non-contiguous block ids

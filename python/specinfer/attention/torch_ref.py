@@ -19,10 +19,10 @@ SHORT_QUERY_MAX = 16  # query runs up to this length are batched together with p
 
 @dataclass
 class _ShortGroup:
-    token_rows: torch.Tensor  # int64[n]   rows of the batch that belong to the group
-    pad_index: torch.Tensor  # int64[n]   flat index into [G * Q] padded query slots
+    token_rows: torch.Tensor | None  # int64[n] rows of the batch in the group; None: all T rows, in order
+    pad_index: torch.Tensor | None  # int64[n] flat index into [G * Q] padded query slots; None: no padding
     key_slots: torch.Tensor  # int64[G, K] cache slots of each sequence's keys (padded)
-    mask: torch.Tensor  # bool[G, 1, Q, K] True where attention is allowed
+    mask: torch.Tensor | None  # bool[G, 1, Q, K] True where attention is allowed; None: attend to all K
     num_seqs: int
     max_q: int
 
@@ -90,26 +90,38 @@ class TorchRefBackend:
         mask |= (~q_valid).unsqueeze(2) & (kpos.view(1, 1, K) == 0)  # padded rows see key 0: no NaN
         token_rows = (start[idx].unsqueeze(1) + qi.unsqueeze(0))[q_valid]  # [n]
         pad_index = (torch.arange(G).unsqueeze(1) * Q + qi.unsqueeze(0))[q_valid]  # [n]
-        return _ShortGroup(token_rows, pad_index, key_slots, mask.unsqueeze(1), G, Q)
+        mask = mask.unsqueeze(1)
+        if len(ids) == meta.num_seqs and bool(q_valid.all()):
+            # every sequence is short and has Q query tokens: the batch is already [G, Q] dense
+            token_rows = pad_index = None
+            if Q == 1 and bool((lens == K).all()):
+                mask = None  # single-token queries over equal-length contexts: nothing to mask
+        return _ShortGroup(token_rows, pad_index, key_slots, mask, G, Q)
 
     def forward(self, q, k, v, kv_cache, prepared: TorchRefPrepared, scale: float):
         T, H, D = q.shape
         Hkv = k.shape[1]
-        k_flat = kv_cache[0].view(-1, Hkv, D)
-        v_flat = kv_cache[1].view(-1, Hkv, D)
+        kv_flat = kv_cache.view(2, -1, Hkv, D)
+        k_flat, v_flat = kv_flat[0], kv_flat[1]
         slots = prepared.meta.slot_mapping
-        k_flat[slots] = k.to(k_flat.dtype)
-        v_flat[slots] = v.to(v_flat.dtype)
-        out = torch.empty_like(q)
+        k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
         gqa = H != Hkv
         g = prepared.short
+        if g is not None and g.token_rows is None:  # dense fast path: decodes / equal verification runs
+            qp = q.view(g.num_seqs, g.max_q, H, D).transpose(1, 2)  # [G, H, Q, D]
+            kv = kv_flat[:, g.key_slots].to(q.dtype)  # [2, G, K, Hkv, D]
+            o = F.scaled_dot_product_attention(qp, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                               attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+            return o.transpose(1, 2).reshape(T, H, D)
+        out = torch.empty_like(q)
         if g is not None:
             qp = q.new_zeros(g.num_seqs * g.max_q, H, D)
             qp[g.pad_index] = q[g.token_rows]
             qp = qp.view(g.num_seqs, g.max_q, H, D).transpose(1, 2)  # [G, H, Q, D]
-            kk = k_flat[g.key_slots].transpose(1, 2).to(q.dtype)  # [G, Hkv, K, D]
-            vv = v_flat[g.key_slots].transpose(1, 2).to(q.dtype)
-            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=g.mask, scale=scale, enable_gqa=gqa)
+            kv = kv_flat[:, g.key_slots].to(q.dtype)  # [2, G, K, Hkv, D]
+            o = F.scaled_dot_product_attention(qp, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
+                                               attn_mask=g.mask, scale=scale, enable_gqa=gqa)
             out[g.token_rows] = o.transpose(1, 2).reshape(-1, H, D)[g.pad_index]
         for s in prepared.long:
             qs = q[s.start : s.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]

@@ -20,7 +20,7 @@ from torch import nn
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
-from specinfer.models.rope import apply_rope, rope_table
+from specinfer.models.rope import apply_rope, rope_factors, rope_table
 
 
 def _rms_norm_fallback(x, shape, weight, eps):  # torch < 2.4 has no F.rms_norm
@@ -56,8 +56,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden] residual stream
-        cos: torch.Tensor,  # [T, 1, D/2]
-        sin: torch.Tensor,  # [T, 1, D/2]
+        cos: torch.Tensor,  # [T, 1, D]   see rope_factors
+        sin: torch.Tensor,  # [T, 1, D]   signed: (-sin | sin)
         ctx: ForwardContext,
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
@@ -112,8 +112,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden] final-normed hidden states
         x = self.embed(input_ids)
         dtype = x.dtype
-        cos = self.rope_cos[positions].to(dtype).unsqueeze(1)  # [T, 1, D/2]
-        sin = self.rope_sin[positions].to(dtype).unsqueeze(1)
+        cos, sin = rope_factors(self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype))  # [T, 1, D]
         for layer in self.layers:
             x = layer(x, cos, sin, ctx)
         return _rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)

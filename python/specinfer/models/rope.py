@@ -82,7 +82,14 @@ def rope_table(cfg: ModelConfig, num_positions: int) -> tuple[torch.Tensor, torc
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, 1, D/2] -> rotated x [T, heads, D] (new tensor)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def rope_factors(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [T, D/2] -> (cos | cos, -sin | sin), each [T, 1, D]: built once per forward."""
+    return torch.cat((cos, cos), dim=-1).unsqueeze(1), torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; factors [T, 1, D] from rope_factors -> rotated x [T, heads, D] (new tensor).
+
+    (x1 cos - x2 sin, x2 cos + x1 sin) computed as x * cos + roll(x, D/2) * sin_signed: the same
+    IEEE operations (a + (-b) == a - b), in four ops instead of eight."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
