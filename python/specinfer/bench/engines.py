@@ -53,7 +53,21 @@ class SpecinferEngine:
         self.gen = None
 
 
+_HF_MODELS: dict = {}  # (path, dtype) -> model: plain and assisted peers share one target copy
+
+
 def load_hf_model(path_or_pack: str, dtype: torch.dtype):
+    key = (path_or_pack, dtype)
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = _load_hf_model(path_or_pack, dtype)
+    return _HF_MODELS[key]
+
+
+def release_hf_models() -> None:
+    _HF_MODELS.clear()
+
+
+def _load_hf_model(path_or_pack: str, dtype: torch.dtype):
     """transformers' own model from the same GGUF file (or HF directory) the engine loads.
     Loads GGUF through transformers' converter directly, which avoids from_pretrained's
     `accelerate` requirement for GGUF files."""
@@ -72,15 +86,16 @@ def load_hf_model(path_or_pack: str, dtype: torch.dtype):
 
     d, name = os.path.split(path)
     config = transformers.AutoConfig.from_pretrained(d, gguf_file=name)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)
     missing, unexpected = model.load_state_dict(parsed["tensors"], strict=False)
     if unexpected or not set(missing) <= {"lm_head.weight"}:
         raise RuntimeError(f"{path}: transformers could not load every tensor (missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]})")
+    del parsed
     if missing:
         model.tie_weights()
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 class HFEngine:

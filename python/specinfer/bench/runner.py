@@ -2,6 +2,7 @@
 and batch size; wall and process CPU time per run; results.json, plots and a table."""
 from __future__ import annotations
 
+import gc
 import json
 import time
 import traceback
@@ -42,7 +43,9 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
 
     # the baseline is built first: its tokenizer and chat template make every method's prompt ids
     baseline = cfg.baseline
-    order = [baseline] + [m for m in cfg.methods if m is not baseline]
+    # peers before specinfer engines: transformers' GGUF conversion has a large transient peak
+    order = [baseline] + [m for m in cfg.methods if m.engine != "specinfer"] + [
+        m for m in cfg.methods if m.engine == "specinfer" and m is not baseline]
     tasks = {t: load_task(t, cfg.prompt_dir) for t in cfg.tasks}
     engines, unavailable = {}, {}
     prompt_ids = None
@@ -61,6 +64,7 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
                 eos = tuple(loaded.eos_token_ids)
                 limit = int(loaded.config.max_position_embeddings)
                 del loaded
+                gc.collect()
             engines[m.name] = make_engine(cfg, m, max_prompt_len=max_len, eos_token_ids=eos,
                                           model_limit=limit if m.model is None else None)
         except PeerUnavailable as e:
@@ -104,6 +108,9 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
                         f"{cpu:7.2f} s cpu  {tokens / wall:7.2f} tok/s  load {load[0] if load else '?'}")
     for eng in engines.values():
         eng.close()
+    from specinfer.bench.engines import release_hf_models
+
+    release_hf_models()
     rows, costs = build_rows(cfg, runs)
     results = {
         "schema": "specinfer-bench/1",
