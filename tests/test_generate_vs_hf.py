@@ -93,3 +93,21 @@ def test_text_prompts_and_stop_strings(tiny_dir):
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
     assert stop not in cut.text.split(" ")
     assert cut.token_ids == full.token_ids[: words.index(stop) + 1]
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_min_tokens_blocks_stop_tokens_like_transformers(tiny_dir, spec):
+    path, hf = tiny_dir("llama", False)
+    prompt = _prompts()[2]
+    free = _hf_greedy(hf, prompt, 8)
+    stop = free[1]  # the token greedy decoding emits second: make it the stop token
+    gen = Generator(str(path), speculative=spec)
+    early = gen.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[stop]),
+                         use_tqdm=False)[0]
+    assert early.token_ids == free[:2] and early.finish_reason == "stop" and early.stop_reason == stop
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=5, do_sample=False,
+                          eos_token_id=stop, pad_token_id=0)[0, len(prompt):].tolist()
+    out = gen.generate([prompt], SamplingParams(max_tokens=8, min_tokens=5, temperature=0.0,
+                                                stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert out.token_ids == ref and stop not in out.token_ids[:5]

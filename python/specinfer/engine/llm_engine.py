@@ -83,7 +83,7 @@ class LLMEngine:
             self.spec is not None and self.spec.scorer == "batch_expansion")
         if hasattr(self.proposer, "bind_core"):
             self.proposer.bind_core(self.core)
-        self.step_sampler = StepSampler(self.spec, self.default_generator)
+        self.step_sampler = StepSampler(self.spec, self.default_generator, self.loaded.eos_token_ids)
         self.metrics = SpecMetrics(self.spec.num_speculative_tokens if self.spec else 0)
         self.num_mixed_steps = 0  # steps where prefill chunks and verification runs shared a forward
         self._requests: dict[int, RequestState] = {}

@@ -37,8 +37,35 @@ def sampling_metadata(states, rows_per_request=None, device=None) -> SamplingMet
     return meta
 
 
+def stop_ids_blocked(state, eos_token_ids) -> list[int]:
+    """Tokens that may not be emitted before min_tokens: EOS (unless ignored) and stop token ids."""
+    ids = [] if state.params.ignore_eos else list(eos_token_ids)
+    return ids + list(state.params.stop_token_ids or ())
+
+
+def mask_min_tokens(logits: torch.Tensor, cu_logits, sampling, states, eos_token_ids) -> torch.Tensor:
+    """logits [L, V] -> the same (or a masked copy) with stop tokens at -inf on rows whose token
+    would land before the request's min_tokens (as HF's MinNewTokensLogitsProcessor does)."""
+    rows, cols = [], []
+    for i in sampling:
+        st = states[i]
+        need = st.params.min_tokens - len(st.output_token_ids)
+        if need <= 0:
+            continue
+        blocked = stop_ids_blocked(st, eos_token_ids)
+        for j in range(min(need, int(cu_logits[i + 1] - cu_logits[i]))):
+            rows += [int(cu_logits[i]) + j] * len(blocked)
+            cols += blocked
+    if not rows:
+        return logits
+    logits = logits.clone()
+    logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+    return logits
+
+
 class StepSampler:
-    def __init__(self, spec, default_generator: torch.Generator):
+    def __init__(self, spec, default_generator: torch.Generator, eos_token_ids=()):
+        self.eos_token_ids = tuple(eos_token_ids)
         self.default_generator = default_generator
         self.sampler = Sampler(default_generator)
         self.disable_logprobs = bool(spec and spec.disable_logprobs)
@@ -60,6 +87,8 @@ class StepSampler:
         if len(sampling) == 0:
             return Emitted(np.zeros(0, np.int64), cu, num_draft, accepted, logprobs)
         s_states = [states[i] for i in sampling]
+        raw_logits = logits  # logprobs are reported from the model's raw distribution
+        logits = mask_min_tokens(logits, cu_logits, sampling, states, self.eos_token_ids)
         if num_draft.sum() == 0:
             if all(st.params.temperature == 0.0 for st in s_states):
                 tokens = logits.argmax(dim=-1)  # all greedy: nothing else to do
@@ -73,7 +102,7 @@ class StepSampler:
         cu[1:] = np.cumsum(np.bincount(sampling, weights=counts, minlength=R).astype(np.int32))
         want = [i for i in sampling if states[i].params.logprobs is not None]
         if want and not (self.disable_logprobs and num_draft.sum() > 0):
-            self._logprobs(logits, cu_logits, cu, flat, want, states, logprobs)
+            self._logprobs(raw_logits, cu_logits, cu, flat, want, states, logprobs)
         return Emitted(flat.astype(np.int64), cu, num_draft, accepted, logprobs)
 
     def _verify(self, logits, sched, s_states, sampling, n_rows, num_draft, draft_probs):
