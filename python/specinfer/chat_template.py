@@ -5,7 +5,8 @@ shipped with a model (in `tokenizer_config.json`, `chat_template.jinja` or the G
 `tokenizer.chat_template`) produces the same string here as there: a sandboxed jinja2
 environment with `trim_blocks` / `lstrip_blocks`, the `loopcontrols` extension, a `tojson` filter
 that keeps non-ASCII characters, and the `raise_exception` / `strftime_now` helpers; the variables
-are `messages`, `add_generation_prompt`, `bos_token`, `eos_token` (plus any extra keyword).
+are `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools` / `documents` (None
+unless given) and any extra keyword.
 
     tmpl = ChatTemplate.for_model(gen.engine.loaded)
     ids = tmpl.encode(gen.tokenizer, [{"role": "user", "content": "hi"}])
@@ -81,7 +82,9 @@ class ChatTemplate:
         _check_messages(messages)
         from jinja2 import TemplateError
 
-        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
+        # as transformers does: `tools` and `documents` are always defined (None when not given)
+        variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None, "documents": None,
+                     **kwargs}
         try:
             return self._template.render(messages=[dict(m) for m in messages],
                                          add_generation_prompt=add_generation_prompt, **variables)
