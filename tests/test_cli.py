@@ -53,7 +53,7 @@ def reference(tiny):
 
 
 # ------------------------------------------------------------------ help and dispatch
-@pytest.mark.parametrize("command", ["generate", "chat", "demo", "models"])
+@pytest.mark.parametrize("command", ["generate", "chat", "bench", "demo", "models"])
 def test_every_subcommand_has_help(command, capsys):
     from specinfer.cli import main
 

@@ -15,8 +15,10 @@ def add_arguments(p) -> None:
 
 
 def _bench_cli():
+    import importlib
+
     try:
-        from specinfer.bench import cli
+        cli = importlib.import_module("specinfer.bench.cli")
     except ModuleNotFoundError as e:
         if e.name and (e.name == "specinfer.bench" or e.name.startswith("specinfer.bench.")):
             raise CliError("the benchmark runner (specinfer.bench) is not available in this install") from None

@@ -54,6 +54,12 @@ def run(args) -> int:
             continue
         try:
             stats = session.turn(text, sys.stdout)
+        except KeyboardInterrupt:
+            if not interactive:
+                raise
+            session.messages.pop()  # Ctrl-C stops this answer, not the chat
+            print("\n[interrupted]", file=sys.stderr, flush=True)
+            continue
         except ValueError as e:  # e.g. the conversation no longer fits: this turn fails, the chat goes on
             print(f"specinfer chat: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
             continue
@@ -75,7 +81,8 @@ class ChatSession:
 
     def _prompt_ids(self) -> list[int]:
         """Token ids of the conversation; the oldest turns are dropped while it does not fit."""
-        limit = self.gen.engine.max_model_len - self.params.max_tokens
+        max_len = self.gen.engine.max_model_len
+        limit = max_len - min(self.params.max_tokens, max_len // 2)  # room for the answer
         while True:
             ids = self.template.encode(self.gen.tokenizer, self.messages)
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
