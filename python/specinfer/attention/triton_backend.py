@@ -1,0 +1,48 @@
+"""The CUDA attention backend: Triton KV store + one paged varlen attention launch per layer.
+
+Registered as "triton" (lazy: importing specinfer.attention does not import triton). On a CPU
+machine it runs under TRITON_INTERPRET=1, which is how the tests check it against torch_ref.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specinfer.attention.metadata import AttentionMetadata
+from specinfer.kernels.triton import paged_attention, reshape_and_cache
+
+
+@dataclass(frozen=True)
+class TritonPrepared:
+    slot_mapping: torch.Tensor  # int64[T] contiguous
+    query_start_loc: torch.Tensor  # int32[S + 1] contiguous
+    seq_lens: torch.Tensor  # int32[S] contiguous
+    block_table: torch.Tensor  # int32[S, W], unit column stride
+    max_query_len: int
+
+
+class TritonBackend:
+    name = "triton"
+
+    def prepare(self, meta: AttentionMetadata) -> TritonPrepared:
+        """Once per forward: the metadata in the dtypes and layout the kernels' contracts name."""
+        return TritonPrepared(
+            slot_mapping=meta.slot_mapping.to(torch.int64).contiguous(),
+            query_start_loc=meta.query_start_loc.to(torch.int32).contiguous(),
+            seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
+            block_table=meta.block_table.to(torch.int32).contiguous(),
+            max_query_len=int(meta.max_query_len),
+        )
+
+    def forward(self, q, k, v, kv_cache, prepared: TritonPrepared, scale: float) -> torch.Tensor:
+        # q [T, H, D], k/v [T, Hkv, D] (strided views allowed), kv_cache [2, NB, BS, Hkv, D] -> [T, H, D]
+        if k.dtype != kv_cache.dtype:
+            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        reshape_and_cache(k, v, kv_cache, prepared.slot_mapping)
+        if q.dtype != kv_cache.dtype:
+            out = paged_attention(q.to(kv_cache.dtype), kv_cache, prepared.block_table, prepared.query_start_loc,
+                                  prepared.seq_lens, prepared.max_query_len, scale)
+            return out.to(q.dtype)
+        return paged_attention(q, kv_cache, prepared.block_table, prepared.query_start_loc,
+                               prepared.seq_lens, prepared.max_query_len, scale)
