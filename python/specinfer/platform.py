@@ -4,6 +4,7 @@ Scheduler, proposer and sampler code never asks "is this CUDA?": they get a Plat
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -44,6 +45,11 @@ def _hpu_available() -> bool:
     return bool(getattr(torch, "hpu", None)) and torch.hpu.is_available()
 
 
+def _triton_available() -> bool:
+    """Whether triton is installed, without importing it (its import is slow and CUDA-probing)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def resolve_platform(device: str = "auto") -> Platform:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else ("hpu" if _hpu_available() else "cpu")
@@ -57,11 +63,11 @@ def resolve_platform(device: str = "auto") -> Platform:
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r} requested but CUDA is not available")
         dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return Platform("cuda", dev, dtype, "torch_ref")
+        return Platform("cuda", dev, dtype, "triton" if _triton_available() else "torch_ref")
     if dev.type == "hpu":
         if not _hpu_available():
             raise ValueError(f"device={device!r} requested but habana_frameworks is not available")
-        return Platform("hpu", dev, torch.bfloat16, "torch_ref")
+        return Platform("hpu", dev, torch.bfloat16, "hpu_flat")
     raise ValueError(f"device={device!r} is not supported (cpu, cuda, hpu)")
 
 
