@@ -20,6 +20,10 @@ class DenseBlockMetadata:
     batch_size: int  # B
     query_len: int  # Q
 
+    def to(self, device) -> "DenseBlockMetadata":
+        return DenseBlockMetadata(self.block_table.to(device), self.attn_bias.to(device), self.batch_size,
+                                  self.query_len)
+
 
 def build_dense_metadata(
     query_lens: torch.Tensor,  # int[b] query tokens of each real sequence

@@ -34,6 +34,10 @@ class FlatBlockMetadata:
     block_bias: torch.Tensor  # float32[NB, BS] additive mask: 0 valid, -inf past the sequence end
     batch_size: int  # B, the padded batch
 
+    def to(self, device) -> "FlatBlockMetadata":
+        return FlatBlockMetadata(self.block_list.to(device), self.block_groups.to(device),
+                                 self.block_mapping.to(device), self.block_bias.to(device), self.batch_size)
+
 
 def build_flat_metadata(
     seq_lens: torch.Tensor,  # int[b] context lengths of the real sequences (each >= 1)
@@ -78,7 +82,7 @@ def flat_paged_attention(
     G = H // Hkv
     NB = meta.block_list.shape[0]
     f32 = torch.float32
-    mapping = meta.block_mapping.to(query.device)
+    mapping = meta.block_mapping
     # batch -> block: every block gets its sequence's query (zeros for padding blocks)
     q_blocks = (mapping @ query.reshape(B, H * D).to(f32)).view(NB, Hkv, G, D)
     keys = kv_cache[0].index_select(0, meta.block_list).to(f32)  # [NB, BS, Hkv, D]
@@ -86,7 +90,7 @@ def flat_paged_attention(
     scores = torch.matmul(q_blocks, keys.permute(0, 2, 3, 1)) * scale  # [NB, Hkv, G, BS]
     scores = scores + meta.block_bias.view(NB, 1, 1, BS)
     block_max = scores.amax(-1)  # [NB, Hkv, G]; finite: every listed block holds a context token
-    seq_max = torch.full((B + 1, Hkv, G), float("-inf"), dtype=f32)
+    seq_max = torch.full((B + 1, Hkv, G), float("-inf"), dtype=f32, device=query.device)
     seq_max = seq_max.scatter_reduce(0, meta.block_groups.view(NB, 1, 1).expand(NB, Hkv, G), block_max, "amax")
     p = torch.exp(scores - seq_max.index_select(0, meta.block_groups).unsqueeze(-1))  # [NB, Hkv, G, BS]
     block_sums = p.sum(-1)  # [NB, Hkv, G]

@@ -40,6 +40,7 @@ class HpuFlatBackend:
 
     def prepare(self, meta: AttentionMetadata) -> HpuPrepared:
         T, bs = meta.num_tokens, meta.block_size
+        device = meta.slot_mapping.device  # metadata is built on the host, then moved once per forward
         qsl = meta.query_start_loc.to(torch.int64).cpu()
         q_lens = qsl[1:] - qsl[:-1]
         seq_lens = meta.seq_lens.to(torch.int64).cpu()
@@ -53,7 +54,7 @@ class HpuFlatBackend:
             flat = build_flat_metadata(seq_lens[dec], table[dec], bs, B, self.planner.pad(total_blocks, "blocks"))
             gather, scatter = torch.zeros(B, dtype=torch.int64), torch.full((B,), T, dtype=torch.int64)
             gather[: len(dec)] = scatter[: len(dec)] = qsl[dec]
-            decode = (flat, _Rows(gather, scatter))
+            decode = (flat.to(device), _Rows(gather.to(device), scatter.to(device)))
         dense = None
         if len(multi):
             B = self.planner.pad(len(multi), "batch")
@@ -67,7 +68,7 @@ class HpuFlatBackend:
             rows[: len(multi)] = qsl[multi].unsqueeze(1) + qi.unsqueeze(0)
             gather = torch.where(valid, rows, torch.zeros_like(rows)).flatten()
             scatter = torch.where(valid, rows, torch.full_like(rows, T)).flatten()
-            dense = (dm, _Rows(gather, scatter))
+            dense = (dm.to(device), _Rows(gather.to(device), scatter.to(device)))
         return HpuPrepared(meta.slot_mapping.to(torch.int64), T, decode, dense)
 
     def forward(self, q, k, v, kv_cache, prepared: HpuPrepared, scale: float) -> torch.Tensor:

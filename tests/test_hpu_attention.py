@@ -1,0 +1,266 @@
+"""The Gaudi path in plain torch, on CPU: flat block-list attention, the bucketed dense path,
+shape buckets and bucket-aware speculation length, against the torch reference."""
+import math
+
+import pytest
+import torch
+
+from specinfer.attention import AttentionMetadata, get_backend
+from specinfer.attention.hpu_backend import HpuFlatBackend
+from specinfer.kernels.hpu import BucketConfig, BucketPlanner, bucket_range, build_flat_metadata
+
+
+def make_batch(seqs, block_size, H, hkv, D, dtype=torch.float32, seed=0, table_pad=2):
+    """A random paged batch. seqs: (cached context c, query length n) per sequence; blocks are
+    scattered; q/k/v are strided views of one fused qkv tensor, as the model hands them over.
+    Returns meta, cache (context already written), q, k, v and the full per-sequence k/v."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(math.ceil((c + n) / block_size) for c, n in seqs) + 3
+    cache = torch.zeros(2, num_blocks, block_size, hkv, D, dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    full_k, full_v, tables, slots, qsl, lens = [], [], [], [], [0], []
+    for c, n in seqs:
+        L = c + n
+        blocks = [perm.pop() for _ in range(math.ceil(L / block_size))]
+        kk = torch.randn(L, hkv, D, generator=g).to(dtype)
+        vv = torch.randn(L, hkv, D, generator=g).to(dtype)
+        for p in range(c):  # what earlier steps wrote
+            cache[0, blocks[p // block_size], p % block_size] = kk[p]
+            cache[1, blocks[p // block_size], p % block_size] = vv[p]
+        full_k.append(kk), full_v.append(vv), tables.append(blocks), lens.append(L)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(c, L)]
+        qsl.append(qsl[-1] + n)
+    W = max(len(t) for t in tables) + table_pad
+    bt = torch.tensor([t + [0] * (W - len(t)) for t in tables], dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=bt, block_size=block_size,
+        max_query_len=max(n for _, n in seqs), max_seq_len=max(lens))
+    T = qsl[-1]
+    qkv = torch.randn(T, (H + 2 * hkv) * D, generator=g).to(dtype)
+    q = qkv[:, : H * D].view(T, H, D)
+    k = torch.cat([kk[c:] for kk, (c, _) in zip(full_k, seqs)])
+    v = torch.cat([vv[c:] for vv, (c, _) in zip(full_v, seqs)])
+    qkv[:, H * D:(H + hkv) * D] = k.reshape(T, -1)
+    qkv[:, (H + hkv) * D:] = v.reshape(T, -1)
+    k = qkv[:, H * D:(H + hkv) * D].view(T, hkv, D)  # strided views (token stride (H + 2 Hkv) D)
+    v = qkv[:, (H + hkv) * D:].view(T, hkv, D)
+    return meta, cache, q, k, v, full_k, full_v
+
+
+def dense_oracle(q, full_k, full_v, seqs, qsl, scale):
+    """fp32 causal attention per sequence, the query at the end of its context."""
+    out = []
+    for i, (c, n) in enumerate(seqs):
+        qq, kk, vv = q[qsl[i]:qsl[i + 1]].float(), full_k[i].float(), full_v[i].float()
+        H, Hkv = qq.shape[1], kk.shape[1]
+        kk, vv = kk.repeat_interleave(H // Hkv, 1), vv.repeat_interleave(H // Hkv, 1)
+        L = c + n
+        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
+        s = s.masked_fill(torch.arange(L).unsqueeze(0) > torch.arange(c, L).unsqueeze(1), float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vv))
+    return torch.cat(out)
+
+
+def run_backend(backend, meta, cache, q, k, v, scale):
+    return backend.forward(q, k, v, cache, backend.prepare(meta), scale)
+
+
+MIXED = [(7, 1), (12, 5), (3, 40), (0, 33), (0, 1), (20, 17)]  # decode, verification, prefills
+DECODES = [(7, 1), (30, 1), (0, 1), (12, 1), (16, 1)]
+
+
+@pytest.mark.parametrize("seqs", [DECODES, MIXED, [(9, 1)] * 3, [(5, 4), (2, 4)]], ids=["decode", "mixed", "equal", "mqa"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("H,hkv,D", [(4, 4, 8), (4, 1, 8), (6, 2, 80)])
+def test_hpu_flat_matches_reference(seqs, block_size, H, hkv, D):
+    meta, cache, q, k, v, fk, fv = make_batch(seqs, block_size, H, hkv, D)
+    cache_ref = cache.clone()
+    out = run_backend(HpuFlatBackend(), meta, cache, q, k, v, D ** -0.5)
+    ref = run_backend(get_backend("torch_ref"), meta, cache_ref, q, k, v, D ** -0.5)
+    torch.testing.assert_close(cache, cache_ref, atol=0, rtol=0)  # the KV store wrote the same slots
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    want = dense_oracle(q, fk, fv, seqs, meta.query_start_loc.tolist(), D ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_hpu_flat_bf16():
+    meta, cache, q, k, v, fk, fv = make_batch(MIXED, 4, 4, 2, 64, dtype=torch.bfloat16)
+    out = run_backend(HpuFlatBackend(), meta, cache, q, k, v, 64 ** -0.5)
+    assert out.dtype == torch.bfloat16
+    want = dense_oracle(q, fk, fv, MIXED, meta.query_start_loc.tolist(), 64 ** -0.5)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_batch_expanded_verification_equals_mqa(block_size):
+    """Each request's 1 + k verification tokens as k + 1 single-token decodes (the batch_expansion
+    scorer on the flat decode path) give what one multi-token query gives under torch_ref."""
+    H, hkv, D = 4, 2, 8
+    runs = [(9, 4), (3, 3), (14, 1)]  # (context, 1 + k)
+    meta, cache, q, k, v, fk, fv = make_batch(runs, block_size, H, hkv, D)
+    cache_ref = cache.clone()
+    mqa = run_backend(get_backend("torch_ref"), meta, cache_ref, q, k, v, D ** -0.5)
+    # expand: token j of run s becomes its own sequence of length c + j + 1, same block table row
+    rows, lens = [], []
+    for s, (c, n) in enumerate(runs):
+        rows += [s] * n
+        lens += [c + j + 1 for j in range(n)]
+    T = len(rows)
+    expanded = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, query_start_loc=torch.arange(T + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=meta.block_table[rows],
+        block_size=block_size, max_query_len=1, max_seq_len=max(lens))
+    backend = HpuFlatBackend()
+    prepared = backend.prepare(expanded)
+    assert prepared.multi is None and prepared.decode is not None  # all on the flat decode path
+    out = backend.forward(q, k, v, cache, prepared, D ** -0.5)
+    torch.testing.assert_close(out, mqa, atol=1e-5, rtol=1e-5)
+
+
+def test_flat_metadata_by_hand():
+    # two sequences, block_size 4: lengths 5 (blocks 7, 2) and 3 (block 9); padded to B=4, NB=8
+    m = build_flat_metadata(torch.tensor([5, 3]), torch.tensor([[7, 2, 0], [9, 0, 0]]), 4, 4, 8)
+    assert m.block_list.tolist() == [7, 2, 9, 0, 0, 0, 0, 0]
+    assert m.block_groups.tolist() == [0, 0, 1, 4, 4, 4, 4, 4]  # padding -> the discard row B
+    assert m.block_mapping.shape == (8, 4)
+    assert m.block_mapping[:3].argmax(1).tolist() == [0, 0, 1] and m.block_mapping[3:].sum() == 0
+    inf = float("-inf")
+    assert m.block_bias[:3].tolist() == [[0, 0, 0, 0], [0, inf, inf, inf], [0, 0, 0, inf]]
+    assert bool((m.block_bias[3:] == 0).all())
+
+
+def test_shapes_are_static_within_a_bucket():
+    """Two different decode batches in one bucket produce identically shaped tensors."""
+    backend = HpuFlatBackend(BucketPlanner(BucketConfig(batch_buckets=(4, 8), block_buckets=(16, 32))))
+    shapes = []
+    for seqs in ([(3, 1), (9, 1)], [(1, 1), (2, 1), (20, 1)]):
+        meta = make_batch(seqs, 2, 2, 1, 8)[0]
+        flat, rows = backend.prepare(meta).decode
+        shapes.append((flat.block_list.shape, flat.block_mapping.shape, flat.block_bias.shape, rows.gather.shape))
+    assert shapes[0] == shapes[1] == (torch.Size([16]), torch.Size([16, 4]), torch.Size([16, 2]), torch.Size([4]))
+    assert not backend.planner.cold_shapes
+
+
+def test_cold_shape_is_recorded_not_fatal():
+    planner = BucketPlanner(BucketConfig(batch_buckets=(1, 2), block_buckets=(4,)))
+    meta, cache, q, k, v, fk, fv = make_batch([(9, 1), (5, 1), (3, 1)], 2, 2, 1, 8)
+    out = run_backend(HpuFlatBackend(planner), meta, cache, q, k, v, 8 ** -0.5)
+    want = dense_oracle(q, fk, fv, [(9, 1), (5, 1), (3, 1)], meta.query_start_loc.tolist(), 8 ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert planner.cold_shapes == {("batch", 4), ("blocks", 12)}
+
+
+def test_bucket_range_and_pad():
+    assert bucket_range(1, 32, 128) == (1, 2, 4, 8, 16, 32, 64, 96, 128)
+    assert bucket_range(16, 128, 300) == (16, 32, 64, 128, 256, 300)
+    planner = BucketPlanner(BucketConfig(batch_buckets=(1, 2, 4, 8), spec_lengths=(0, 2, 4),
+                                         prefill_query_buckets=(16, 64)))
+    assert [planner.pad(n, "batch") for n in (1, 3, 5, 8)] == [1, 4, 8, 8]
+    assert planner.config.query_buckets == (1, 3, 5, 16, 64)  # 1 + k for every warmed k, then prefill
+    assert planner.pad(2, "query") == 3 and planner.pad(4, "query") == 5
+    with pytest.raises(ValueError, match="axis"):
+        planner.pad(1, "tokens")
+
+
+def test_speculation_length_never_picks_an_unwarmed_k():
+    planner = BucketPlanner(BucketConfig(batch_buckets=(1, 2, 4, 8, 16), spec_lengths=(0, 2, 4)))
+    assert planner.warmed_speculation_lengths() == (0, 2, 4)
+    assert planner.speculation_length(4, 4) == 4
+    assert planner.speculation_length(3, 4) == 2  # 3 was not warmed up: the next smaller warmed k
+    assert planner.speculation_length(1, 4) == 0
+    assert planner.speculation_length(9, 4) == 4
+    # batch expansion: 4 requests * (k + 1) decode rows must fit the largest batch bucket (16)
+    assert planner.speculation_length(4, 4, "batch_expansion") == 2  # 4 * 5 = 20 > 16; 4 * 3 = 12
+    assert planner.speculation_length(4, 9, "batch_expansion") == 0  # 9 * 3 = 27 > 16
+    assert planner.speculation_length(4, 17) == 0  # mqa: 17 requests exceed every batch bucket
+    for wanted in range(8):
+        for n in range(1, 20):
+            for scorer in ("mqa", "batch_expansion"):
+                assert planner.speculation_length(wanted, n, scorer) in (0, 2, 4)
+    with pytest.raises(ValueError, match="scorer"):
+        planner.speculation_length(2, 1, "tree")
+
+
+@pytest.mark.parametrize("bad, field", [(dict(batch_buckets=()), "batch_buckets"),
+                                        (dict(block_buckets=(8, 4)), "block_buckets"),
+                                        (dict(spec_lengths=(1, 2)), "spec_lengths"),
+                                        (dict(context_block_buckets=(0, 4)), "context_block_buckets")])
+def test_bucket_config_validation_names_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        BucketConfig(**bad)
+
+
+def test_device_wrappers_import_habana_lazily():
+    """graphs.py imports anywhere; its calls need habana_frameworks (absent here)."""
+    from specinfer.kernels.hpu import graphs
+
+    cache = graphs.HpuGraphCache(lambda x: x)
+    assert len(cache) == 0
+    try:
+        import habana_frameworks  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            graphs.mark_step()
+
+
+def test_registry_and_platform_choose_hpu_flat():
+    from specinfer.attention import available_backends
+
+    assert "hpu_flat" in available_backends()
+    assert isinstance(get_backend("hpu_flat"), HpuFlatBackend)
+
+
+def model_logits(tiny_dir, backend_name, block_size=4, dtype=torch.float32):
+    """Two steps of a tiny llama through ModelRunner: a prefill chunk step, then a mixed step
+    (prefill continuation, a decode, a 1 + 3 verification run). Returns both steps' logits."""
+    from specinfer.engine.kv_cache import allocate_kv_caches
+    from specinfer.engine.model_runner import ModelRunner
+    from specinfer.loader import load_model
+
+    path, _ = tiny_dir("llama", kv_heads=2)
+    lm = load_model(path, dtype=dtype)
+    caches = allocate_kv_caches(lm.model, 40, block_size, dtype, "cpu")
+    runner = ModelRunner(lm.model, caches, get_backend(backend_name))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 200, (n,), generator=g) for n in (13, 6, 9)]
+    tables = [[5, 17, 2, 30, 11, 8], [22, 3, 36, 14, 0, 0], [9, 25, 1, 33, 0, 0]]
+
+    def step(spans):  # spans: (seq, start, end) token positions computed this step
+        ids, pos, slots, qsl, lens = [], [], [], [0], []
+        for s, a, b in spans:
+            ids.append(prompts[s][a:b])
+            pos += list(range(a, b))
+            slots += [tables[s][p // block_size] * block_size + p % block_size for p in range(a, b)]
+            qsl.append(qsl[-1] + b - a)
+            lens.append(b)
+        meta = AttentionMetadata(torch.tensor(slots), torch.tensor(qsl, dtype=torch.int32),
+                                 torch.tensor(lens, dtype=torch.int32),
+                                 torch.tensor([tables[s] for s, _, _ in spans], dtype=torch.int32),
+                                 block_size, max(b - a for _, a, b in spans), max(lens))
+        hidden, _ = runner.forward(torch.cat(ids), torch.tensor(pos), meta)
+        return runner.logits(hidden)
+
+    first = step([(0, 0, 8), (1, 0, 5), (2, 0, 5)])
+    second = step([(0, 8, 13), (1, 5, 6), (2, 5, 9)])  # prefill chunk, decode, verification 1 + 3
+    return torch.cat([first, second])
+
+
+def test_tiny_model_logits_hpu_flat_equal_torch_ref(tiny_dir):
+    ref = model_logits(tiny_dir, "torch_ref")
+    out = model_logits(tiny_dir, "hpu_flat")
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.hpu
+def test_hpu_flat_on_gaudi():  # pragma: no cover - needs a Gaudi device
+    import habana_frameworks.torch  # noqa: F401
+
+    meta, cache, q, k, v, fk, fv = make_batch(MIXED, 16, 4, 2, 64, dtype=torch.bfloat16)
+    dev = torch.device("hpu")
+    meta_dev = AttentionMetadata(*(t.to(dev) if isinstance(t, torch.Tensor) else t for t in
+                                   (meta.slot_mapping, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                                    meta.block_size, meta.max_query_len, meta.max_seq_len)))
+    out = run_backend(HpuFlatBackend(), meta_dev, cache.to(dev), q.to(dev), k.to(dev), v.to(dev), 64 ** -0.5)
+    want = dense_oracle(q, fk, fv, MIXED, meta.query_start_loc.tolist(), 64 ** -0.5)
+    torch.testing.assert_close(out.cpu().float(), want, atol=2e-2, rtol=2e-2)
