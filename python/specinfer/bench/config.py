@@ -65,7 +65,9 @@ class BenchConfig:
     temperature: float = 0.0
     ignore_eos: bool = False
     dtype: str = "float32"
-    threads: int = 1  # torch intra-op threads, set explicitly and recorded
+    # torch intra-op threads, set explicitly and recorded. 1 by default: on a shared 2-core box two
+    # OpenMP threads spin-wait against other processes and run several times slower
+    threads: int = 1
     warmup: bool = True
     use_chat_template: bool = True
     prompt_dir: str | None = None  # default: the shipped sets
@@ -162,19 +164,19 @@ PRESETS: dict[str, dict] = {
         notes="a one-minute check that the runner works end to end"),
     "engine-throughput": dict(
         name="engine-throughput", model=SMOL, tasks=("mixed",), num_prompts=3, batch_sizes=(1, 16, 64),
-        max_tokens=48, repeats=3, ignore_eos=True, threads=2,
+        max_tokens=48, repeats=3, ignore_eos=True,
         methods=[dict(name="specinfer"), dict(name="hf-generate", engine="hf")],
         notes="decode throughput of the engine without speculation vs HF transformers generate, same GGUF "
               "file, fp32; 'mixed' prompts have mixed lengths. batch 1 runs the first 3 prompts one by one."),
     "smollm2-ngram": dict(
         name="smollm2-ngram", model=SMOL, tasks=("code_editing", "summarization", "qa"), num_prompts=2,
-        max_tokens=96, repeats=3, threads=2,
+        max_tokens=96, repeats=3,
         methods=[dict(name="no-spec"), dict(name="ngram-k4", speculative=_ngram(4)),
                  dict(name="hf-prompt-lookup", engine="hf", mode="prompt_lookup", num_speculative_tokens=4)],
         notes="n-gram prompt lookup on SmolLM2-135M; code_editing / summarization / qa are input-grounded"),
     "qwen-draft": dict(
         name="qwen-draft", model=QWEN, dtype="bfloat16", tasks=("code_completion",), num_prompts=2,
-        max_tokens=32, repeats=2, threads=2,
+        max_tokens=32, repeats=2,
         methods=[dict(name="no-spec"), dict(name="draft-k4", speculative=_draft(QWEN_DRAFT, 4)),
                  dict(name="draft-alone", model=QWEN_DRAFT, role="cost"),
                  dict(name="hf-generate", engine="hf"),
@@ -183,7 +185,7 @@ PRESETS: dict[str, dict] = {
         notes="Qwen2.5-Coder 1.5B target / 0.5B draft; c measured from the draft alone vs the target alone"),
     "batch32": dict(
         name="batch32", model=SMOL, tasks=("mixed",), num_prompts=32, batch_sizes=(32,), max_tokens=48,
-        repeats=3, threads=2,
+        repeats=3,
         methods=[dict(name="no-spec"),
                  dict(name="ngram-k4-disable16", speculative=_ngram(4, disable_by_batch_size=16)),
                  dict(name="ngram-k4", speculative=_ngram(4))],
