@@ -62,15 +62,43 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=160, metavar="N", help="tokens per prompt at most "
                    "(default: 160)")
     p.add_argument("--batch", action="store_true", help="run the prompts as one batch instead of one by one")
+    p.add_argument("--threads", default="auto", metavar="N|auto", help="torch CPU threads; auto (default) uses "
+                   "the cores the load average leaves idle, since busy cores make OpenMP threads wait on each other")
 
 
-def _run(gen, prompts, params, batch: bool):
+def _threads(value: str, default: int) -> int:
+    if value == "auto":
+        import os
+
+        try:
+            idle = (os.cpu_count() or 1) - round(os.getloadavg()[0])
+        except OSError:  # no load average on this platform
+            return default
+        return max(1, min(default, idle))
+    if not value.isdigit() or int(value) < 1:
+        raise CliError(f"--threads must be 'auto' or an integer >= 1 (got {value!r})")
+    return int(value)
+
+
+def _timed(gen, prompts, params):
     t0 = time.perf_counter()
-    if batch:
-        outs = gen.generate(prompts, params, use_tqdm=False)
-    else:
-        outs = [gen.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    outs = gen.generate(prompts, params, use_tqdm=False)
     return outs, time.perf_counter() - t0
+
+
+def _side_by_side(plain, plain_params, fast, params, prompts, batch: bool):
+    """Plain and speculative runs interleaved prompt by prompt (or one batch each), so that a
+    noisy machine slows both alike: (plain outputs, plain seconds, spec outputs, spec seconds)."""
+    groups = [prompts] if batch else [[p] for p in prompts]
+    base, spec, t_base, t_spec = [], [], 0.0, 0.0
+    for group in groups:
+        outs, dt = _timed(plain, group, plain_params)
+        base += outs
+        t_base += dt
+        outs, dt = _timed(fast, group, params)
+        spec += outs
+        t_spec += dt
+    return base, t_base, spec, t_spec
 
 
 def run(args) -> int:
@@ -85,10 +113,14 @@ def run(args) -> int:
                              model=args.draft if args.method == "draft_model" else None)
     if args.draft and args.method != "draft_model":
         raise CliError("--draft is only used by --method draft_model")
+    if args.threads != "auto":
+        _threads(args.threads, 1)
     import torch
 
     from specinfer import Generator, SamplingParams
     from specinfer.chat_template import ChatTemplate
+
+    torch.set_num_threads(_threads(args.threads, torch.get_num_threads()))
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     t0 = time.perf_counter()
@@ -103,11 +135,9 @@ def run(args) -> int:
     print(f"loaded in {time.perf_counter() - t0:.1f} s; {len(prompts)} prompts, greedy, max {args.max_tokens} "
           f"tokens each, {torch.get_num_threads()} torch thread(s)", flush=True)
     warm = SamplingParams(max_tokens=4, temperature=0.0)
-    _run(plain, prompts[:1], dataclasses.replace(warm, speculate=plain_params.speculate), False)
-    _run(fast, prompts[:1], warm, False)
+    _side_by_side(plain, dataclasses.replace(warm, speculate=plain_params.speculate), fast, warm, prompts[:1], False)
 
-    base, t_base = _run(plain, prompts, plain_params, args.batch)
-    spec_outs, t_spec = _run(fast, prompts, params, args.batch)
+    base, t_base, spec_outs, t_spec = _side_by_side(plain, plain_params, fast, params, prompts, args.batch)
     for i, (a, b) in enumerate(zip(base, spec_outs)):
         print(f"\n--- prompt {i + 1}: {MESSAGES[i].splitlines()[0]}\n--- answer ({len(b.token_ids)} tokens, "
               f"{b.num_accepted_tokens}/{b.num_draft_tokens} draft tokens accepted"

@@ -24,6 +24,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default: auto, "
                    "fp32 on CPU)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or hpu (default: auto)")
+    g.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch (default: "
+                   "torch's own choice)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest sequence (prompt + output) in tokens (default: the model's limit)")
     g.add_argument("--block-size", type=int, default=16, metavar="N", help="KV cache block size in tokens")
@@ -113,7 +115,8 @@ def sampling_params(args, **overrides):
 
 
 def engine_kwargs(args) -> dict:
-    for flag in ("max_model_len", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens"):
+    for flag in ("threads", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
+                 "max_num_batched_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
@@ -126,6 +129,10 @@ def load_generator(args, spec):
     """Build the Generator (the slow part), after every cheap check has passed."""
     from specinfer.generator import Generator
 
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     return Generator(args.model, speculative=spec, **engine_kwargs(args))
 
 
