@@ -276,6 +276,10 @@ def test_demo_on_smollm2_gives_identical_greedy_text():
     assert out.count("--- answer (") == 3
 
 
-def test_demo_bad_arguments(tiny):
+def test_demo_bad_arguments():
     assert_one_line_error(run_cli("demo", "-k", 0, timeout=60), "demo", "num_speculative_tokens")
     assert_one_line_error(run_cli("demo", "--model", "nope", timeout=60), "demo", "'nope'")
+
+
+def test_demo_threads_flag_is_checked_before_loading():
+    assert_one_line_error(run_cli("demo", "--threads", "two", timeout=60), "demo", "--threads")
