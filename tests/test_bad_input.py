@@ -113,3 +113,14 @@ def test_abort_and_streaming(gen):
     assert pieces[-1].finished and pieces[-1].finish_reason == "length"
     assert sum(len(p.new_token_ids) for p in pieces) == 6 == len(pieces[-1].token_ids)
     assert "".join(p.new_text for p in pieces) == pieces[-1].text
+
+
+def test_default_max_model_len_is_capped_to_the_kv_pool(tiny_dir):
+    path, _ = tiny_dir("llama", False)
+    with pytest.warns(UserWarning, match="max_model_len capped at 64"):
+        gen = Generator(str(path), block_size=4, num_kv_blocks=16)  # the model allows 512
+    assert gen.engine.max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len"):
+        gen.generate([list(range(3, 70))], SamplingParams(max_tokens=2), use_tqdm=False)
+    gen.reset_metrics()
+    assert gen.spec_metrics()["num_drafts"] == 0

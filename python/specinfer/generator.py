@@ -98,3 +98,6 @@ class Generator:
 
     def spec_metrics(self) -> dict:
         return self.engine.spec_metrics()
+
+    def reset_metrics(self) -> None:
+        self.engine.reset_metrics()

@@ -26,15 +26,27 @@ class Platform:
             import habana_frameworks.torch.hpu as hthpu  # noqa: F401
 
             return int(torch.hpu.mem_get_info()[0])
-        try:
-            pages = os.sysconf("SC_AVPHYS_PAGES")
-            return int(pages * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError):  # pragma: no cover - non-POSIX
-            return 8 << 30
+        return _host_available_bytes()
 
     def synchronize(self) -> None:
         if self.name == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable (free + reclaimable page cache), not bare free pages: the budget must not
+    swing with whatever other processes happen to have cached."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 8 << 30
 
 
 def _hpu_available() -> bool:

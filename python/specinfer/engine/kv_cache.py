@@ -11,6 +11,11 @@ def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
                for m in models)
 
 
+def budget_blocks(*, block_bytes: int, available_bytes: int, memory_fraction: float, max_bytes: int) -> int:
+    """How many blocks the KV memory budget holds."""
+    return min(int(available_bytes * memory_fraction), max_bytes) // block_bytes
+
+
 def choose_num_blocks(num_kv_blocks: int | None, *, block_size: int, max_model_len: int, block_bytes: int,
                       available_bytes: int, memory_fraction: float, max_bytes: int) -> int:
     """Blocks for the pool: the user's count, or as many as the memory budget allows.
@@ -20,7 +25,8 @@ def choose_num_blocks(num_kv_blocks: int | None, *, block_size: int, max_model_l
     needed = -(-max_model_len // block_size)
     if num_kv_blocks is None:
         budget = min(int(available_bytes * memory_fraction), max_bytes)
-        num_kv_blocks = budget // block_bytes
+        num_kv_blocks = budget_blocks(block_bytes=block_bytes, available_bytes=available_bytes,
+                                      memory_fraction=memory_fraction, max_bytes=max_bytes)
         if num_kv_blocks < needed:
             raise ValueError(
                 f"num_kv_blocks: the KV memory budget ({budget / 2**20:.0f} MiB) holds {num_kv_blocks} blocks of "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ from specinfer.attention import get_backend
 from specinfer.config import CacheConfig, SchedulerConfig
 from specinfer.engine.batch import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
-from specinfer.engine.kv_cache import allocate_kv_caches, bytes_per_block, choose_num_blocks
+from specinfer.engine.kv_cache import allocate_kv_caches, budget_blocks, bytes_per_block, choose_num_blocks
 from specinfer.engine.model_loading import load_any
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.request_state import RequestState
@@ -62,13 +63,13 @@ class LLMEngine:
             ctx = ProposerContext(self.loaded, load, cache_cfg.block_size, self.device, self.default_generator)
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
-        self.max_model_len = self._max_model_len(sched_cfg.max_model_len, kv_models)
         self.block_size = cache_cfg.block_size
+        budget = dict(block_bytes=bytes_per_block(kv_models, self.block_size, self.dtype),
+                      available_bytes=self.platform.available_memory_bytes(),
+                      memory_fraction=cache_cfg.kv_cache_memory_fraction, max_bytes=cache_cfg.kv_cache_max_bytes)
+        self.max_model_len = self._max_model_len(sched_cfg.max_model_len, kv_models, cache_cfg, budget)
         self.num_kv_blocks = choose_num_blocks(
-            cache_cfg.num_kv_blocks, block_size=self.block_size, max_model_len=self.max_model_len,
-            block_bytes=bytes_per_block(kv_models, self.block_size, self.dtype),
-            available_bytes=self.platform.available_memory_bytes(),
-            memory_fraction=cache_cfg.kv_cache_memory_fraction, max_bytes=cache_cfg.kv_cache_max_bytes)
+            cache_cfg.num_kv_blocks, block_size=self.block_size, max_model_len=self.max_model_len, **budget)
         backend = get_backend(self.platform.attention_backend)
         caches = [allocate_kv_caches(m, self.num_kv_blocks, self.block_size, self.dtype, self.device)
                   for m in kv_models]
@@ -92,9 +93,17 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests
-    def _max_model_len(self, requested, kv_models) -> int:
+    def _max_model_len(self, requested, kv_models, cache_cfg, budget) -> int:
         limit = min(m.config.max_position_embeddings for m in [self.loaded.model, *kv_models[1:]])
         if requested is None:
+            # the model's own limit, capped (with a warning) to what the KV pool can hold
+            blocks = cache_cfg.num_kv_blocks or budget_blocks(**budget)
+            fits = blocks * cache_cfg.block_size
+            if fits < limit:
+                warnings.warn(f"max_model_len capped at {fits} tokens (the model allows {limit}): that is what "
+                              f"{blocks} KV blocks of {cache_cfg.block_size} tokens hold; set max_model_len or "
+                              "num_kv_blocks to choose", stacklevel=4)
+                return int(fits)
             return int(limit)
         if requested > limit:
             raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings ({limit})")
@@ -160,6 +169,11 @@ class LLMEngine:
 
     def spec_metrics(self) -> dict:
         return self.metrics.as_dict()
+
+    def reset_metrics(self) -> None:
+        """Start the engine-level speculation metrics afresh (e.g. after a warm-up run)."""
+        self.metrics = SpecMetrics(self.metrics.k)
+        self.num_mixed_steps = 0
 
     # ------------------------------------------------------------------ the step
     def step(self, final_only: bool = False) -> list[RequestOutput]:
