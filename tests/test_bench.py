@@ -234,6 +234,10 @@ def test_runner_rows_hold_speedups_and_acceptance(tiny_results):
             assert self_draft["acceptance_rate"] == pytest.approx(1.0)
             assert self_draft["accepted_per_position"] == pytest.approx([1.0, 1.0, 1.0])
             assert self_draft["c"] > 0 and math.isfinite(self_draft["theoretical_speedup"])
+            assert self_draft["verify_step_cost"] > 0 and base["verify_step_cost"] == pytest.approx(1.0)
+            v, k, c = self_draft["verify_step_cost"], 3, self_draft["c"]
+            assert self_draft["theoretical_speedup_with_verify_cost"] == pytest.approx(
+                theoretical_speedup(1.0, k, c) * (k * c + 1) / (k * c + v))
             assert isinstance(self_draft["speedup"], float)
             ng = rows[("ngram-k2", b, task)]
             assert 0.0 <= ng["acceptance_rate"] <= 1.0 and len(ng["accepted_per_position"]) == 2

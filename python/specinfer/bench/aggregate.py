@@ -89,7 +89,14 @@ def build_rows(cfg: BenchConfig, runs: list[dict]) -> tuple[list[dict], dict]:
                     "speedup_of_medians": ratio(median(tps.values()), median(base_tps.values())),
                 }
                 spec = _pool([x for v in reps.values() for x in v[3]])
-                if spec is not None:
+                base_pool = _pool([x for v in baseline.values() for x in v[3]])
+                if spec is not None and spec["num_steps"]:
+                    # target forward (+ schedule + logits) time per engine step: a verification step
+                    # of 1 + k tokens against a plain decode step of the baseline
+                    row["score_s_per_step"] = spec["score_s"] / spec["num_steps"]
+                    if base_pool is not None and base_pool["num_steps"] and base_pool["score_s"]:
+                        row["verify_step_cost"] = row["score_s_per_step"] / (base_pool["score_s"] / base_pool["num_steps"])
+                if spec is not None and m.k:
                     k = m.k
                     if costs.get(b, {}).get("c") is not None and (m.speculative or {}).get("method") == "draft_model":
                         c, c_src = costs[b]["c"], costs[b]["source"]
@@ -98,6 +105,9 @@ def build_rows(cfg: BenchConfig, runs: list[dict]) -> tuple[list[dict], dict]:
                         c_src = "propose_s / (k * score_s) from the engine's time split"
                     alpha = min(max(spec["acceptance_rate"], 0.0), 1.0)
                     theory = theoretical_speedup(alpha, k, c)
+                    v = row.get("verify_step_cost")
+                    if v:  # the same model with the measured cost of a verification step instead of 1
+                        row["theoretical_speedup_with_verify_cost"] = theory * (k * c + 1.0) / (k * c + v)
                     row.update(spec=spec, acceptance_rate=spec["acceptance_rate"],
                                mean_acceptance_length=spec["mean_acceptance_length"],
                                accepted_per_position=spec["accepted_per_position"],

@@ -43,7 +43,7 @@ class SpecinferEngine:
         outs = self.gen.generate(prompts, params, use_tqdm=False)
         tokens = sum(len(o.token_ids) for o in outs)
         m = eng.metrics
-        metrics = self.gen.spec_metrics() if self.k else None
+        metrics = self.gen.spec_metrics()  # the time split is kept without speculation too
         if metrics is not None:  # raw counts too, so runs can be pooled exactly
             metrics.update(drafts_at=m.drafts_at.tolist(), accepted_at=m.accepted_at.tolist(),
                            num_emitted_tokens=m.num_emitted_tokens, max_emittable_tokens=m.max_emittable_tokens)

@@ -8,7 +8,7 @@ def _f(x, fmt="{:.2f}"):
 
 def format_table(results: dict, markdown: bool = False) -> str:
     head = ["method", "batch", "task", "tok/s med [min-max]", "cpu ms/tok", "speedup", "alpha", "acc len",
-            "k", "c", "theory", "ach/theory"]
+            "k", "c", "theory", "ach/theory", "verify/step", "theory|v"]
     lines = []
     for r in results["rows"]:
         if "error" in r:
@@ -23,6 +23,7 @@ def format_table(results: dict, markdown: bool = False) -> str:
             _f(r.get("acceptance_rate")), _f(r.get("mean_acceptance_length")),
             str(r["k"]) if r.get("k") else "-", _f(r.get("c"), "{:.3f}"),
             _f(r.get("theoretical_speedup")), _f(r.get("achieved_over_theoretical")),
+            _f(r.get("verify_step_cost")) if r.get("k") else "-", _f(r.get("theoretical_speedup_with_verify_cost")),
         ])
     for name, why in results.get("unavailable", {}).items():
         lines.append([name, "-", "-", "unavailable: " + why[:80]] + [""] * (len(head) - 4))
