@@ -133,6 +133,19 @@ def test_rows_speedup_is_the_median_of_ratios_paired_by_repeat():
     assert spec["theoretical_speedup"] == pytest.approx(theoretical_speedup(0.5, 2, 0.1))
     assert spec["achieved_over_theoretical"] == pytest.approx(2.5 / theoretical_speedup(0.5, 2, 0.1))
     assert spec["cpu_s_per_token"] == pytest.approx(7.0 / 300)
+    assert spec["speedup_cpu"] == pytest.approx(2.5)  # cpu_s = wall_s / 2 in these runs
+
+
+def test_reaggregate_rebuilds_rows_from_runs(tiny_results, tmp_path):
+    from specinfer.bench.runner import reaggregate
+
+    results, _ = tiny_results
+    stale = {**json.loads(json.dumps(results)), "rows": []}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(stale))
+    rebuilt = reaggregate(path, plots=False)
+    assert rebuilt["rows"] == json.loads(json.dumps(results["rows"]))
+    assert json.loads(path.read_text())["rows"] == rebuilt["rows"]
 
 
 def test_rows_take_c_from_the_draft_alone_when_measured():

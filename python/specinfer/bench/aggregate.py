@@ -72,6 +72,11 @@ def build_rows(cfg: BenchConfig, runs: list[dict]) -> tuple[list[dict], dict]:
                 tps = {r: v[0] / v[1] for r, v in reps.items() if v[1] > 0}
                 base_tps = {r: v[0] / v[1] for r, v in baseline.items() if v[1] > 0}
                 paired = [tps[r] / base_tps[r] for r in tps if r in base_tps and base_tps[r]]
+                # the same ratio on process CPU time: steadier than wall time on a shared machine
+                # (peers in their own process report that process's CPU time)
+                cps = {r: v[0] / v[2] for r, v in reps.items() if v[2] > 0}
+                base_cps = {r: v[0] / v[2] for r, v in baseline.items() if v[2] > 0}
+                paired_cpu = [cps[r] / base_cps[r] for r in cps if r in base_cps and base_cps[r]]
                 tokens = sum(v[0] for v in reps.values())
                 cpu = sum(v[2] for v in reps.values())
                 row = {
@@ -87,6 +92,8 @@ def build_rows(cfg: BenchConfig, runs: list[dict]) -> tuple[list[dict], dict]:
                     "speedup_per_repeat": paired,
                     "speedup": median(paired),
                     "speedup_of_medians": ratio(median(tps.values()), median(base_tps.values())),
+                    "speedup_cpu_per_repeat": paired_cpu,
+                    "speedup_cpu": median(paired_cpu),
                 }
                 spec = _pool([x for v in reps.values() for x in v[3]])
                 base_pool = _pool([x for v in baseline.values() for x in v[3]])

@@ -142,6 +142,21 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
     return results
 
 
+def reaggregate(results_path, *, plots: bool = True) -> dict:
+    """Rebuild rows (and plots) of an existing results.json from its runs, with this version's
+    aggregation; the runs themselves are unchanged."""
+    path = Path(results_path)
+    results = json.loads(path.read_text(encoding="utf-8"))
+    cfg = BenchConfig.from_dict(results["config"])
+    results["rows"], results["cost_ratio"] = build_rows(cfg, results["runs"])
+    if plots:
+        from specinfer.bench.plots import write_plots
+
+        results["plots"] = write_plots(results, path.parent)
+    path.write_text(json.dumps(results, indent=2, default=_json_default), encoding="utf-8")
+    return results
+
+
 def _json_default(o):
     if hasattr(o, "tolist"):
         return o.tolist()

@@ -7,7 +7,7 @@ def _f(x, fmt="{:.2f}"):
 
 
 def format_table(results: dict, markdown: bool = False) -> str:
-    head = ["method", "batch", "task", "tok/s med [min-max]", "cpu ms/tok", "speedup", "alpha", "acc len",
+    head = ["method", "batch", "task", "tok/s med [min-max]", "cpu ms/tok", "speedup", "cpu speedup", "alpha", "acc len",
             "k", "c", "theory", "ach/theory", "verify/step", "theory|v"]
     lines = []
     for r in results["rows"]:
@@ -20,6 +20,7 @@ def format_table(results: dict, markdown: bool = False) -> str:
             f"{_f(r['tokens_per_s_median'])} [{_f(r['tokens_per_s_min'])}-{_f(r['tokens_per_s_max'])}]",
             _f(r["cpu_s_per_token"] and r["cpu_s_per_token"] * 1e3, "{:.1f}"),
             _f(r["speedup"]) + ("x" if r["speedup"] is not None else ""),
+            _f(r.get("speedup_cpu")) + ("x" if r.get("speedup_cpu") is not None else ""),
             _f(r.get("acceptance_rate")), _f(r.get("mean_acceptance_length")),
             str(r["k"]) if r.get("k") else "-", _f(r.get("c"), "{:.3f}"),
             _f(r.get("theoretical_speedup")), _f(r.get("achieved_over_theoretical")),
