@@ -32,6 +32,8 @@ def plot_acceptance(results: dict, path: Path) -> Path:
             continue
         pos = list(range(1, len(r["accepted_per_position"]) + 1))
         ax.plot(pos, r["accepted_per_position"], marker="o", label=f"{r['method']} b={r['batch_size']} {r['task']}")
+    if rows:
+        ax.set_xticks(range(1, max(len(r["accepted_per_position"]) for r in rows) + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
