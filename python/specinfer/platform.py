@@ -28,6 +28,17 @@ class Platform:
             return int(torch.hpu.mem_get_info()[0])
         return _host_available_bytes()
 
+    def prepare_model(self, model) -> None:
+        """Last touches before serving: on CPU, pre-pack GEMM weights for oneDNN (MKL's small-M
+        sgemm is slow on non-Intel CPUs; packed oneDNN keeps decode and verification GEMMs fast)."""
+        if self.name != "cpu" or os.environ.get("SPECINFER_PACK_WEIGHTS", "1") == "0":
+            return
+        from specinfer.models.packed_linear import (PACKABLE_DTYPES, mkldnn_packing_available, pack_weight,
+                                                    packed_linear)
+
+        if model.embed_tokens.dtype in PACKABLE_DTYPES and mkldnn_packing_available():
+            model.pack_linear_weights(pack_weight, packed_linear)
+
     def synchronize(self) -> None:
         if self.name == "cuda":
             torch.cuda.synchronize(self.device)

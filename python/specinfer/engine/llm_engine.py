@@ -53,7 +53,7 @@ class LLMEngine:
         self.default_generator = torch.Generator(device="cpu").manual_seed(int(seed))
 
         def load(path):
-            return load_any(path, dtype=self.dtype, device=self.device)
+            return load_any(path, dtype=self.dtype, device=self.device, platform=self.platform)
 
         self.loaded = load(model)
         self.tokenizer = self.loaded.tokenizer

@@ -7,7 +7,15 @@ from specinfer.loader import load_model
 from specinfer.packs import is_pack_name, resolve_pack
 
 
-def load_any(model, *, dtype, device):
+def load_any(model, *, dtype, device, platform=None):
+    """Load and, given the platform, prepare the model for serving (e.g. packed CPU GEMMs)."""
+    loaded = _load(model, dtype=dtype, device=device)
+    if platform is not None:
+        platform.prepare_model(loaded.model)
+    return loaded
+
+
+def _load(model, *, dtype, device):
     if isinstance(model, str) and is_pack_name(model):
         path = resolve_pack(model)
     else:

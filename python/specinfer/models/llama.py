@@ -20,6 +20,7 @@ from torch import nn
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
+from specinfer.models.packed_linear import dense_linear
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
 
 
@@ -37,6 +38,7 @@ def _param(*shape: int, dtype, device) -> nn.Parameter:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device):
         super().__init__()
+        self.linear = dense_linear  # swapped by LlamaForCausalLM.pack_linear_weights
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -63,16 +65,17 @@ class DecoderLayer(nn.Module):
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         h = _rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
+        linear = self.linear
+        qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)  # [T, H+Hkv, D]
         v = qkv[:, self.q_size + self.kv_size :].view(T, Hkv, D)
         attn = ctx.backend.forward(
             qk[:, :H], qk[:, H:], v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale
         )  # [T, H, D]
-        x = x + F.linear(attn.reshape(T, H * D), self.o_weight, self.o_bias)
+        x = x + linear(attn.reshape(T, H * D), self.o_weight, self.o_bias)
         h = _rms_norm(x, (x.shape[-1],), self.post_attention_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down_weight)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -80,6 +83,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.num_layers = cfg.num_layers
+        self.linear = dense_linear  # swapped by pack_linear_weights
+        self.packed = False
         if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
             warnings.warn(
                 f"sliding_window={cfg.sliding_window} is not applied: attention is full, so outputs "
@@ -118,7 +123,23 @@ class LlamaForCausalLM(nn.Module):
         return _rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [L, hidden] -> float32[L, vocab]
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()
+
+    def pack_linear_weights(self, pack, linear) -> None:
+        """Replace every GEMM weight by pack(weight) and run GEMMs through `linear` (same contract
+        as F.linear). One-way: afterwards the model serves inference only (load_weights refuses)."""
+        names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+        for layer in self.layers:
+            for name in names:
+                packed = pack(getattr(layer, name))
+                delattr(layer, name)  # drop the parameter (and the dense copy with it)
+                setattr(layer, name, packed)
+            layer.linear = linear
+        lm_head = pack(self.lm_head)
+        self._parameters.pop("lm_head")  # tied: embed_tokens keeps the dense copy for lookups
+        self.lm_head = lm_head
+        self.linear = linear
+        self.packed = True
 
     # ---- weights -------------------------------------------------------------------------------
 
@@ -156,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
         Names the model does not use (rotary inv_freq buffers, a tied lm_head copy) are ignored;
         a missing tensor or a shape mismatch raises ValueError naming `source`.
         """
+        if self.packed:
+            raise RuntimeError("load_weights after pack_linear_weights: load dense weights first, then pack")
         slots = self._slots()
         tied_ok = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         loaded: set[str] = set()
