@@ -8,7 +8,7 @@ def _f(x, fmt="{:.2f}"):
 
 def format_table(results: dict, markdown: bool = False) -> str:
     head = ["method", "batch", "task", "tok/s med [min-max]", "cpu ms/tok", "speedup", "cpu speedup", "alpha", "acc len",
-            "k", "c", "theory", "ach/theory", "verify/step", "theory|v"]
+            "k", "c", "theory", "ach/theory", "verify/step", "theory(v)"]
     lines = []
     for r in results["rows"]:
         if "error" in r:
