@@ -38,7 +38,7 @@ class _LongSeq:
 @dataclass
 class TorchRefPrepared:
     meta: AttentionMetadata
-    short: _ShortGroup | None
+    short: list[_ShortGroup]  # short queries, grouped by context length (bounded key padding)
     long: list[_LongSeq]
 
 
@@ -66,12 +66,11 @@ class TorchRefBackend:
                 q_pos = torch.arange(L - q_len, L).unsqueeze(1)
                 mask = torch.arange(L).unsqueeze(0) <= q_pos
             long.append(_LongSeq(qsl[s], qsl[s + 1], slots, mask))
-        return TorchRefPrepared(meta, self._prepare_short(meta, short_ids, qsl, seq_lens), long)
+        groups = [self._prepare_short(meta, ids) for ids in _length_groups(short_ids, seq_lens)]
+        return TorchRefPrepared(meta, groups, long)
 
     @staticmethod
-    def _prepare_short(meta, ids, qsl, seq_lens) -> _ShortGroup | None:
-        if not ids:
-            return None
+    def _prepare_short(meta, ids) -> _ShortGroup:
         idx = torch.tensor(ids, dtype=torch.int64)
         start = meta.query_start_loc.to(torch.int64)
         q_lens = (start[1:] - start[:-1])[idx]  # [G]
@@ -91,7 +90,7 @@ class TorchRefBackend:
         token_rows = (start[idx].unsqueeze(1) + qi.unsqueeze(0))[q_valid]  # [n]
         pad_index = (torch.arange(G).unsqueeze(1) * Q + qi.unsqueeze(0))[q_valid]  # [n]
         mask = mask.unsqueeze(1)
-        if len(ids) == meta.num_seqs and bool(q_valid.all()):
+        if len(ids) == meta.num_seqs and ids == sorted(ids) and bool(q_valid.all()):
             # every sequence is short and has Q query tokens: the batch is already [G, Q] dense
             token_rows = pad_index = None
             if Q == 1 and bool((lens == K).all()):
@@ -107,22 +106,16 @@ class TorchRefBackend:
         k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
         v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
         gqa = H != Hkv
-        g = prepared.short
-        if g is not None and g.token_rows is None:  # dense fast path: decodes / equal verification runs
-            qp = q.view(g.num_seqs, g.max_q, H, D).transpose(1, 2)  # [G, H, Q, D]
-            kv = kv_flat[:, g.key_slots].to(q.dtype)  # [2, G, K, Hkv, D]
-            o = F.scaled_dot_product_attention(qp, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-                                               attn_mask=g.mask, scale=scale, enable_gqa=gqa)
-            return o.transpose(1, 2).reshape(T, H, D)
+        groups = prepared.short
+        if len(groups) == 1 and groups[0].token_rows is None:  # dense: decodes / equal verification runs
+            g = groups[0]
+            return _attend(q.view(g.num_seqs, g.max_q, H, D), kv_flat, g, scale, Hkv).reshape(T, H, D)
         out = torch.empty_like(q)
-        if g is not None:
+        for g in groups:
             qp = q.new_zeros(g.num_seqs * g.max_q, H, D)
             qp[g.pad_index] = q[g.token_rows]
-            qp = qp.view(g.num_seqs, g.max_q, H, D).transpose(1, 2)  # [G, H, Q, D]
-            kv = kv_flat[:, g.key_slots].to(q.dtype)  # [2, G, K, Hkv, D]
-            o = F.scaled_dot_product_attention(qp, kv[0].transpose(1, 2), kv[1].transpose(1, 2),
-                                               attn_mask=g.mask, scale=scale, enable_gqa=gqa)
-            out[g.token_rows] = o.transpose(1, 2).reshape(-1, H, D)[g.pad_index]
+            o = _attend(qp.view(g.num_seqs, g.max_q, H, D), kv_flat, g, scale, Hkv)
+            out[g.token_rows] = o.reshape(-1, H, D)[g.pad_index]
         for s in prepared.long:
             qs = q[s.start : s.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             kk = k_flat[s.key_slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, L, D]
@@ -133,3 +126,37 @@ class TorchRefBackend:
                 o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
             out[s.start : s.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+def _attend(q: torch.Tensor, kv_flat: torch.Tensor, g: _ShortGroup, scale: float, Hkv: int) -> torch.Tensor:
+    """q [G, Q, H, D] -> out [G, Q, H, D] over the group's gathered keys.
+
+    GQA without enable_gqa (whose masked path is slow on CPU): the query heads sharing a KV head
+    are stacked along the query axis, [G, Hkv, group * Q, D], and the mask repeats per head."""
+    G, Q, H, D = q.shape
+    group = H // Hkv
+    kv = kv_flat[:, g.key_slots].to(q.dtype).transpose(2, 3)  # [2, G, Hkv, K, D]
+    qg = q.permute(0, 2, 1, 3).reshape(G, Hkv, group * Q, D)  # head h = kv_head * group + j
+    mask = g.mask
+    if mask is not None and Q > 1 and group > 1:
+        mask = mask.repeat(1, 1, group, 1)  # [G, 1, group * Q, K]
+    o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
+    return o.view(G, H, Q, D).transpose(1, 2)
+
+
+def _length_groups(ids: list[int], seq_lens: list[int], ratio: float = 2.0, slack: int = 64) -> list[list[int]]:
+    """Split short sequences into groups of similar context length, so padding every key run to
+    its group's longest stays within ratio x (plus slack) instead of the batch's longest."""
+    if not ids:
+        return []
+    order = sorted(ids, key=lambda s: seq_lens[s])
+    groups, current, floor = [], [], None
+    for s in order:
+        if current and seq_lens[s] > floor * ratio + slack:
+            groups.append(sorted(current))
+            current = []
+        if not current:
+            floor = seq_lens[s]
+        current.append(s)
+    groups.append(sorted(current))
+    return groups
