@@ -13,7 +13,8 @@ import torch  # noqa: E402
 from specinfer.attention import get_backend  # noqa: E402
 from specinfer.attention.triton_backend import TritonBackend  # noqa: E402
 from specinfer.kernels.triton import paged_attention, reshape_and_cache  # noqa: E402
-from test_hpu_attention import MIXED, dense_oracle, make_batch, model_logits, run_backend  # noqa: E402
+from paged_batch import MIXED, dense_oracle, make_batch, run_backend  # noqa: E402
+from test_hpu_attention import model_logits  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -103,7 +104,7 @@ _CUDA_CHECK = """
 import torch
 from specinfer.attention import AttentionMetadata
 from specinfer.attention.triton_backend import TritonBackend
-from test_hpu_attention import MIXED, dense_oracle, make_batch, run_backend
+from paged_batch import MIXED, dense_oracle, make_batch, run_backend
 for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)):
     meta, cache, q, k, v, fk, fv = make_batch(MIXED, 16, 8, 2, 128, dtype=dtype)
     d = torch.device("cuda")
