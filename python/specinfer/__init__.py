@@ -14,7 +14,7 @@ _EXPORTS = {
     "Generator": "specinfer.generator",
     "SamplingParams": "specinfer.sampling_params",
     "RequestOutput": "specinfer.outputs",
-    "SpeculativeConfig": "specinfer.spec.config",
+    "SpeculativeConfig": "specinfer.spec_decode.config",
     "LLMEngine": "specinfer.engine.llm_engine",
 }
 

@@ -105,7 +105,7 @@ def run(args) -> int:
     import dataclasses
 
     from specinfer.cli.options import check_model
-    from specinfer.spec.config import SpeculativeConfig
+    from specinfer.spec_decode.config import SpeculativeConfig
 
     check_model(args.model)
     check_model(args.draft, "draft model")

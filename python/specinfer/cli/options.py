@@ -37,7 +37,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    from specinfer.spec.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
+    from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
 
     g = p.add_argument_group("speculative decoding (off unless --method, --draft or -k is given)")
     g.add_argument("--method", choices=[*proposer_names(), "none"], default=None,
@@ -94,7 +94,7 @@ def speculative_config(args):
     if method == "draft_model" and not args.draft:
         raise CliError("--method draft_model needs --draft MODEL")
     check_model(args.draft, "draft model")
-    from specinfer.spec.config import SpeculativeConfig
+    from specinfer.spec_decode.config import SpeculativeConfig
 
     k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
     return SpeculativeConfig(

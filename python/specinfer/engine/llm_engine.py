@@ -23,10 +23,10 @@ from specinfer.engine.step_sampler import StepSampler
 from specinfer.outputs import RequestOutput
 from specinfer.platform import resolve_dtype, resolve_platform
 from specinfer.sampling_params import SamplingParams
-from specinfer.spec.config import SpeculativeConfig
-from specinfer.spec.metrics import SpecMetrics
-from specinfer.spec.proposer import ProposalInput
-from specinfer.spec.registry import proposer_class
+from specinfer.spec_decode.config import SpeculativeConfig
+from specinfer.spec_decode.metrics import SpecMetrics
+from specinfer.spec_decode.proposer import ProposalInput
+from specinfer.spec_decode.registry import proposer_class
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from specinfer.spec.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
+from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
 
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -17,7 +17,7 @@ from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.step_sampler import sampling_metadata
 from specinfer.sample import probs_from_logits
 from specinfer.sample.noise import draw_exponential, exponential_race
-from specinfer.spec.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.proposer import Proposal, ProposalInput
 
 
 class DraftModelProposer:

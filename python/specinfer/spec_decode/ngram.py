@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specinfer.spec.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.proposer import Proposal, ProposalInput
 
 
 class NgramProposer:

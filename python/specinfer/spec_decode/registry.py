@@ -7,8 +7,8 @@ from __future__ import annotations
 import importlib
 
 _PROPOSERS: dict[str, str] = {
-    "ngram": "specinfer.spec.ngram:NgramProposer",
-    "draft_model": "specinfer.spec.draft_model:DraftModelProposer",
+    "ngram": "specinfer.spec_decode.ngram:NgramProposer",
+    "draft_model": "specinfer.spec_decode.draft_model:DraftModelProposer",
 }
 
 ACCEPTANCE_METHODS = frozenset({"rejection_sampler", "typical_acceptance_sampler"})
