@@ -25,7 +25,7 @@ from specinfer.platform import resolve_dtype, resolve_platform
 from specinfer.sampling_params import SamplingParams
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
-from specinfer.spec_decode.proposer import ProposalInput
+from specinfer.spec_decode.proposer import ProposalInput, TargetHidden
 from specinfer.spec_decode.registry import proposer_class
 
 
@@ -278,8 +278,10 @@ class LLMEngine:
             len_left = self.max_model_len - st.num_tokens - 1
             max_drafts[r] = max(0, min(k, out_left, len_left))
         speculate = sampled & np.array([st.params.speculate for st in states]) & (max_drafts > 0)
-        rows = _request_block_rows(sched)
-        inp = ProposalInput(sched, states, sampled, speculate, max_drafts, rows, hidden)
+        inp = ProposalInput(
+            states, np.asarray(sched.num_computed_tokens, np.int64), np.asarray(sched.num_scheduled_tokens, np.int64),
+            emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64), sampled,
+            np.where(speculate, max_drafts, 0), _request_block_rows(sched), TargetHidden(hidden))
         prop = self.proposer.propose(inp)
         if len(prop.core_ids) == 0:
             return

@@ -21,6 +21,8 @@ from specinfer.spec_decode.proposer import Proposal, ProposalInput
 
 
 class DraftModelProposer:
+    aux_layers = ()
+
     def __init__(self, spec, ctx):
         self.k = spec.num_speculative_tokens
         self.loaded = ctx.load_model(spec.model)
@@ -41,13 +43,11 @@ class DraftModelProposer:
             self.num_seen.pop(int(i), None)
 
     def propose(self, inp: ProposalInput) -> Proposal:
-        sched = inp.sched
-        R = len(inp.states)
-        num_computed = np.asarray(sched.num_computed_tokens, dtype=np.int64)
-        scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
+        R = inp.num_requests
+        num_computed, scheduled = inp.num_computed, inp.num_scheduled
         starts = np.empty(R, np.int64)
         ends = np.empty(R, np.int64)
-        for r, st in enumerate(inp.states):
+        for r, st in enumerate(inp.requests):
             if st.finished:
                 starts[r] = ends[r] = 0
                 continue
@@ -57,15 +57,15 @@ class DraftModelProposer:
         live = np.flatnonzero(ends > starts)
         if len(live) == 0:
             return _empty()
-        tokens = np.fromiter((t for r in live for t in inp.states[r].tokens_slice(starts[r], ends[r])),
+        tokens = np.fromiter((t for r in live for t in inp.requests[r].tokens_slice(starts[r], ends[r])),
                              dtype=np.int64)
         attn, positions = attention_metadata_for_runs(inp.block_rows[live], starts[live], ends[live] - starts[live],
                                                       self.block_size, self.device)
         hidden, _ = self.runner.forward(torch.from_numpy(tokens).to(self.device),
                                         torch.from_numpy(positions).to(self.device), attn)
         for r in live:
-            self.num_seen[inp.states[r].core_id] = int(ends[r])
-        drafting = inp.speculate[live] & (inp.max_drafts[live] > 0)
+            self.num_seen[inp.requests[r].core_id] = int(ends[r])
+        drafting = inp.max_drafts[live] > 0
         if not drafting.any():
             return _empty()
         last_rows = (np.cumsum(ends[live] - starts[live]) - 1)[drafting]
@@ -74,7 +74,7 @@ class DraftModelProposer:
         return self._draft(inp, rows, ends[rows], logits)
 
     def _draft(self, inp, rows, next_pos, logits) -> Proposal:
-        states = [inp.states[r] for r in rows]
+        states = [inp.requests[r] for r in rows]
         limit = inp.max_drafts[rows]
         meta = sampling_metadata(states, device=self.device)
         want_probs = not meta.all_greedy
