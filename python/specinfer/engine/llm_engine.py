@@ -77,6 +77,8 @@ class LLMEngine:
         lookahead = 0
         if self.proposer is not None:
             self.proposer.bind_kv_caches(caches[1:], backend)
+            if hasattr(self.proposer, "bind_target_kv_caches"):  # shares the target's KV (layer_skip)
+                self.proposer.bind_target_kv_caches(caches[0])
             lookahead = self.proposer.num_lookahead_tokens
         self.core = SchedulerCore(
             self.num_kv_blocks, self.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,

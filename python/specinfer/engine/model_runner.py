@@ -15,13 +15,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                prepared=None) -> tuple[torch.Tensor, object]:
+                prepared=None, **model_kwargs) -> tuple[torch.Tensor, object]:
         """input_ids/positions int64[T] -> final hidden states [T, hidden]; also the prepared
-        attention metadata, so a second model over the same batch can reuse it."""
+        attention metadata, so a second model over the same batch can reuse it. model_kwargs go
+        to the model's forward (exit_layer, aux_layers: see LlamaForCausalLM.forward)."""
         if prepared is None:
             prepared = self.backend.prepare(attn)
         ctx = ForwardContext(self.backend, prepared, self.kv_caches)
-        return self.model(input_ids, positions, ctx), prepared
+        return self.model(input_ids, positions, ctx, **model_kwargs), prepared
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [L, hidden] -> float32[L, vocab]

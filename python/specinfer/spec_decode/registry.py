@@ -9,6 +9,12 @@ import importlib
 _PROPOSERS: dict[str, str] = {
     "ngram": "specinfer.spec_decode.ngram:NgramProposer",
     "draft_model": "specinfer.spec_decode.draft_model:DraftModelProposer",
+    "layer_skip": "specinfer.spec_decode.layer_skip:LayerSkipProposer",
+}
+
+# methods whose `model` names a checkpoint, and what it must be
+MODEL_METHODS: dict[str, str] = {
+    "draft_model": "a draft model path or pack",
 }
 
 ACCEPTANCE_METHODS = frozenset({"rejection_sampler", "typical_acceptance_sampler"})
