@@ -10,11 +10,15 @@ _PROPOSERS: dict[str, str] = {
     "ngram": "specinfer.spec_decode.ngram:NgramProposer",
     "draft_model": "specinfer.spec_decode.draft_model:DraftModelProposer",
     "layer_skip": "specinfer.spec_decode.layer_skip:LayerSkipProposer",
+    "mlp_speculator": "specinfer.spec_decode.mlp_speculator:MLPSpeculatorProposer",
+    "medusa": "specinfer.spec_decode.medusa:MedusaProposer",
 }
 
 # methods whose `model` names a checkpoint, and what it must be
 MODEL_METHODS: dict[str, str] = {
     "draft_model": "a draft model path or pack",
+    "mlp_speculator": "an MLP speculator checkpoint directory",
+    "medusa": "a Medusa heads checkpoint directory",
 }
 
 ACCEPTANCE_METHODS = frozenset({"rejection_sampler", "typical_acceptance_sampler"})

@@ -1,0 +1,114 @@
+"""Draft-head checkpoints fabricated in the public layouts (HEADS.md §6), written here with
+safetensors / torch.save directly, independently of specinfer's own writers. The heads are built
+from the target's lm_head so that their drafts are sometimes right (a random head never is):
+each drafts "the newest token again", which a tiny random target's greedy output often does."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+
+def target_lm_head(target: Path) -> torch.Tensor:  # [V, H]
+    return load_file(str(Path(target) / "model.safetensors"))["lm_head.weight"].float()
+
+
+def _write(path: Path, config: dict, tensors: dict, file: str, pt: bool = False) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    tensors = {k: v.clone().contiguous() for k, v in tensors.items()}
+    if pt:
+        torch.save(tensors, path / file)
+    else:
+        save_file(tensors, str(path / file))
+    return path
+
+
+def mlp_speculator(path, target, *, n_predict=4, inner_dim=0, tie=False, scale_input=False, prefix=True,
+                   seed=0) -> Path:
+    """IBM layout. emb_i random; head_i rows = GELU(LN(c * emb_i rows)) so stage i repeats its input token."""
+    g = torch.Generator().manual_seed(seed)
+    lm = target_lm_head(target)
+    V, E = lm.shape
+    D = inner_dim or E
+    a = 0.5 ** (0.5 / n_predict)
+    c = math.sqrt((1 - a * a) * D / 2) / a
+    t = {}
+    for i in range(n_predict):
+        j = 0 if tie else i
+        gi = torch.Generator().manual_seed(seed * 100 + j)
+        emb = torch.randn(V, D, generator=gi) / math.sqrt(D)
+        u = c * emb
+        feat = F.gelu(u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6))
+        t[f"emb.{i}.weight"] = emb
+        t[f"head.{i}.weight"] = feat / feat.norm(dim=-1, keepdim=True)
+        t[f"ln.{i}.weight"] = torch.ones(D) + (0 if tie else 0.01 * i)
+        t[f"ln.{i}.bias"] = torch.zeros(D)
+        pj = 1 if tie and i >= 2 else i
+        gp = torch.Generator().manual_seed(seed * 100 + 50 + pj)
+        t[f"proj.{i}.weight"] = torch.randn(D, E if i == 0 else D, generator=gp) * 1e-3
+    if prefix:
+        t = {f"speculator.{k}": v for k, v in t.items()}
+    cfg = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator", "vocab_size": V,
+           "emb_dim": E, "inner_dim": inner_dim, "n_predict": n_predict,
+           "top_k_tokens_per_head": [4, 3, 2, 2, 2, 2][:n_predict], "n_candidates": 5, "tie_weights": tie,
+           "scale_input": scale_input}
+    del g
+    return _write(path, cfg, t, "model.safetensors")
+
+
+def _resblocks(K, L, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = [[torch.randn(H, H, generator=g) * 1e-3 for _ in range(L)] for _ in range(K)]
+    b = [[torch.randn(H, generator=g) * 1e-3 for _ in range(L)] for _ in range(K)]
+    return w, b
+
+
+def medusa_original(path, target, *, num_heads=4, num_layers=1, legacy=False, pt=False, seed=1) -> Path:
+    """FasterDecoding/Medusa layout; ResBlocks near identity, lm_head = the target's (repeat drafts)."""
+    lm = target_lm_head(target)
+    V, H = lm.shape
+    w, b = _resblocks(num_heads, num_layers, H, seed)
+    t = {}
+    for k in range(num_heads):
+        for j in range(num_layers):
+            t[f"{k}.{j}.linear.weight"], t[f"{k}.{j}.linear.bias"] = w[k][j], b[k][j]
+        if not legacy:
+            t[f"{k}.{num_layers}.weight"] = lm
+    cfg = {"medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "base_model_name_or_path": str(target)}
+    return _write(path, cfg, t, "medusa_lm_head.pt" if pt else "medusa_lm_head.safetensors", pt=pt)
+
+
+def medusa_vllm(path, target, *, num_heads=4, num_layers=1, fc_bias=True, truncated=None, shared=False,
+                prefix=False, seed=2) -> Path:
+    """vLLM MedusaModel layout; `truncated` = V_t keeps the V_t most... (here: the first V_t ids of a
+    fixed permutation) with token_map; `shared` = original_lm_head (one head for all)."""
+    lm = target_lm_head(target)
+    V, H = lm.shape
+    w, b = _resblocks(num_heads, num_layers, H, seed)
+    t = {}
+    for k in range(num_heads):
+        for j in range(num_layers):
+            t[f"blocks.{k}.layers.{j}.weight"] = w[k][j]
+            if fc_bias:
+                t[f"blocks.{k}.layers.{j}.bias"] = b[k][j]
+    Vt = V
+    rows = lm
+    if truncated:
+        Vt = truncated
+        ids = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:Vt].sort().values
+        t["token_map"] = ids.to(torch.int64)
+        rows = lm[ids]
+    for k in range(1 if shared else num_heads):
+        t[f"lm_heads.{k}.weight"] = rows
+    if prefix:
+        t = {f"medusa_heads.{k}": v for k, v in t.items()}
+    cfg = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": H, "vocab_size": V,
+           "num_heads": num_heads, "num_hidden_layers": num_layers, "medusa_fc_bias": fc_bias,
+           "truncated_vocab_size": Vt, "original_lm_head": shared, "max_paths": 64, "topk": 10}
+    return _write(path, cfg, t, "model.safetensors")
