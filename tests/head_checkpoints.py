@@ -62,18 +62,20 @@ def mlp_speculator(path, target, *, n_predict=4, inner_dim=0, tie=False, scale_i
     return _write(path, cfg, t, "model.safetensors")
 
 
-def _resblocks(K, L, H, seed):
+def _resblocks(K, L, H, seed, scale=1e-3):
     g = torch.Generator().manual_seed(seed)
-    w = [[torch.randn(H, H, generator=g) * 1e-3 for _ in range(L)] for _ in range(K)]
-    b = [[torch.randn(H, generator=g) * 1e-3 for _ in range(L)] for _ in range(K)]
+    w = [[torch.randn(H, H, generator=g) * scale for _ in range(L)] for _ in range(K)]
+    b = [[torch.randn(H, generator=g) * scale for _ in range(L)] for _ in range(K)]
     return w, b
 
 
-def medusa_original(path, target, *, num_heads=4, num_layers=1, legacy=False, pt=False, seed=1) -> Path:
-    """FasterDecoding/Medusa layout; ResBlocks near identity, lm_head = the target's (repeat drafts)."""
+def medusa_original(path, target, *, num_heads=4, num_layers=1, legacy=False, pt=False, seed=1,
+                    scale=1e-3) -> Path:
+    """FasterDecoding/Medusa layout; ResBlocks near identity (exactly with scale 0: Medusa's own
+    initialisation), lm_head = the target's (repeat drafts)."""
     lm = target_lm_head(target)
     V, H = lm.shape
-    w, b = _resblocks(num_heads, num_layers, H, seed)
+    w, b = _resblocks(num_heads, num_layers, H, seed, scale)
     t = {}
     for k in range(num_heads):
         for j in range(num_layers):

@@ -104,3 +104,107 @@ def test_mlp_speculator_follows_the_reference_math(heads):
         y = (s @ t[f"head.{i}.weight"].T).argmax(-1)
         want.append(y)
     assert torch.equal(head.draft(h, y0, n), torch.stack(want, 1))
+
+
+def test_heads_read_the_hidden_state_of_the_sampled_position(target, tmp_path):
+    """Zero-initialised Medusa heads with the target's lm_head draft argmax(lm_head(h_t)), which is
+    the newest token x_{t+1} itself: only the hidden state of the sampled row gives that, in
+    prefill chunks, plain decodes and verifications with any number accepted."""
+    path = hc.medusa_original(tmp_path / "zero", target, legacy=True, scale=0.0)
+    gen = Generator(str(target), block_size=4, max_num_batched_tokens=24, num_kv_blocks=40, max_model_len=128,
+                    speculative={"method": "medusa", "model": str(path), "num_speculative_tokens": 3})
+    proposer = gen.engine.proposer
+    seen = []
+    inner = proposer.propose
+
+    def spy(inp):
+        prop = inner(inp)
+        rows = [r for r in range(inp.num_requests) if inp.max_drafts[r] > 0]
+        seen.append((inp.last_tokens(rows).tolist(), prop.draft_token_ids.tolist(), prop.cu_num_draft.tolist(),
+                     inp.num_accepted[rows].tolist()))
+        return prop
+
+    proposer.propose = spy
+    from spec_cases import GREEDY, prompts
+    gen.generate(prompts(12), GREEDY, use_tqdm=False)
+    checked = accepted_runs = 0
+    for last, drafts, cu, acc in seen:
+        for j, tok in enumerate(last):
+            d = drafts[cu[j]:cu[j + 1]]
+            assert d == [tok] * len(d)
+            checked += len(d) > 0
+            accepted_runs += acc[j] > 0
+    assert checked > 50 and accepted_runs > 0
+
+
+def _edit_tensors(path, file, edit):
+    t = load_file(str(path / file))
+    edit(t)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / file))
+
+
+def _edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+MALFORMED = {
+    # name: (method, fabricate, spoil, k, error must mention)
+    "mlp_missing_tensor": ("mlp_speculator", hc.mlp_speculator,
+                           lambda p: _edit_tensors(p, "model.safetensors", lambda t: t.pop("speculator.proj.2.weight")),
+                           3, "proj.2.weight"),
+    "mlp_wrong_shape": ("mlp_speculator", hc.mlp_speculator,
+                        lambda p: _edit_tensors(p, "model.safetensors", lambda t: t.update(
+                            {"speculator.head.1.weight": torch.zeros(256, 63)})), 3, "head.1.weight"),
+    "mlp_hidden_size": ("mlp_speculator", hc.mlp_speculator, lambda p: _edit_config(p, emb_dim=32), 3, "emb_dim"),
+    "mlp_vocabulary": ("mlp_speculator", hc.mlp_speculator, lambda p: _edit_config(p, vocab_size=300), 3,
+                       "vocab_size"),
+    "mlp_too_many_tokens": ("mlp_speculator", hc.mlp_speculator, lambda p: None, 5, "n_predict"),
+    "mlp_unknown_tensor": ("mlp_speculator", hc.mlp_speculator,
+                           lambda p: _edit_tensors(p, "model.safetensors", lambda t: t.update(
+                               {"speculator.ln0.weight": torch.ones(64)})), 3, "ln0.weight"),
+    "mlp_topk_length": ("mlp_speculator", hc.mlp_speculator, lambda p: _edit_config(p, top_k_tokens_per_head=[1]),
+                        3, "top_k_tokens_per_head"),
+    "mlp_tied_copy_differs": ("mlp_speculator", lambda p, t: hc.mlp_speculator(p, t, tie=True),
+                              lambda p: _edit_tensors(p, "model.safetensors", lambda t: t.update(
+                                  {"speculator.emb.2.weight": t["speculator.emb.2.weight"] + 1})), 3, "emb.2.weight"),
+    "medusa_missing_bias": ("medusa", hc.medusa_original,
+                            lambda p: _edit_tensors(p, "medusa_lm_head.safetensors",
+                                                    lambda t: t.pop("1.0.linear.bias")), 3, "1.0.linear.bias"),
+    "medusa_one_head_without_lm_head": ("medusa", hc.medusa_original,
+                                        lambda p: _edit_tensors(p, "medusa_lm_head.safetensors",
+                                                                lambda t: t.pop("2.1.weight")), 3, "2.1.weight"),
+    "medusa_head_count": ("medusa", hc.medusa_original, lambda p: _edit_config(p, medusa_num_heads=2), 2,
+                          "medusa_num_heads"),
+    "medusa_too_many_tokens": ("medusa", hc.medusa_original, lambda p: None, 5, "number of heads"),
+    "medusa_vllm_hidden_size": ("medusa", hc.medusa_vllm, lambda p: _edit_config(p, hidden_size=32), 3,
+                                "hidden_size"),
+    "medusa_vllm_vocabulary": ("medusa", hc.medusa_vllm, lambda p: _edit_config(p, vocab_size=32001), 3,
+                               "vocab_size"),
+    "medusa_vllm_missing_token_map": ("medusa", lambda p, t: hc.medusa_vllm(p, t, truncated=100),
+                                      lambda p: _edit_tensors(p, "model.safetensors", lambda t: t.pop("token_map")),
+                                      3, "token_map"),
+    "medusa_vllm_token_map_range": ("medusa", lambda p, t: hc.medusa_vllm(p, t, truncated=100),
+                                    lambda p: _edit_tensors(p, "model.safetensors", lambda t: t.update(
+                                        {"token_map": t["token_map"] + 200})), 3, "token_map"),
+    "medusa_vllm_wrong_shape": ("medusa", hc.medusa_vllm,
+                                lambda p: _edit_tensors(p, "model.safetensors", lambda t: t.update(
+                                    {"lm_heads.3.weight": torch.zeros(255, 64)})), 3, "lm_heads.3.weight"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_checkpoint_is_refused(target, tmp_path, name):
+    method, make, spoil, k, match = MALFORMED[name]
+    path = make(tmp_path / name, target)
+    spoil(path)
+    with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+        Generator(str(target), speculative={"method": method, "model": str(path), "num_speculative_tokens": k})
+
+
+def test_head_method_needs_a_checkpoint(target, tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        Generator(str(target), speculative={"method": "medusa"})
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Generator(str(target), speculative={"method": "mlp_speculator", "model": str(tmp_path)})

@@ -60,8 +60,10 @@ def read_tensors(path: Path, candidates: tuple[str, ...]) -> tuple[dict[str, tor
 class TensorSet:
     """Named tensors of one checkpoint file, handed out once each with a checked shape."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], source: Path, *, dtype, device):
+    def __init__(self, tensors: dict[str, torch.Tensor], source: Path, *, dtype, device, prefix: str = ""):
+        """prefix: what the file puts before every name (stripped in `tensors`, restored in errors)."""
         self.tensors, self.source, self.dtype, self.device = dict(tensors), source, dtype, device
+        self.prefix = prefix
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -69,10 +71,10 @@ class TensorSet:
 
     def take(self, name: str, shape: tuple[int, ...], *, dtype=None) -> torch.Tensor:
         if name not in self.tensors:
-            raise ValueError(f"{self.source}: missing tensor {name!r}")
+            raise ValueError(f"{self.source}: missing tensor {self.prefix + name!r}")
         t = self.tensors[name]
         if tuple(t.shape) != tuple(shape):
-            raise ValueError(f"{self.source}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            raise ValueError(f"{self.source}: tensor {self.prefix + name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
         self.used.add(name)
         return t.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
@@ -82,10 +84,10 @@ class TensorSet:
             return
         t = self.take(name, tuple(like.shape))
         if not torch.equal(t, like):
-            raise ValueError(f"{self.source}: tensor {name!r} differs from {tied_to!r} although the config ties them")
+            raise ValueError(f"{self.source}: tensor {self.prefix + name!r} differs from {self.prefix + tied_to!r} although the config ties them")
 
     def finish(self) -> None:
-        unused = sorted(set(self.tensors) - self.used)
+        unused = sorted(self.prefix + n for n in set(self.tensors) - self.used)
         if unused:
             more = f" (and {len(unused) - 5} more)" if len(unused) > 5 else ""
             raise ValueError(f"{self.source}: unexpected tensors {unused[:5]}{more}: the loader would ignore them")

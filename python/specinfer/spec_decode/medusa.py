@@ -143,8 +143,9 @@ def _load_vllm(path, cfg, H, V, target_logits, dtype, device) -> MedusaHeads:
     if Vt > V:
         raise ValueError(f"{src}: config field 'truncated_vocab_size' ({Vt}) exceeds vocab_size ({V})")
     raw, file = read_tensors(path, ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"))
-    raw = {k.removeprefix("medusa_heads."): v for k, v in raw.items()}
-    ts = TensorSet(raw, file, dtype=dtype, device=device)
+    prefix = "medusa_heads." if any(k.startswith("medusa_heads.") for k in raw) else ""
+    raw = {k.removeprefix(prefix): v for k, v in raw.items()}
+    ts = TensorSet(raw, file, dtype=dtype, device=device, prefix=prefix)
     w = [[ts.take(f"blocks.{k}.layers.{j}.weight", (H, H)) for j in range(L)] for k in range(K)]
     has_bias = bool(cfg.get("medusa_fc_bias", False)) or ts.has("blocks.0.layers.0.bias")
     b = [[ts.take(f"blocks.{k}.layers.{j}.bias", (H,)) for j in range(L)] for k in range(K)] if has_bias else None

@@ -129,7 +129,7 @@ class MLPSpeculator:
         raw, file = read_tensors(path, _FILES)
         prefixed = any(k.startswith("speculator.") for k in raw)
         raw = {(k[len("speculator."):] if prefixed and k.startswith("speculator.") else k): v for k, v in raw.items()}
-        ts = TensorSet(raw, file, dtype=dtype, device=device)
+        ts = TensorSet(raw, file, dtype=dtype, device=device, prefix="speculator." if prefixed else "")
         V, E, D, n = cfg.vocab_size, cfg.emb_dim, cfg.inner_dim, cfg.n_predict
         emb, proj, head, ln_w, ln_b = [], [], [], [], []
         for i in range(n):
