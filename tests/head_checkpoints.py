@@ -114,3 +114,37 @@ def medusa_vllm(path, target, *, num_heads=4, num_layers=1, fc_bias=True, trunca
            "num_heads": num_heads, "num_hidden_layers": num_layers, "medusa_fc_bias": fc_bias,
            "truncated_vocab_size": Vt, "original_lm_head": shared, "max_paths": 64, "topk": 10}
     return _write(path, cfg, t, "model.safetensors")
+
+
+def eagle1(path, target, *, bias=True, bias_key=True, embed=False, pt=False, repeat=False, seed=3) -> Path:
+    """EAGLE-1 reference layout (SafeAILab/EAGLE cnets1.py): a 1-layer Llama config.json and
+    fc / layers.0.* tensors without input_layernorm, norm or lm_head. `repeat`: fc passes the
+    target feature through and the layer is nearly zero, so the draft repeats the newest token
+    (accepted sometimes); otherwise every weight is random (drafts depend on the whole history)."""
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    H, I = tcfg["hidden_size"], tcfg["intermediate_size"]
+    nh, nkv = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    d = H // nh
+    g = torch.Generator().manual_seed(seed)
+    small = 1e-2 if repeat else 1.0
+
+    def mat(rows, cols, scale=1.0):
+        return torch.randn(rows, cols, generator=g) * scale / math.sqrt(cols)
+
+    t = {"fc.weight": torch.cat([mat(H, H, 1e-2), torch.eye(H)], 1) if repeat else mat(H, 2 * H),
+         "layers.0.self_attn.q_proj.weight": mat(nh * d, H), "layers.0.self_attn.k_proj.weight": mat(nkv * d, H),
+         "layers.0.self_attn.v_proj.weight": mat(nkv * d, H), "layers.0.self_attn.o_proj.weight": mat(H, nh * d, small),
+         "layers.0.mlp.gate_proj.weight": mat(I, H), "layers.0.mlp.up_proj.weight": mat(I, H),
+         "layers.0.mlp.down_proj.weight": mat(H, I, small),
+         "layers.0.post_attention_layernorm.weight": 1 + 0.1 * torch.randn(H, generator=g)}
+    if bias:
+        t["fc.bias"] = torch.randn(H, generator=g) * (1e-3 if repeat else 0.1)
+    if embed:
+        t["embed_tokens.weight"] = load_file(str(Path(target) / "model.safetensors"))["model.embed_tokens.weight"]
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "intermediate_size": I,
+           "num_attention_heads": nh, "num_key_value_heads": nkv, "num_hidden_layers": 1,
+           "vocab_size": tcfg["vocab_size"], "max_position_embeddings": tcfg["max_position_embeddings"],
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "float32"}
+    if bias_key:
+        cfg["bias"] = bias
+    return _write(path, cfg, t, "pytorch_model.bin" if pt else "model.safetensors", pt=pt)

@@ -271,9 +271,9 @@ class LLMEngine:
                     and self.core.num_running() >= self.spec.disable_by_batch_size)
         for st in states:  # drafts verified this step are spent; unscheduled requests keep theirs
             self._draft_probs.pop(st.core_id, None)
-        if disabled:
-            return
-        k = self.spec.num_speculative_tokens
+        if disabled and not getattr(self.proposer, "sees_every_step", False):
+            return  # (EAGLE must still read this step's target states: it proposes nothing instead)
+        k = 0 if disabled else self.spec.num_speculative_tokens
         max_drafts = np.zeros(R, dtype=np.int64)
         for r, st in enumerate(states):
             out_left = st.params.max_tokens - len(st.output_token_ids) - 1

@@ -64,7 +64,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = _rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        # input_norm None: no input layernorm (EAGLE-1's single draft layer)
+        h = x if self.input_norm is None else _rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
         linear = self.linear
         qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)  # [T, H+Hkv, D]

@@ -12,6 +12,7 @@ _PROPOSERS: dict[str, str] = {
     "layer_skip": "specinfer.spec_decode.layer_skip:LayerSkipProposer",
     "mlp_speculator": "specinfer.spec_decode.mlp_speculator:MLPSpeculatorProposer",
     "medusa": "specinfer.spec_decode.medusa:MedusaProposer",
+    "eagle": "specinfer.spec_decode.eagle_proposer:EagleProposer",
 }
 
 # methods whose `model` names a checkpoint, and what it must be
@@ -19,6 +20,7 @@ MODEL_METHODS: dict[str, str] = {
     "draft_model": "a draft model path or pack",
     "mlp_speculator": "an MLP speculator checkpoint directory",
     "medusa": "a Medusa heads checkpoint directory",
+    "eagle": "an EAGLE-1 checkpoint directory",
 }
 
 ACCEPTANCE_METHODS = frozenset({"rejection_sampler", "typical_acceptance_sampler"})

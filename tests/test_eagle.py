@@ -1,0 +1,134 @@
+"""EAGLE-1: checkpoints in the public layout load; every draft the engine proposes equals the
+HF-transformers reference recomputed from the whole history (so the paged draft KV stays right
+through chunked prefill, prefix-cache hits, preemption and steps with speculation disabled);
+greedy output equals the target's alone with both scorers; malformed checkpoints are refused."""
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import head_checkpoints as hc
+from eagle_reference import EagleReference
+from specinfer import Generator, SamplingParams
+from spec_cases import GREEDY, check_greedy_exact, prompts, reference
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return tiny_dir("llama", False)[0]
+
+
+@pytest.fixture(scope="module")
+def ref(target):
+    return reference(target)
+
+
+def _record_proposals(gen):
+    proposer, seen = gen.engine.proposer, []
+    inner = proposer.propose
+
+    def spy(inp):
+        prop = inner(inp)
+        by_id = {st.core_id: st for st in inp.requests}
+        for j, cid in enumerate(prop.core_ids.tolist()):
+            st = by_id[cid]
+            seen.append((st.tokens_slice(0, st.num_tokens),
+                         prop.draft_token_ids[prop.cu_num_draft[j]:prop.cu_num_draft[j + 1]].tolist()))
+        return prop
+
+    proposer.propose = spy
+    return seen
+
+
+@pytest.mark.parametrize("variant", ["bias_safetensors", "nobias_bin_embed"])
+def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
+    kw = dict(bias=True) if variant == "bias_safetensors" else dict(bias=False, pt=True, embed=True)
+    path = hc.eagle1(tmp_path / "eagle", target, **kw)
+    reference_drafts = EagleReference(target, path)
+    # tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts, every prompt twice
+    # (prefix-cache hits)
+    gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
+                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 3})
+    seen = _record_proposals(gen)
+    ps = prompts(8)
+    gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    stats = gen.engine.core.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
+    assert len(seen) > 40
+    for tokens, drafts in seen[::3]:
+        assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+
+
+def test_eagle_keeps_up_while_speculation_is_disabled(target, tmp_path):
+    """disable_by_batch_size: no drafts while many requests run, but the draft KV must still take
+    in those steps' target states, or the drafts proposed afterwards are wrong."""
+    path = hc.eagle1(tmp_path / "eagle", target)
+    reference_drafts = EagleReference(target, path)
+    gen = Generator(str(target), max_model_len=128, speculative={
+        "method": "eagle", "model": str(path), "num_speculative_tokens": 2, "disable_by_batch_size": 4})
+    seen = _record_proposals(gen)
+    ps = prompts(6)
+    params = [SamplingParams(max_tokens=6 + 4 * i, temperature=0.0) for i in range(6)]  # staggered finishes
+    gen.generate(ps, params, use_tqdm=False)
+    late = [(t, d) for t, d in seen if d and len(t) > len(ps[4]) + 8]
+    assert len(late) > 5
+    for tokens, drafts in late:
+        assert drafts == reference_drafts.drafts(tokens, len(drafts))
+
+
+@pytest.mark.parametrize("scorer", ["mqa", "batch_expansion"])
+def test_eagle_greedy_is_exact(target, ref, tmp_path, scorer):
+    path = hc.eagle1(tmp_path / "eagle", target, repeat=True)
+    tot = check_greedy_exact(target, {"method": "eagle", "model": str(path), "num_speculative_tokens": 3,
+                                      "scorer": scorer}, ref)
+    assert 0 < tot["num_accepted_tokens"] < tot["num_draft_tokens"], tot
+
+
+def test_eagle_save_load_round_trip_gives_identical_proposals(target, tmp_path):
+    path = hc.eagle1(tmp_path / "eagle", target, bias=True, bias_key=False)  # no "bias" key means a bias
+    cfg = json.loads((path / "config.json").read_text())
+    assert "bias" not in cfg
+    runs = []
+    for p in (path, tmp_path / "saved"):
+        gen = Generator(str(target), block_size=4, max_model_len=128,
+                        speculative={"method": "eagle", "model": str(p), "num_speculative_tokens": 3})
+        if p == path:
+            gen.engine.proposer.draft.save(tmp_path / "saved")
+        seen = _record_proposals(gen)
+        gen.generate(prompts(6), GREEDY, use_tqdm=False)
+        runs.append(seen)
+    assert runs[0] == runs[1] and len(runs[0]) > 20
+
+
+def _spoil(path, file, edit=None, **config):
+    if edit is not None:
+        t = load_file(str(path / file))
+        edit(t)
+        save_file(t, str(path / file))
+    if config:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(config)
+        (path / "config.json").write_text(json.dumps(cfg))
+
+
+MALFORMED = {
+    "missing_fc": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.pop("fc.weight")), "fc.weight"),
+    "bias_default_true_but_absent": (dict(bias=False, bias_key=False), lambda p: None, "fc.bias"),
+    "wrong_shape": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"layers.0.mlp.down_proj.weight": t["layers.0.mlp.down_proj.weight"][:, :-1].contiguous()})),
+        "down_proj.weight"),
+    "hidden_size": (dict(), lambda p: _spoil(p, "model.safetensors", hidden_size=32), "hidden_size"),
+    "vocabulary": (dict(), lambda p: _spoil(p, "model.safetensors", vocab_size=300), "vocab_size"),
+    "two_layers": (dict(), lambda p: _spoil(p, "model.safetensors", num_hidden_layers=2), "num_hidden_layers"),
+    "lm_head_would_be_ignored": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"lm_head.weight": t["fc.weight"][:, :64].repeat(4, 1).contiguous()})), "lm_head.weight"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_eagle_checkpoint_is_refused(target, tmp_path, name):
+    kw, spoil, match = MALFORMED[name]
+    path = hc.eagle1(tmp_path / name, target, **kw)
+    spoil(path)
+    with pytest.raises(ValueError, match=match):
+        Generator(str(target), speculative={"method": "eagle", "model": str(path)})
