@@ -148,3 +148,41 @@ def eagle1(path, target, *, bias=True, bias_key=True, embed=False, pt=False, rep
     if bias_key:
         cfg["bias"] = bias
     return _write(path, cfg, t, "pytorch_model.bin" if pt else "model.safetensors", pt=pt)
+
+
+def eagle3(path, target, *, draft_vocab=None, aux_ids=None, t2d=True, layers_prefix=False, seed=4) -> Path:
+    """EAGLE-3 layout (cnets.py / SpecForge): fc [H, 3H], midlayer.* with 2H-wide q/k/v inputs,
+    hidden_norm, own norm and lm_head over `draft_vocab` ids (a sorted subset: d2t offsets, t2d mask)."""
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    H, I, V = tcfg["hidden_size"], tcfg["intermediate_size"], tcfg["vocab_size"]
+    nh, nkv = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    d = H // nh
+    Vd = draft_vocab or V
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(rows, cols):
+        return torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+
+    def norm():
+        return 1 + 0.1 * torch.randn(H, generator=g)
+
+    m = "layers.0." if layers_prefix else "midlayer."
+    t = {"fc.weight": mat(H, 3 * H), m + "self_attn.q_proj.weight": mat(nh * d, 2 * H),
+         m + "self_attn.k_proj.weight": mat(nkv * d, 2 * H), m + "self_attn.v_proj.weight": mat(nkv * d, 2 * H),
+         m + "self_attn.o_proj.weight": mat(H, nh * d), m + "mlp.gate_proj.weight": mat(I, H),
+         m + "mlp.up_proj.weight": mat(I, H), m + "mlp.down_proj.weight": mat(H, I),
+         m + "input_layernorm.weight": norm(), m + "hidden_norm.weight": norm(),
+         m + "post_attention_layernorm.weight": norm(), "norm.weight": norm(), "lm_head.weight": mat(Vd, H) * 4}
+    used = torch.randperm(V, generator=g)[:Vd].sort().values
+    t["d2t"] = (used - torch.arange(Vd)).to(torch.int64)
+    if t2d:
+        mask = torch.zeros(V, dtype=torch.bool)
+        mask[used] = True
+        t["t2d"] = mask
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+           "intermediate_size": I, "num_attention_heads": nh, "num_key_value_heads": nkv, "num_hidden_layers": 1,
+           "vocab_size": V, "draft_vocab_size": Vd, "max_position_embeddings": tcfg["max_position_embeddings"],
+           "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "target_hidden_size": H}
+    if aux_ids is not None:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True}
+    return _write(path, cfg, t, "model.safetensors")

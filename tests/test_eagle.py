@@ -64,7 +64,7 @@ def test_eagle_keeps_up_while_speculation_is_disabled(target, tmp_path):
     in those steps' target states, or the drafts proposed afterwards are wrong."""
     path = hc.eagle1(tmp_path / "eagle", target)
     reference_drafts = EagleReference(target, path)
-    gen = Generator(str(target), max_model_len=128, speculative={
+    gen = Generator(str(target), max_model_len=128, num_kv_blocks=64, speculative={
         "method": "eagle", "model": str(path), "num_speculative_tokens": 2, "disable_by_batch_size": 4})
     seen = _record_proposals(gen)
     ps = prompts(6)
@@ -90,7 +90,7 @@ def test_eagle_save_load_round_trip_gives_identical_proposals(target, tmp_path):
     assert "bias" not in cfg
     runs = []
     for p in (path, tmp_path / "saved"):
-        gen = Generator(str(target), block_size=4, max_model_len=128,
+        gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64,
                         speculative={"method": "eagle", "model": str(p), "num_speculative_tokens": 3})
         if p == path:
             gen.engine.proposer.draft.save(tmp_path / "saved")
@@ -132,3 +132,91 @@ def test_malformed_eagle_checkpoint_is_refused(target, tmp_path, name):
     spoil(path)
     with pytest.raises(ValueError, match=match):
         Generator(str(target), speculative={"method": "eagle", "model": str(path)})
+
+
+# ---------------------------------------------------------------------------------------- EAGLE-3
+@pytest.mark.parametrize("variant", ["default_aux_truncated", "explicit_aux_full_vocab"])
+def test_eagle3_drafts_equal_the_reference(tiny_dir, tmp_path, variant):
+    from eagle_reference import Eagle3Reference
+
+    if variant == "default_aux_truncated":  # 8 layers: aux {2, 4, 5}; draft vocabulary of 96 ids
+        target = tiny_dir("llama", False, layers=8)[0]
+        path = hc.eagle3(tmp_path / "e3", target, draft_vocab=96)
+    else:  # 4 layers, ids from eagle_config (unsorted: collected in layer order), layers.0.* key names
+        target = tiny_dir("llama", False, layers=4)[0]
+        path = hc.eagle3(tmp_path / "e3", target, aux_ids=[3, 0, 1], layers_prefix=True, t2d=False)
+    reference_drafts = Eagle3Reference(target, path)
+    gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
+                    speculative={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3})
+    seen = _record_proposals(gen)
+    ps = prompts(8)
+    gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    stats = gen.engine.core.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
+    assert len(seen) > 40
+    for tokens, drafts in seen[::3]:
+        assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+
+
+@pytest.fixture(scope="module")
+def ref4(tiny_dir):
+    target = tiny_dir("llama", False, layers=4)[0]
+    return target, reference(target)
+
+
+@pytest.mark.parametrize("scorer", ["mqa", "batch_expansion"])
+def test_eagle3_greedy_is_exact(ref4, tmp_path, scorer):
+    target, ref = ref4
+    path = hc.eagle3(tmp_path / "e3", target, draft_vocab=96, aux_ids=[0, 1, 3])
+    check_greedy_exact(target, {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3,
+                                "scorer": scorer}, ref)
+
+
+def test_eagle3_save_load_round_trip_gives_identical_proposals(tiny_dir, tmp_path):
+    target = tiny_dir("llama", False, layers=4)[0]
+    path = hc.eagle3(tmp_path / "e3", target, aux_ids=[3, 0, 1], draft_vocab=128)
+    runs = []
+    for p in (path, tmp_path / "saved"):
+        gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64,
+                        speculative={"method": "eagle3", "model": str(p), "num_speculative_tokens": 3})
+        if p == path:
+            gen.engine.proposer.draft.save(tmp_path / "saved")
+        seen = _record_proposals(gen)
+        gen.generate(prompts(6), GREEDY, use_tqdm=False)
+        runs.append(seen)
+    assert runs[0] == runs[1] and len(runs[0]) > 20
+
+
+MALFORMED3 = {
+    "missing_d2t": (dict(draft_vocab=96), lambda p: _spoil(p, "model.safetensors", lambda t: t.pop("d2t")), "d2t"),
+    "t2d_disagrees": (dict(draft_vocab=96), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"t2d": t["t2d"].roll(1)})), "t2d"),
+    "d2t_out_of_range": (dict(draft_vocab=96), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"d2t": t["d2t"] + 300})), "d2t"),
+    "narrow_attention_input": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"midlayer.self_attn.q_proj.weight": t["midlayer.self_attn.q_proj.weight"][:, :64].contiguous()})),
+        "q_proj.weight"),
+    "missing_hidden_norm": (dict(), lambda p: _spoil(p, "model.safetensors",
+                                                     lambda t: t.pop("midlayer.hidden_norm.weight")), "hidden_norm"),
+    "target_hidden_size": (dict(), lambda p: _spoil(p, "model.safetensors", target_hidden_size=32),
+                           "target_hidden_size"),
+    "draft_vocab_size": (dict(), lambda p: _spoil(p, "model.safetensors", draft_vocab_size=300), "draft_vocab_size"),
+    "aux_layer_ids": (dict(aux_ids=[0, 1, 9]), lambda p: None, "eagle_aux_hidden_state_layer_ids"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED3))
+def test_malformed_eagle3_checkpoint_is_refused(tiny_dir, tmp_path, name):
+    target = tiny_dir("llama", False, layers=4)[0]
+    kw, spoil, match = MALFORMED3[name]
+    path = hc.eagle3(tmp_path / name, target, **{"aux_ids": [0, 1, 3], **kw})
+    spoil(path)
+    with pytest.raises(ValueError, match=match):
+        Generator(str(target), speculative={"method": "eagle3", "model": str(path)})
+
+
+def test_eagle3_default_aux_layers_need_seven_target_layers(tiny_dir, tmp_path):
+    target = tiny_dir("llama", False, layers=4)[0]
+    path = hc.eagle3(tmp_path / "e3", target)
+    with pytest.raises(ValueError, match="aux layers"):
+        Generator(str(target), speculative={"method": "eagle3", "model": str(path)})

@@ -73,7 +73,7 @@ class LLMEngine:
         backend = get_backend(self.platform.attention_backend)
         caches = [allocate_kv_caches(m, self.num_kv_blocks, self.block_size, self.dtype, self.device)
                   for m in kv_models]
-        self.runner = ModelRunner(self.loaded.model, caches[0], backend)
+        self.runner = ModelRunner(self.loaded.model, caches[0], backend, getattr(self.proposer, "aux_layers", ()))
         lookahead = 0
         if self.proposer is not None:
             self.proposer.bind_kv_caches(caches[1:], backend)
@@ -283,7 +283,7 @@ class LLMEngine:
         inp = ProposalInput(
             states, np.asarray(sched.num_computed_tokens, np.int64), np.asarray(sched.num_scheduled_tokens, np.int64),
             emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64), sampled,
-            np.where(speculate, max_drafts, 0), _request_block_rows(sched), TargetHidden(hidden))
+            np.where(speculate, max_drafts, 0), _request_block_rows(sched), TargetHidden(hidden, self.runner.last_aux))
         prop = self.proposer.propose(inp)
         if len(prop.core_ids) == 0:
             return

@@ -58,8 +58,13 @@ class EagleDraft:
         cos, sin = rope_factors(self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype))
         return self.layer(x, cos, sin, ctx)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.target_logits(h)
+    aux_layers = ()  # reads only the target's final hidden state
+
+    def target_features(self, hidden, rows: torch.Tensor) -> torch.Tensor:  # TargetHidden -> [T', H] f_i
+        return hidden.final[rows]
+
+    def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P]
+        return self.target_logits(h).argmax(-1)
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:

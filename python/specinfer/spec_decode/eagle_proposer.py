@@ -1,4 +1,4 @@
-"""EAGLE proposer: feature-level autoregression over (token i+1, target feature i) pairs with its
+"""EAGLE / EAGLE-3 proposer: feature-level autoregression over (token i+1, target feature i) pairs with its
 own paged draft KV over the target's block tables (budgeted with the target's: `kv_models`).
 
 Per request it keeps `num_seen`: draft KV is written for pair positions [0, num_seen). Every step
@@ -28,18 +28,22 @@ import torch
 from specinfer.attention import ForwardContext
 from specinfer.engine.batch import attention_metadata_for_runs
 from specinfer.spec_decode.eagle import EagleDraft
+from specinfer.spec_decode.eagle3 import Eagle3Draft
 from specinfer.spec_decode.proposer import Proposal, ProposalInput
 
 
 class EagleProposer:
-    aux_layers = ()
     sees_every_step = True  # confirmed target states exist only in the step that computed them
+    draft_class = EagleDraft
 
     def __init__(self, spec, ctx):
         path = Path(spec.model)
         if not path.is_dir():
-            raise FileNotFoundError(f"speculative.model {spec.model!r} is not a directory holding an EAGLE checkpoint")
-        self.draft = EagleDraft.load(path, target=ctx.target, dtype=ctx.target.model.norm.dtype, device=ctx.device)
+            raise FileNotFoundError(f"speculative.model {spec.model!r} is not a directory holding an "
+                                    f"{spec.method} checkpoint")
+        self.draft = self.draft_class.load(path, target=ctx.target, dtype=ctx.target.model.norm.dtype,
+                                           device=ctx.device)
+        self.aux_layers = self.draft.aux_layers  # target layers whose inputs the forward must hand over
         self.kv_models = [self.draft]
         self.num_lookahead_tokens = spec.num_speculative_tokens
         self.block_size = ctx.block_size
@@ -76,8 +80,7 @@ class EagleProposer:
             return Proposal.empty()
         rows = np.concatenate([np.arange(s + b - cc, s + b - cc + n) for s, b, cc, n in zip(start, begin, c, lens)])
         tokens = np.concatenate([inp.requests[r].tokens_slice(b + 1, e + 1) for r, b, e in zip(live, begin, confirmed)])
-        final = inp.hidden.final
-        features = final[torch.from_numpy(rows).to(final.device)]  # [T', H] f_i
+        features = self.draft.target_features(inp.hidden, torch.from_numpy(rows).to(inp.hidden.final.device))
         h = self._forward(inp.block_rows[live], begin, lens, tokens.astype(np.int64), features)
         for r, e in zip(live, confirmed):
             self.num_seen[inp.requests[r].core_id] = int(e)
@@ -93,7 +96,7 @@ class EagleProposer:
         drafted = np.zeros((len(rows), steps), dtype=np.int64)
         active = np.arange(len(rows))
         for i in range(steps):
-            drafted[active, i] = self.draft.logits(h).argmax(-1).cpu().numpy()
+            drafted[active, i] = self.draft.draft_tokens(h).cpu().numpy()
             active_next = active[limit[active] > i + 1]
             if len(active_next) == 0:
                 break
@@ -102,3 +105,9 @@ class EagleProposer:
             h = self._forward(inp.block_rows[rows[active]], next_pos[active] + i, np.ones(len(active), np.int64),
                               drafted[active, i], h[keep])
         return Proposal.from_drafts(inp.core_ids[rows], drafted, limit)
+
+
+class Eagle3Proposer(EagleProposer):
+    """EAGLE-3: features from three target layers through fc; own norm, lm_head and vocabulary."""
+
+    draft_class = Eagle3Draft

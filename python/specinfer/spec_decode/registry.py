@@ -13,6 +13,7 @@ _PROPOSERS: dict[str, str] = {
     "mlp_speculator": "specinfer.spec_decode.mlp_speculator:MLPSpeculatorProposer",
     "medusa": "specinfer.spec_decode.medusa:MedusaProposer",
     "eagle": "specinfer.spec_decode.eagle_proposer:EagleProposer",
+    "eagle3": "specinfer.spec_decode.eagle_proposer:Eagle3Proposer",
 }
 
 # methods whose `model` names a checkpoint, and what it must be
@@ -21,6 +22,7 @@ MODEL_METHODS: dict[str, str] = {
     "mlp_speculator": "an MLP speculator checkpoint directory",
     "medusa": "a Medusa heads checkpoint directory",
     "eagle": "an EAGLE-1 checkpoint directory",
+    "eagle3": "an EAGLE-3 checkpoint directory",
 }
 
 ACCEPTANCE_METHODS = frozenset({"rejection_sampler", "typical_acceptance_sampler"})
