@@ -58,3 +58,19 @@ def test_layer_skip_sampling_runs(target):
 def test_bad_layer_skip_config_is_refused(target, bad, match):
     with pytest.raises(ValueError, match=match):
         Generator(str(target), speculative=bad)
+
+
+def test_cli_layer_skip_and_head_flags(target):
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "specinfer", "generate", str(target), *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+
+    proc = run("--prompt", "t1 t2 t3", "--method", "layer_skip", "--exit-layer", 3, "-k", 3, "--max-tokens", 9,
+               "--ignore-eos")
+    assert proc.returncode == 0, proc.stderr
+    assert "acceptance rate: 1.000" in proc.stderr and "(layer_skip, k=3)" in proc.stderr
+    bad = run("--prompt", "t1", "--method", "medusa")
+    assert bad.returncode != 0 and "--head" in bad.stderr
