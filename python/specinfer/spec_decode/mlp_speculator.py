@@ -105,15 +105,18 @@ class MLPSpeculator:
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        """HF layout (`speculator.` prefix, every stage stored: tied ones as copies)."""
+        """HF layout (`speculator.` prefix); tied stages store only what vLLM reads (emb.0, head.0,
+        ln.0, proj.0, proj.1), which the loader accepts too."""
         t = {}
         for i in range(self.cfg.n_predict):
             p = f"speculator.{{}}.{i}.{{}}"
-            t[p.format("emb", "weight")] = self.emb[i]
-            t[p.format("proj", "weight")] = self.proj[i]
-            t[p.format("head", "weight")] = self.head[i]
-            t[p.format("ln", "weight")] = self.ln_w[i]
-            t[p.format("ln", "bias")] = self.ln_b[i]
+            if i == 0 or not self.cfg.tie_weights:
+                t[p.format("emb", "weight")] = self.emb[i]
+                t[p.format("head", "weight")] = self.head[i]
+                t[p.format("ln", "weight")] = self.ln_w[i]
+                t[p.format("ln", "bias")] = self.ln_b[i]
+            if i <= 1 or not self.cfg.tie_weights:
+                t[p.format("proj", "weight")] = self.proj[i]
         write_checkpoint(path, self.cfg.to_hf(), t, "model.safetensors")
 
     @classmethod
