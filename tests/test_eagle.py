@@ -76,7 +76,7 @@ def test_eagle_keeps_up_while_speculation_is_disabled(target, tmp_path):
         assert drafts == reference_drafts.drafts(tokens, len(drafts))
 
 
-@pytest.mark.parametrize("scorer", ["mqa", "batch_expansion"])
+@pytest.mark.parametrize("scorer", ["mqa", pytest.param("batch_expansion", marks=pytest.mark.slow)])
 def test_eagle_greedy_is_exact(target, ref, tmp_path, scorer):
     path = hc.eagle1(tmp_path / "eagle", target, repeat=True)
     tot = check_greedy_exact(target, {"method": "eagle", "model": str(path), "num_speculative_tokens": 3,
@@ -164,7 +164,7 @@ def ref4(tiny_dir):
     return target, reference(target)
 
 
-@pytest.mark.parametrize("scorer", ["mqa", "batch_expansion"])
+@pytest.mark.parametrize("scorer", [pytest.param("mqa", marks=pytest.mark.slow), "batch_expansion"])
 def test_eagle3_greedy_is_exact(ref4, tmp_path, scorer):
     target, ref = ref4
     path = hc.eagle3(tmp_path / "e3", target, draft_vocab=96, aux_ids=[0, 1, 3])

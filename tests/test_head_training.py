@@ -54,6 +54,7 @@ def test_training_resumes_exactly(setup, tmp_path):
               progress=False)
 
 
+@pytest.mark.slow  # ~20 s: subprocess + model load; train() itself is covered above
 def test_cli_train_heads_writes_a_loadable_head(setup, tmp_path):
     target = setup[0]
     proc = subprocess.run([sys.executable, "-m", "specinfer", "train-heads", str(target), "--method", "medusa",

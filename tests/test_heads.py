@@ -43,9 +43,10 @@ def heads(target, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,scorer", [
-    ("mlp_plain", "mqa"), ("mlp_tied_scaled_inner", "batch_expansion"), ("medusa_original", "batch_expansion"),
-    ("medusa_original_legacy_pt", "mqa"), ("medusa_vllm_truncated", "mqa"),
-    ("medusa_vllm_shared_nobias", "batch_expansion")])
+    pytest.param("mlp_plain", "mqa", marks=pytest.mark.slow), ("mlp_tied_scaled_inner", "batch_expansion"),
+    pytest.param("medusa_original", "batch_expansion", marks=pytest.mark.slow),
+    pytest.param("medusa_original_legacy_pt", "mqa", marks=pytest.mark.slow), ("medusa_vllm_truncated", "mqa"),
+    pytest.param("medusa_vllm_shared_nobias", "batch_expansion", marks=pytest.mark.slow)])
 def test_head_greedy_is_exact(target, ref, heads, name, scorer):
     method, path = heads[name]
     spec = {"method": method, "model": str(path), "num_speculative_tokens": 3, "scorer": scorer}
@@ -53,7 +54,7 @@ def test_head_greedy_is_exact(target, ref, heads, name, scorer):
     assert 0 < tot["num_accepted_tokens"] < tot["num_draft_tokens"], tot
 
 
-@pytest.mark.parametrize("name", ["mlp_plain", "medusa_vllm_truncated"])
+@pytest.mark.parametrize("name", [pytest.param("mlp_plain", marks=pytest.mark.slow), "medusa_vllm_truncated"])
 def test_head_with_prefix_hits(target, ref, heads, name):
     method, path = heads[name]
     check_prefix_hits(target, {"method": method, "model": str(path), "num_speculative_tokens": 4}, ref)

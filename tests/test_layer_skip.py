@@ -16,7 +16,7 @@ def ref(target):
     return reference(target)
 
 
-@pytest.mark.parametrize("scorer,k", [("mqa", 4), ("batch_expansion", 2)])
+@pytest.mark.parametrize("scorer,k", [pytest.param("mqa", 4, marks=pytest.mark.slow), ("batch_expansion", 2)])
 def test_layer_skip_greedy_is_exact(target, ref, scorer, k):
     spec = {"method": "layer_skip", "exit_layer": 2, "num_speculative_tokens": k, "scorer": scorer}
     tot = check_greedy_exact(target, spec, ref)
@@ -60,6 +60,7 @@ def test_bad_layer_skip_config_is_refused(target, bad, match):
         Generator(str(target), speculative=bad)
 
 
+@pytest.mark.slow  # subprocess start-up; the flags map onto SpeculativeConfig fields tested above
 def test_cli_layer_skip_and_head_flags(target):
     import subprocess
     import sys
