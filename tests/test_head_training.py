@@ -65,3 +65,17 @@ def test_cli_train_heads_writes_a_loadable_head(setup, tmp_path):
     gen = Generator(str(target), speculative={"method": "medusa", "model": str(tmp_path / "m"),
                                               "num_speculative_tokens": 3})
     assert len(gen.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)) == 1
+
+
+def test_eagle_training_writes_a_head_the_engine_runs(setup, tmp_path):
+    target, gen, prompts, seqs = setup
+    report = train(gen.engine.loaded, seqs[:16], tmp_path / "e", TrainConfig("eagle", steps=6, save_every=3),
+                   progress=False)
+    assert report["steps"] == 6 and report["final_loss"] == report["final_loss"]  # not NaN
+    assert report["held_out"]["positions"] > 0
+    eng = Generator(str(target), max_model_len=256, num_kv_blocks=64,
+                    speculative={"method": "eagle", "model": str(tmp_path / "e"), "num_speculative_tokens": 3})
+    want = gen.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    got = eng.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert eng.spec_metrics()["num_draft_tokens"] > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-HELP = "train a draft head (medusa, mlp_speculator) for a target by self-distillation"
+HELP = "train a draft head (medusa, mlp_speculator, eagle) for a target by self-distillation"
 DESCRIPTION = HELP + """
 
 The target greedily continues prompts (specinfer's bench prompt sets, then chunks of the Python
@@ -16,7 +16,7 @@ the same command resumes from --out/train_state.pt. Ends with a held-out accepta
 
 def add_arguments(p) -> None:
     p.add_argument("model", metavar="TARGET", help="target model (pack name, HF directory or .gguf)")
-    p.add_argument("--method", required=True, choices=("medusa", "mlp_speculator"), help="head type")
+    p.add_argument("--method", required=True, choices=("medusa", "mlp_speculator", "eagle"), help="head type")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (the head's checkpoint)")
     p.add_argument("--num-heads", type=int, default=4, metavar="K", help="heads / stages (max drafts), default 4")
     p.add_argument("--prompts", type=int, default=400, metavar="N", help="training prompts (default 400)")

@@ -8,8 +8,8 @@ from a generator seeded by (seed, step), so an interrupted and resumed run equal
 
 Methods: `medusa` (original layout, legacy heads: one zero-initialised ResBlock per head on the
 target's own lm_head, as Medusa-1 trains them) and `mlp_speculator` (IBM layout with tie_weights:
-proj.0, proj.1 and ln.0 trained; emb/head start as and stay the target's embedding and lm_head).
-EAGLE and EAGLE-3 training are not implemented here.
+proj.0, proj.1 and ln.0 trained; emb/head start as and stay the target's embedding and lm_head)
+and `eagle` (EAGLE-1 layout; eagle_training). EAGLE-3 training is not implemented.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from specinfer.spec_decode.distill_data import DistillSequence
 
-TRAINABLE = ("medusa", "mlp_speculator")
+TRAINABLE = ("medusa", "mlp_speculator", "eagle")
+EAGLE_SEQS_PER_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class TrainConfig:
     def __post_init__(self):
         if self.method not in TRAINABLE:
             raise ValueError(f"train-heads --method must be one of {list(TRAINABLE)} (got {self.method!r}); "
-                             "EAGLE training is not implemented")
+                             "EAGLE-3 training is not implemented")
         for name in ("num_heads", "steps", "batch_size", "save_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -168,9 +169,24 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     out.mkdir(parents=True, exist_ok=True)
     n_held = max(1, len(seqs) // 10)
     train_seqs, held = seqs[:-n_held] or seqs, seqs[-n_held:]
-    feats, toks = _examples(train_seqs, cfg.num_heads)
-    trainer = MedusaTrainer(target, cfg.num_heads) if cfg.method == "medusa" else \
-        MLPSpeculatorTrainer(target, cfg.num_heads, cfg.seed)
+    if cfg.method == "eagle":
+        from specinfer.spec_decode.eagle_training import EagleTrainer
+
+        trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target))
+        num_positions = sum(len(s.tokens) - 1 for s in train_seqs)
+
+        def batch_loss(g):
+            pick = torch.randint(0, len(train_seqs), (min(EAGLE_SEQS_PER_BATCH, len(train_seqs)),), generator=g)
+            return trainer.loss_on([train_seqs[i] for i in pick.tolist()])
+    else:
+        feats, toks = _examples(train_seqs, cfg.num_heads)
+        num_positions = len(feats)
+        trainer = MedusaTrainer(target, cfg.num_heads) if cfg.method == "medusa" else \
+            MLPSpeculatorTrainer(target, cfg.num_heads, cfg.seed)
+
+        def batch_loss(g):
+            idx = torch.randint(0, len(feats), (min(cfg.batch_size, len(feats)),), generator=g)
+            return trainer.loss(feats[idx], toks[idx])
     opt = torch.optim.AdamW(list(trainer.params.values()), lr=cfg.lr, weight_decay=0.0)
     state_file, start = out / "train_state.pt", 0
     if state_file.exists():
@@ -192,9 +208,8 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train {cfg.method}", unit="step")
     while step < cfg.steps:
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        idx = torch.randint(0, len(feats), (min(cfg.batch_size, len(feats)),), generator=g)
         with torch.enable_grad():
-            value = trainer.loss(feats[idx], toks[idx])
+            value = batch_loss(g)
             opt.zero_grad()
             value.backward()
         opt.step()
@@ -208,7 +223,15 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     bar.close()
     checkpoint(step)
     trainer.save(out, target)
-    report = {"method": cfg.method, "steps": step, "final_loss": loss, "train_positions": int(len(feats)),
-              "held_out": acceptance_estimate(type(trainer).load(out, target), held, cfg.num_heads)}
+    if cfg.method == "eagle":
+        from specinfer.spec_decode.eagle import EagleDraft
+        from specinfer.spec_decode.eagle_training import eagle_acceptance_estimate
+
+        EagleDraft.load(out, target=target, dtype=torch.float32, device=torch.device("cpu"))  # the export loads
+        held_out = eagle_acceptance_estimate(trainer, held, cfg.num_heads)
+    else:
+        held_out = acceptance_estimate(type(trainer).load(out, target), held, cfg.num_heads)
+    report = {"method": cfg.method, "steps": step, "final_loss": loss, "train_positions": int(num_positions),
+              "held_out": held_out}
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     return report
