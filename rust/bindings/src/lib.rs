@@ -294,6 +294,12 @@ impl SchedulerCore {
         Ok(UpdateOutput::new(py, out))
     }
 
+    /// Undoes the pending step as if schedule() had not run (a failure between
+    /// schedule() and update()); False when no step was pending.
+    fn cancel_step(&mut self) -> bool {
+        self.inner.cancel_step()
+    }
+
     fn num_free_blocks(&self) -> usize {
         self.inner.num_free_blocks()
     }

@@ -23,6 +23,10 @@ pub struct ScheduledRun {
     pub is_prefill: bool,
     /// Prefix-cache hit tokens found on this admission, else 0.
     pub num_cached_tokens: u32,
+    /// Admitted from the waiting queue by this step (undone by `cancel_step`).
+    pub newly_admitted: bool,
+    /// Blocks the request held before this step allocated (undone by `cancel_step`).
+    pub num_blocks_before: u32,
 }
 
 /// Everything one forward pass needs; built once per step, handed over without copies.

@@ -53,6 +53,8 @@ pub struct Scheduler {
     /// Runs of the step awaiting `update` (or of the last step).
     pub(crate) runs: Vec<ScheduledRun>,
     pub(crate) pending_update: bool,
+    /// Draft tails cut by the budget in the pending step: (slot, cut tokens).
+    cut_drafts: Vec<(u32, Vec<u32>)>,
     pub(crate) stats: SchedulerStats,
     prefix_scratch: CachedPrefix,
     ngram_scratch: NgramScratch,
@@ -75,6 +77,7 @@ impl Scheduler {
             running: Vec::new(),
             runs: Vec::new(),
             pending_update: false,
+            cut_drafts: Vec::new(),
             stats: SchedulerStats::default(),
             prefix_scratch: CachedPrefix::default(),
             ngram_scratch: NgramScratch::default(),
@@ -264,6 +267,7 @@ impl Scheduler {
         let step = self.stats.num_steps;
         self.stats.num_steps += 1;
         self.runs.clear();
+        self.cut_drafts.clear();
         let cfg = &self.config;
         let (max_len, lookahead) = (cfg.max_model_len, cfg.num_lookahead_tokens);
         let mut budget = cfg.max_num_batched_tokens;
@@ -281,11 +285,20 @@ impl Scheduler {
                 continue;
             }
             let end = req.num_computed_tokens + n;
-            // A cut verification keeps only the drafts inside the run.
-            req.draft_token_ids
-                .truncate(end.saturating_sub(req.num_tokens()));
+            // A cut verification keeps only the drafts inside the run (the cut tail is
+            // kept aside so that `cancel_step` can restore the proposal).
+            let keep = end.saturating_sub(req.num_tokens());
+            if keep < req.draft_token_ids.len() {
+                let tail = req.draft_token_ids.split_off(keep);
+                self.cut_drafts.push((slot, tail));
+            }
             let sampled = end >= req.num_tokens();
             let reserve = if sampled { lookahead } else { 0 };
+            let num_blocks_before = self.requests[slot as usize]
+                .as_ref()
+                .expect("running slot is live")
+                .block_ids
+                .len() as u32;
             let mut self_preempted = false;
             loop {
                 let req = self.requests[slot as usize]
@@ -316,6 +329,8 @@ impl Scheduler {
                 sampled,
                 is_prefill: req.is_prefilling(),
                 num_cached_tokens: 0,
+                newly_admitted: false,
+                num_blocks_before,
             });
             req.num_computed_tokens += n;
             req.last_scheduled_step = step;
@@ -379,6 +394,8 @@ impl Scheduler {
                 sampled,
                 is_prefill: req.is_prefilling(),
                 num_cached_tokens: cached as u32,
+                newly_admitted: true,
+                num_blocks_before: 0,
             });
             req.num_computed_tokens += n;
             req.last_scheduled_step = step;
@@ -399,6 +416,65 @@ impl Scheduler {
         self.waiting.push_front(slot);
         self.stats.num_preemptions += 1;
         preempted.push(req.id);
+    }
+
+    /// Undoes the pending step as if `schedule()` had not run (the step is a
+    /// transaction: the forward, sampling or anything between `schedule` and
+    /// `update` may fail). Each scheduled request gets back its computed-token
+    /// count and its whole proposal; blocks allocated by the step are released;
+    /// requests admitted by the step return to the front of the waiting queue in
+    /// their order. Preemptions done by the step stand (a preempted request is in a
+    /// consistent state: it recomputes). Requests aborted or finished since
+    /// `schedule` are skipped. Returns false when no step was pending.
+    pub fn cancel_step(&mut self) -> bool {
+        if !self.pending_update {
+            return false;
+        }
+        self.pending_update = false;
+        for (slot, tail) in self.cut_drafts.drain(..) {
+            if let Some(req) = self.requests[slot as usize].as_mut() {
+                req.draft_token_ids.extend_from_slice(&tail);
+            }
+        }
+        let step = self.stats.num_steps - 1;
+        let mut readmit = Vec::new();
+        for run in self.runs.iter() {
+            let Some(req) = self.requests[run.slot as usize].as_mut() else {
+                continue;
+            };
+            if req.id != run.req_id || req.last_scheduled_step != step {
+                continue; // aborted (and maybe replaced) since schedule()
+            }
+            if run.newly_admitted {
+                self.kv.free(req);
+                req.num_computed_tokens = 0;
+                req.status = RequestStatus::Waiting;
+                self.stats.prefix_cache_queries -= req.num_tokens() as u64;
+                self.stats.prefix_cache_hits -= u64::from(run.num_cached_tokens);
+                readmit.push(run.slot);
+            } else {
+                // Blocks the step added are fresh (never cached): release newest first.
+                let keep = run.num_blocks_before as usize;
+                for &b in req.block_ids[keep..].iter().rev() {
+                    self.kv.pool.free(b);
+                }
+                req.block_ids.truncate(keep);
+                req.num_computed_tokens = run.num_computed_tokens as usize;
+            }
+        }
+        if !readmit.is_empty() {
+            let requests = &self.requests;
+            self.running.retain(|&s| {
+                requests[s as usize]
+                    .as_ref()
+                    .is_some_and(|r| r.status == RequestStatus::Running)
+            });
+            for &slot in readmit.iter().rev() {
+                self.waiting.push_front(slot);
+            }
+        }
+        self.runs.clear();
+        true
     }
 
     /// Applies the emitted tokens of the pending step (see the module doc).
@@ -437,6 +513,7 @@ impl Scheduler {
             }
         }
         self.pending_update = false;
+        self.cut_drafts.clear();
         let step = self.stats.num_steps - 1;
         let max_len = self.config.max_model_len;
         let mut out = UpdateOutput::with_capacity(self.runs.len(), sampled_token_ids.len());

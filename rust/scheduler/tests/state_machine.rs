@@ -2,6 +2,9 @@
 //! partial acceptance, random stops) / abort / finish on small pools (forcing
 //! preemption) with shared prompt prefixes (hitting the prefix cache). After every
 //! step the bookkeeping invariants hold; after draining, every block is free.
+//! Failures are injected between schedule and update (`cancel_step`, sometimes
+//! with an abort in between): every request not preempted is back where it was,
+//! and when nothing was preempted the next schedule equals the cancelled one.
 //! Also: the O(len) n-gram proposer equals a naive reference.
 
 use proptest::prelude::*;
@@ -26,6 +29,9 @@ enum Op {
     Step {
         seed: u64,
     },
+    FailedStep {
+        abort_pick: Option<usize>,
+    },
     Abort {
         pick: usize,
     },
@@ -41,6 +47,7 @@ fn op() -> impl Strategy<Value = Op> {
         ),
         2 => any::<u64>().prop_map(|seed| Op::SetDrafts { seed }),
         6 => any::<u64>().prop_map(|seed| Op::Step { seed }),
+        2 => prop::option::weighted(0.3, any::<usize>()).prop_map(|abort_pick| Op::FailedStep { abort_pick }),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
         1 => any::<usize>().prop_map(|pick| Op::Finish { pick }),
     ]
@@ -184,6 +191,101 @@ fn set_random_drafts(s: &mut Scheduler, live: &[u64], rng: &mut Rng) {
     }
 }
 
+/// What a request looks like to the next step.
+#[derive(Debug, PartialEq, Eq)]
+struct Snapshot {
+    token_ids: Vec<u32>,
+    num_computed_tokens: usize,
+    draft_token_ids: Vec<u32>,
+    num_blocks: usize,
+    running: bool,
+}
+
+fn snapshot(s: &Scheduler, id: u64) -> Snapshot {
+    let r = s.request(id).unwrap();
+    Snapshot {
+        token_ids: r.token_ids.clone(),
+        num_computed_tokens: r.num_computed_tokens,
+        draft_token_ids: r.draft_token_ids.clone(),
+        num_blocks: r.block_ids.len(),
+        running: r.status == specinfer_scheduler::RequestStatus::Running,
+    }
+}
+
+/// The runs of the first `n` requests of a batch as the forward sees them (id,
+/// context, query length, drafts), without the physical slots.
+fn leading_runs(out: &SchedulerOutput, n: usize) -> Vec<(u64, i32, i32, i32)> {
+    (0..n)
+        .map(|r| {
+            (
+                out.req_ids[r],
+                out.num_computed_tokens[r],
+                out.num_scheduled_tokens[r],
+                out.num_draft_tokens[r],
+            )
+        })
+        .collect()
+}
+
+/// schedule, then a failure: optionally abort one request, then cancel_step.
+fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>) {
+    let before: Vec<(u64, Snapshot)> = live.iter().map(|&id| (id, snapshot(s, id))).collect();
+    let free_before = s.num_free_blocks();
+    let was_running: Vec<u64> = before
+        .iter()
+        .filter(|(_, b)| b.running)
+        .map(|(id, _)| *id)
+        .collect();
+    let out = s.schedule().unwrap();
+    check_batch(s, &out);
+    let mut aborted = None;
+    if let Some(pick) = abort_pick.filter(|_| !live.is_empty()) {
+        let id = live.remove(pick % live.len());
+        assert!(s.abort_request(id));
+        aborted = Some(id);
+    }
+    let pending = out.num_reqs() > 0;
+    assert_eq!(s.cancel_step(), pending);
+    assert!(!s.cancel_step(), "a second cancel finds nothing pending");
+    s.check_invariants().unwrap();
+    let preempted = &out.preempted_req_ids;
+    for (id, snap) in before.into_iter().filter(|(id, _)| Some(*id) != aborted) {
+        if preempted.contains(&id) {
+            let r = s.request(id).unwrap();
+            assert_eq!(r.num_computed_tokens, 0, "a preempted request recomputes");
+            assert!(r.block_ids.is_empty() && r.draft_token_ids.is_empty());
+        } else {
+            assert_eq!(
+                snapshot(s, id),
+                snap,
+                "request {id} not restored by cancel_step"
+            );
+        }
+    }
+    if preempted.is_empty() && aborted.is_none() {
+        assert_eq!(
+            s.num_free_blocks(),
+            free_before,
+            "cancel_step leaked or took blocks"
+        );
+        if pending {
+            // the failed step never happened: the requests that were running get the
+            // same runs again (admissions may differ: the cancelled step's allocations
+            // may have evicted prefix-cache entries, which cancel does not bring back)
+            let again = s.schedule().unwrap();
+            check_batch(s, &again);
+            let n = out
+                .req_ids
+                .iter()
+                .take_while(|id| was_running.contains(id))
+                .count();
+            assert_eq!(leading_runs(&again, n), leading_runs(&out, n));
+            assert!(s.cancel_step());
+            s.check_invariants().unwrap();
+        }
+    }
+}
+
 fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
     let mut s = Scheduler::new(cfg.clone()).unwrap();
     let mut live: Vec<u64> = vec![];
@@ -258,6 +360,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
             }
             Op::SetDrafts { seed } => set_random_drafts(&mut s, &live, &mut Rng(seed | 1)),
             Op::Step { seed } => step(&mut s, &mut live, &mut Rng(seed | 1), false),
+            Op::FailedStep { abort_pick } => failed_step(&mut s, &mut live, abort_pick),
             Op::Abort { pick } | Op::Finish { pick } if !live.is_empty() => {
                 let id = live.remove(pick % live.len());
                 assert!(s.abort_request(id));
