@@ -5,7 +5,10 @@
 //! part of that gap. A prefill chunk, a decode (1 token) and a verification (1 + k)
 //! are all runs.
 //! 1. Running requests, FCFS: each gets its whole gap, capped by the remaining
-//!    token budget (a cut verification drops the drafts past the cut). If its KV
+//!    token budget. A budget cut splits a verification: the run verifies the drafts
+//!    in its query plus the next one (scored by its last row), and the rest of the
+//!    proposal waits for the next step, so a cut never changes what is emitted
+//!    (the same drafts meet the same verification, only later). If its KV
 //!    slots cannot be allocated, the most recently admitted running request is
 //!    preempted (recompute) until the allocation succeeds or the request itself
 //!    was the one preempted.
@@ -53,8 +56,6 @@ pub struct Scheduler {
     /// Runs of the step awaiting `update` (or of the last step).
     pub(crate) runs: Vec<ScheduledRun>,
     pub(crate) pending_update: bool,
-    /// Draft tails cut by the budget in the pending step: (slot, cut tokens).
-    cut_drafts: Vec<(u32, Vec<u32>)>,
     pub(crate) stats: SchedulerStats,
     prefix_scratch: CachedPrefix,
     ngram_scratch: NgramScratch,
@@ -77,7 +78,6 @@ impl Scheduler {
             running: Vec::new(),
             runs: Vec::new(),
             pending_update: false,
-            cut_drafts: Vec::new(),
             stats: SchedulerStats::default(),
             prefix_scratch: CachedPrefix::default(),
             ngram_scratch: NgramScratch::default(),
@@ -267,7 +267,6 @@ impl Scheduler {
         let step = self.stats.num_steps;
         self.stats.num_steps += 1;
         self.runs.clear();
-        self.cut_drafts.clear();
         let cfg = &self.config;
         let (max_len, lookahead) = (cfg.max_model_len, cfg.num_lookahead_tokens);
         let mut budget = cfg.max_num_batched_tokens;
@@ -285,13 +284,6 @@ impl Scheduler {
                 continue;
             }
             let end = req.num_computed_tokens + n;
-            // A cut verification keeps only the drafts inside the run (the cut tail is
-            // kept aside so that `cancel_step` can restore the proposal).
-            let keep = end.saturating_sub(req.num_tokens());
-            if keep < req.draft_token_ids.len() {
-                let tail = req.draft_token_ids.split_off(keep);
-                self.cut_drafts.push((slot, tail));
-            }
             let sampled = end >= req.num_tokens();
             let reserve = if sampled { lookahead } else { 0 };
             let num_blocks_before = self.requests[slot as usize]
@@ -325,7 +317,8 @@ impl Scheduler {
                 req_id: req.id,
                 num_computed_tokens: req.num_computed_tokens as u32,
                 num_scheduled_tokens: n as u32,
-                num_draft_tokens: req.draft_token_ids.len() as u32,
+                num_draft_tokens: end.saturating_sub(req.num_tokens()) as u32,
+                num_verified_drafts: verified_drafts(req, end, sampled),
                 sampled,
                 is_prefill: req.is_prefilling(),
                 num_cached_tokens: 0,
@@ -391,6 +384,7 @@ impl Scheduler {
                 num_computed_tokens: req.num_computed_tokens as u32,
                 num_scheduled_tokens: n as u32,
                 num_draft_tokens: 0,
+                num_verified_drafts: verified_drafts(req, cached + n, sampled),
                 sampled,
                 is_prefill: req.is_prefilling(),
                 num_cached_tokens: cached as u32,
@@ -403,15 +397,15 @@ impl Scheduler {
         }
     }
 
-    /// Recompute preemption: free the blocks, forget the KV and the drafts, go to the
-    /// front of the waiting queue (output so far is kept and recomputed).
+    /// Recompute preemption: free the blocks, forget the KV, go to the front of the
+    /// waiting queue (output so far is kept and recomputed; the proposal is kept
+    /// and verified once the recompute reaches its end).
     fn preempt(&mut self, slot: u32, preempted: &mut Vec<RequestId>) {
         let req = self.requests[slot as usize]
             .as_mut()
             .expect("preempted slot is live");
         self.kv.free(req);
         req.num_computed_tokens = 0;
-        req.draft_token_ids.clear();
         req.status = RequestStatus::Waiting;
         self.waiting.push_front(slot);
         self.stats.num_preemptions += 1;
@@ -421,7 +415,7 @@ impl Scheduler {
     /// Undoes the pending step as if `schedule()` had not run (the step is a
     /// transaction: the forward, sampling or anything between `schedule` and
     /// `update` may fail). Each scheduled request gets back its computed-token
-    /// count and its whole proposal; blocks allocated by the step are released;
+    /// count (its proposal was never touched); blocks allocated by the step are released;
     /// requests admitted by the step return to the front of the waiting queue in
     /// their order. Preemptions done by the step stand (a preempted request is in a
     /// consistent state: it recomputes). Requests aborted or finished since
@@ -431,11 +425,6 @@ impl Scheduler {
             return false;
         }
         self.pending_update = false;
-        for (slot, tail) in self.cut_drafts.drain(..) {
-            if let Some(req) = self.requests[slot as usize].as_mut() {
-                req.draft_token_ids.extend_from_slice(&tail);
-            }
-        }
         let step = self.stats.num_steps - 1;
         let mut readmit = Vec::new();
         for run in self.runs.iter() {
@@ -513,7 +502,6 @@ impl Scheduler {
             }
         }
         self.pending_update = false;
-        self.cut_drafts.clear();
         let step = self.stats.num_steps - 1;
         let max_len = self.config.max_model_len;
         let mut out = UpdateOutput::with_capacity(self.runs.len(), sampled_token_ids.len());
@@ -533,8 +521,18 @@ impl Scheduler {
             if run.sampled {
                 let rejected = run.num_draft_tokens as usize + 1 - tokens.len();
                 self.kv.rollback(req, rejected);
+                // Verified drafts are spent. The unverified rest of a split proposal
+                // stays only if every verified draft was accepted (no recovered token).
+                let v = run.num_verified_drafts as usize;
+                let split_and_all_accepted = v > run.num_draft_tokens as usize
+                    && tokens.len() == v
+                    && tokens == &req.draft_token_ids[..v];
+                if split_and_all_accepted {
+                    req.draft_token_ids.drain(..v);
+                } else {
+                    req.draft_token_ids.clear();
+                }
             }
-            req.draft_token_ids.clear();
             let mut finish = None;
             let mut num_new = 0;
             for &t in tokens {
@@ -570,4 +568,15 @@ impl Scheduler {
         }
         Ok(out)
     }
+}
+
+/// Drafts a run ending at `end` verifies: a sampled run has `1 + d` logits rows for
+/// the `d` drafts inside its query, so it verifies those plus, when the budget split
+/// the proposal, the first draft after them (the last row scores it); otherwise none.
+fn verified_drafts(req: &Request, end: usize, sampled: bool) -> u32 {
+    if !sampled {
+        return 0;
+    }
+    let in_query = end.saturating_sub(req.num_tokens());
+    req.draft_token_ids.len().min(in_query + 1) as u32
 }

@@ -144,10 +144,28 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
         assert_eq!(req.num_computed_tokens, end);
         assert!(end <= req.num_tokens_with_spec());
         let logits = out.cu_num_logits[r + 1] - out.cu_num_logits[r];
+        let verified = out.num_draft_tokens[r];
+        let d0: i32 = out.num_draft_tokens[..r].iter().sum();
+        assert_eq!(
+            &out.draft_token_ids[d0 as usize..(d0 + verified) as usize],
+            req.draft_token_ids[..verified as usize]
+                .iter()
+                .map(|&t| t as i64)
+                .collect::<Vec<_>>(),
+            "the verified drafts are the proposal's first ones"
+        );
         if logits > 0 {
-            // the sampled rows are the run's last 1 + k tokens, and exactly the drafts kept
-            assert_eq!(logits, 1 + out.num_draft_tokens[r]);
-            assert_eq!(req.draft_token_ids.len(), out.num_draft_tokens[r] as usize);
+            // the sampled rows are the run's last 1 + d tokens (d drafts in the query);
+            // they verify d drafts plus a bonus row, or d + 1 drafts when split
+            let in_query = logits - 1;
+            assert!(
+                verified == in_query
+                    || (verified == in_query + 1 && req.draft_token_ids.len() > in_query as usize)
+            );
+            assert_eq!(
+                verified as usize,
+                req.draft_token_ids.len().min(in_query as usize + 1)
+            );
             let seq_end = out
                 .seq_req_indices
                 .iter()
@@ -162,13 +180,13 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
             );
             assert_eq!(
                 end,
-                req.num_tokens_with_spec(),
-                "a sampled run reaches the end of its tokens"
+                req.num_tokens() + in_query as usize,
+                "a sampled run reaches the last token and holds d drafts"
             );
             let want = (end + cfg.num_lookahead_tokens).min(cfg.max_model_len);
             assert!(req.block_ids.len() * bs >= want, "lookahead not reserved");
         } else {
-            assert_eq!(out.num_draft_tokens[r], 0);
+            assert_eq!(verified, 0);
         }
     }
 }
@@ -253,7 +271,11 @@ fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>
         if preempted.contains(&id) {
             let r = s.request(id).unwrap();
             assert_eq!(r.num_computed_tokens, 0, "a preempted request recomputes");
-            assert!(r.block_ids.is_empty() && r.draft_token_ids.is_empty());
+            assert!(r.block_ids.is_empty());
+            assert_eq!(
+                r.draft_token_ids, snap.draft_token_ids,
+                "preemption keeps the proposal"
+            );
         } else {
             assert_eq!(
                 snapshot(s, id),
@@ -301,26 +323,40 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
         }
         let mut tokens = vec![];
         let mut cu = vec![0i32];
+        let mut expect_kept = vec![];
         for r in 0..out.num_reqs() {
-            let max = (out.cu_num_logits[r + 1] - out.cu_num_logits[r]) as u64;
-            let n = if max == 0 {
-                0
+            let rows = (out.cu_num_logits[r + 1] - out.cu_num_logits[r]) as u64;
+            let verified = out.num_draft_tokens[r] as usize;
+            let d0 = out.num_draft_tokens[..r].iter().sum::<i32>() as usize;
+            let drafts = &out.draft_token_ids[d0..d0 + verified];
+            if rows == 0 {
             } else if all_accept {
-                1
+                tokens.push(3);
             } else {
-                1 + rng.below(max)
-            };
-            for _ in 0..n {
-                tokens.push(if all_accept {
-                    3
+                // accept a random prefix of the verified drafts, then a recovered or
+                // bonus token unless every draft of a split proposal was accepted
+                let accepted = rng.below(verified as u64 + 1) as usize;
+                tokens.extend(drafts[..accepted].iter().map(|&t| t as u32));
+                let split = verified as u64 == rows;
+                if accepted < verified || !split {
+                    tokens.push(rng.below(VOCAB as u64) as u32);
                 } else {
-                    rng.below(VOCAB as u64) as u32
-                });
+                    let req = s.request(out.req_ids[r]).unwrap();
+                    expect_kept.push((out.req_ids[r], req.draft_token_ids[verified..].to_vec()));
+                }
             }
             cu.push(tokens.len() as i32);
         }
         let up = s.update(&tokens, &cu).unwrap();
         live.retain(|id| !up.finished_req_ids.contains(id));
+        for (id, rest) in expect_kept {
+            if let Some(req) = s.request(id) {
+                assert_eq!(
+                    req.draft_token_ids, rest,
+                    "a fully accepted split keeps the rest"
+                );
+            }
+        }
         if !all_accept && rng.below(3) > 0 {
             set_random_drafts(s, live, rng); // usually speculate on the next step
         }
