@@ -1,9 +1,7 @@
-"""Python-side state of one request: what the user sees (text, logprobs) and per-request RNG."""
+"""Python-side state of one request: what the user sees (text, logprobs) and its random seed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.outputs import RequestOutput
@@ -18,7 +16,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None  # seeded requests only
+    seed: int  # its random streams' seed: SamplingParams.seed, or drawn from the engine's seed
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     finished: bool = False
@@ -28,7 +26,8 @@ class RequestState:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # the latest step's delta, for streaming
+    stream: bool = False  # intermediate outputs wanted (deltas since the last output)
+    # the delta since the last output, for streaming
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
 

@@ -1,9 +1,9 @@
 """Sampler: one token per logits row, plus optional logprobs.
 
 Greedy rows (temperature 0) take the argmax of the raw logits. Random rows sample from
-``probs_from_logits`` (temperature -> min-p -> top-k -> top-p) by the exponential race
-``argmax(probs / E)``, ``E ~ Exp(1)``; a seeded row's noise comes from its own generator alone
-(see :mod:`.noise`), so a seeded request samples the same tokens alone or in any batch.
+``probs_from_logits`` (temperature -> min-p -> top-k -> top-p) by inverse CDF with one uniform
+from the row's counter-based stream (``SAMPLE`` at the row's output position; see
+:mod:`.random_streams`), so a request samples the same tokens alone or in any batch.
 
 Logprobs are "raw logprobs": ``log_softmax`` of the RAW logits, i.e. the model's own
 distribution before temperature / top-k / top-p / min-p (vLLM's default ``raw_logprobs``).
@@ -18,7 +18,7 @@ import torch
 
 from .logits_processor import probs_from_logits
 from .metadata import SamplingMetadata
-from .noise import draw_exponential, exponential_race
+from .random_streams import SAMPLE, sample_from_weights
 
 
 @dataclass(frozen=True)
@@ -52,10 +52,7 @@ def compute_logprobs(
 
 
 class Sampler:
-    """Samples one token per row; unseeded rows draw from ``default_generator``."""
-
-    def __init__(self, default_generator: torch.Generator | None = None):
-        self.default_generator = default_generator  # None = torch's global generator
+    """Samples one token per row from the row's random stream."""
 
     def __call__(
         self,
@@ -67,11 +64,11 @@ class Sampler:
                 f"logits has shape {tuple(logits.shape)}, expected [{meta.num_rows}, vocab]")
         token_ids = logits.argmax(dim=-1)  # greedy rows are done
         if not meta.all_greedy:
+            if meta.streams is None:
+                raise ValueError("streams: rows with temperature > 0 need random streams")
             probs = probs_from_logits(logits, meta)  # [L, V]
-            random_rows = (~meta.is_greedy).tolist()
-            noise = draw_exponential(random_rows, probs.shape[1], meta.generators,
-                                     self.default_generator, probs.dtype, probs.device)
-            token_ids = torch.where(meta.is_greedy, token_ids, exponential_race(probs, noise))
+            u = meta.streams.uniform(SAMPLE, device=probs.device)[:, 0]  # [L]
+            token_ids = torch.where(meta.is_greedy, token_ids, sample_from_weights(probs, u))
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = compute_logprobs(logits, token_ids, meta.max_num_logprobs)

@@ -3,8 +3,9 @@
 
 Row r of every per-request array is the r-th request scheduled in this step (scheduler order).
 Positions: request r's query tokens this step sat at positions
-`num_computed[r] .. num_computed[r] + num_scheduled[r] - 1`; the last `num_draft[r]` of them were
-drafts, of which the first `num_accepted[r]` were accepted. The target's hidden state at position
+`num_computed[r] .. num_computed[r] + num_scheduled[r] - 1`; the last `num_rows[r]` of them have
+logits rows, which verified `num_draft[r]` drafts, of which the first `num_accepted[r]` were
+accepted. The target's hidden state at position
 i is "confirmed" when token i is confirmed (not a rejected draft): its successor token i + 1 is
 then known (a prompt token, an accepted draft, or the token emitted this step).
 """
@@ -36,8 +37,14 @@ class ProposalInput:
     num_scheduled: np.ndarray  # int64[R] query tokens this step (prefill chunk, decode, or 1 + drafts)
     num_draft: np.ndarray  # int64[R] drafts verified this step
     num_accepted: np.ndarray  # int64[R] of those, accepted
+    # int64[R] logits rows of r this step: 0 for a prefill chunk, 1 for a decode or final chunk, 1 + k
+    # for a verification, k for a split proposal's part (verified without a bonus row)
+    num_rows: np.ndarray
     sampled: np.ndarray  # bool[R] request got tokens this step and is still running
     max_drafts: np.ndarray  # int64[R] draft budget for the next step (0: propose nothing for r)
+    # bool[R] requests whose proposer state must follow this step's confirmed tokens (speculating and
+    # alive; every alive one for proposers that see every step)
+    catch_up: np.ndarray
     block_rows: np.ndarray  # int32[R, W] each request's block table row
     hidden: TargetHidden
 
@@ -56,14 +63,19 @@ class ProposalInput:
         return out
 
     @property
-    def num_confirmed(self) -> np.ndarray:  # int64[R] positions whose target hidden state is now confirmed
-        return self.num_computed + self.num_scheduled - self.num_draft + self.num_accepted
+    def num_confirmed(self) -> np.ndarray:
+        """int64[R] positions whose target hidden state is now confirmed: a chunk's every position;
+        of a run with logits rows, those up to the row of the first rejection (the row that produced
+        the newest token), and never past the run (a split proposal fully accepted has no bonus row)."""
+        rows_before = self.num_scheduled - self.num_rows  # query positions without a logits row
+        return self.num_computed + rows_before + np.minimum(self.num_accepted + 1, self.num_rows)
 
     @property
     def sampled_rows(self) -> np.ndarray:
         """int64[R] batch row of the position whose logits produced r's newest token (meaningful
         where sampled): the hidden state h_t that MLP speculator and Medusa heads read."""
-        return self.token_start[:-1] + self.num_scheduled - 1 - self.num_draft + self.num_accepted
+        return self.token_start[:-1] + self.num_scheduled - self.num_rows + np.minimum(self.num_accepted,
+                                                                                       self.num_rows - 1)
 
     def last_tokens(self, rows: np.ndarray) -> np.ndarray:  # int64[len(rows)] newest token of each request
         return np.fromiter((self.requests[r].token_at(self.requests[r].num_tokens - 1) for r in rows),
