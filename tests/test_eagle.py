@@ -23,12 +23,16 @@ def ref(target):
     return reference(target)
 
 
+splits = [0]  # verification runs of a split proposal (no bonus row) seen by _record_proposals
+
+
 def _record_proposals(gen):
     proposer, seen = gen.engine.proposer, []
     inner = proposer.propose
 
     def spy(inp):
         prop = inner(inp)
+        splits[0] += int(((inp.num_rows == inp.num_draft) & (inp.num_draft > 0)).sum())
         by_id = {st.core_id: st for st in inp.requests}
         for j, cid in enumerate(prop.core_ids.tolist()):
             st = by_id[cid]
@@ -56,6 +60,20 @@ def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
     assert len(seen) > 40
     for tokens, drafts in seen[::3]:
+        assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+
+
+def test_eagle_drafts_equal_the_reference_across_split_proposals(target, tmp_path):
+    """A token budget of 8 with k = 5 cuts proposals: parts are verified without a bonus row."""
+    path = hc.eagle1(tmp_path / "eagle", target)
+    reference_drafts = EagleReference(target, path)
+    gen = Generator(str(target), block_size=4, max_num_batched_tokens=8, num_kv_blocks=64, max_model_len=128,
+                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 5})
+    splits[0] = 0
+    seen = _record_proposals(gen)
+    gen.generate(prompts(4), SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
+    assert splits[0] > 0 and len(seen) > 10
+    for tokens, drafts in seen:
         assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
 
 

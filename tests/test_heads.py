@@ -110,12 +110,12 @@ def test_mlp_speculator_follows_the_reference_math(heads):
 def test_heads_read_the_hidden_state_of_the_sampled_position(target, tmp_path):
     """Zero-initialised Medusa heads with the target's lm_head draft argmax(lm_head(h_t)), which is
     the newest token x_{t+1} itself: only the hidden state of the sampled row gives that, in
-    prefill chunks, plain decodes and verifications with any number accepted."""
+    prefill chunks, plain decodes, verifications with any number accepted and split proposals."""
     path = hc.medusa_original(tmp_path / "zero", target, legacy=True, scale=0.0)
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=24, num_kv_blocks=40, max_model_len=128,
                     speculative={"method": "medusa", "model": str(path), "num_speculative_tokens": 3})
     proposer = gen.engine.proposer
-    seen = []
+    seen, splits = [], []
     inner = proposer.propose
 
     def spy(inp):
@@ -123,6 +123,7 @@ def test_heads_read_the_hidden_state_of_the_sampled_position(target, tmp_path):
         rows = [r for r in range(inp.num_requests) if inp.max_drafts[r] > 0]
         seen.append((inp.last_tokens(rows).tolist(), prop.draft_token_ids.tolist(), prop.cu_num_draft.tolist(),
                      inp.num_accepted[rows].tolist()))
+        splits.append(int(((inp.num_rows == inp.num_draft) & (inp.num_draft > 0)).sum()))
         return prop
 
     proposer.propose = spy
@@ -135,7 +136,7 @@ def test_heads_read_the_hidden_state_of_the_sampled_position(target, tmp_path):
             assert d == [tok] * len(d)
             checked += len(d) > 0
             accepted_runs += acc[j] > 0
-    assert checked > 50 and accepted_runs > 0
+    assert checked > 50 and accepted_runs > 0 and sum(splits) > 0  # split proposals (no bonus row) too
 
 
 def _edit_tensors(path, file, edit):
