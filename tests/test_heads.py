@@ -112,8 +112,9 @@ def test_heads_read_the_hidden_state_of_the_sampled_position(target, tmp_path):
     the newest token x_{t+1} itself: only the hidden state of the sampled row gives that, in
     prefill chunks, plain decodes, verifications with any number accepted and split proposals."""
     path = hc.medusa_original(tmp_path / "zero", target, legacy=True, scale=0.0)
-    gen = Generator(str(target), block_size=4, max_num_batched_tokens=24, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": "medusa", "model": str(path), "num_speculative_tokens": 3})
+    # a budget of 9 with k = 4 cuts many proposals (split runs, verified without a bonus row)
+    gen = Generator(str(target), block_size=4, max_num_batched_tokens=9, num_kv_blocks=40, max_model_len=128,
+                    speculative={"method": "medusa", "model": str(path), "num_speculative_tokens": 4})
     proposer = gen.engine.proposer
     seen, splits = [], []
     inner = proposer.propose
@@ -123,7 +124,8 @@ def test_heads_read_the_hidden_state_of_the_sampled_position(target, tmp_path):
         rows = [r for r in range(inp.num_requests) if inp.max_drafts[r] > 0]
         seen.append((inp.last_tokens(rows).tolist(), prop.draft_token_ids.tolist(), prop.cu_num_draft.tolist(),
                      inp.num_accepted[rows].tolist()))
-        splits.append(int(((inp.num_rows == inp.num_draft) & (inp.num_draft > 0)).sum()))
+        split = (inp.num_rows == inp.num_draft) & (inp.num_draft > 0) & (inp.num_accepted < inp.num_draft)
+        splits.append(int((split & (inp.max_drafts > 0)).sum()))  # split, a rejection, and a new proposal
         return prop
 
     proposer.propose = spy
