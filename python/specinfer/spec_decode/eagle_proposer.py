@@ -13,7 +13,8 @@ A request first seen with a prefix-cache hit (or resumed after preemption) start
 computed count: the cached blocks' draft KV was written by the request that computed them. The
 one exception is the pair at the last cached position c - 1, which depends on token c: the
 request that filled the block may have had another token there (drafts then stay lossless; only
-acceptance can dip). See NOTE in DESIGN: a scheduler option to recompute the last cached block
+acceptance can dip). EAGLE cannot rewrite it (it would need the target state f_{c-1}, which the
+target does not recompute for cached positions); a core option recomputing the last cached block
 (vLLM's remedy) would make it exact.
 
 Drafts are the argmax of the target's lm_head over the draft feature (q = one-hot: lossless).
