@@ -139,7 +139,7 @@ class StepSampler:
         out = out.cpu().numpy()
         n_emit = n_emit.cpu().numpy().astype(np.int32)
         flat = out[np.arange(out.shape[1])[None, :] < n_emit[:, None]]
-        return flat, n_emit, _num_accepted(n_emit, d, has_bonus.numpy())
+        return flat, n_emit, _num_accepted(out, n_emit, d, np.asarray(sched.draft_token_ids))
 
     @staticmethod
     def _logprobs(logits, cu_logits, cu, flat, want, states, logprobs):
@@ -163,8 +163,17 @@ class StepSampler:
             logprobs[i] = entries
 
 
-def _num_accepted(n_emit: np.ndarray, d: np.ndarray, has_bonus: np.ndarray) -> np.ndarray:
-    """Accepted drafts from emitted counts: every emitted token but the recovered/bonus one,
-    which is absent only when a split proposal (no bonus row) accepted all its d drafts."""
-    all_split_accepted = ~has_bonus & (n_emit == d)
-    return np.where(all_split_accepted, d, n_emit - 1).astype(np.int32)
+def _num_accepted(out: np.ndarray, n_emit: np.ndarray, d: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """Accepted drafts per request: the leading emitted tokens equal to its drafts (a recovered
+    token never equals the draft it replaces, so this is exact; the core applies the same rule
+    to decide whether a split proposal's rest is kept).
+
+    out int64[R, W] padded -1, n_emit int32[R], d int32[R] drafts verified, drafts int64[sum d]."""
+    R = len(d)
+    width = int(d.max(initial=0))
+    grid = np.full((R, width), -2, dtype=np.int64)
+    cols = np.arange(width)[None, :]
+    valid = cols < d[:, None]
+    grid[valid] = drafts
+    same = (out[:, :width] == grid) & valid & (cols < n_emit[:, None])
+    return np.cumprod(same, axis=1).sum(axis=1).astype(np.int32)
