@@ -66,11 +66,11 @@ def test_catch_up_after_a_pause_respects_the_budget(tiny_dir):
     greedy output stays exact."""
     target, _ = tiny_dir("llama", False)
     prompts = [_prompt(30, seed=s) for s in range(3)]
-    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in (3, 40, 40)]
-    want = [o.token_ids for o in Generator(str(target), block_size=4, max_model_len=128)
+    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in (25, 60, 60)]
+    want = [o.token_ids for o in Generator(str(target), block_size=4, max_model_len=160)
             .generate(prompts, params, use_tqdm=False)]
     budget = 12
-    gen = Generator(str(target), block_size=4, max_model_len=128, max_num_batched_tokens=budget,
+    gen = Generator(str(target), block_size=4, max_model_len=160, max_num_batched_tokens=budget,
                     speculative={"method": "draft_model", "model": str(target), "num_speculative_tokens": 3,
                                  "disable_by_batch_size": 3})
     counter = Counter(gen.engine.proposer.runner.forward)
