@@ -2,7 +2,8 @@
 
 - :class:`SamplingMetadata`: per-row temperature / top-k / top-p / min-p / generators.
 - :func:`probs_from_logits`: the processed distribution (shared by target and draft).
-- :class:`Sampler`: one token per row (+ raw logprobs).
+- :class:`Sampler`: one token per row.
+- :func:`compute_logprobs`: raw logprobs of emitted tokens (the engine's one implementation).
 - :func:`rejection_sample`: lossless verification of drafts.
 - :func:`typical_acceptance_sample`: Medusa-style verification; NOT distribution-preserving.
 """
@@ -10,7 +11,8 @@ from .logits_processor import (apply_min_p, apply_temperature, apply_top_k_top_p
                                probs_from_logits, process_logits)
 from .metadata import GREEDY_TEMPERATURE, SamplingMetadata
 from .rejection_sampler import rejection_sample
-from .sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs
+from .logprobs import LogprobsTensors, compute_logprobs
+from .sampler import Sampler, SamplerOutput
 from .typical_acceptance import typical_acceptance_sample
 
 __all__ = [
