@@ -84,8 +84,8 @@ def build_gguf_tokenizer(meta: dict, source: str) -> tuple[tokenizers.Tokenizer,
         raise ValueError(f"{source}: missing or empty GGUF tokenizer array tokenizer.ggml.tokens")
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if not isinstance(types, list) or len(types) != len(tokens):
-        raise ValueError(f"{source}: GGUF tokenizer.ggml.token_type has {len(types) if isinstance(types, list) else types!r}"
-                         f" entries for {len(tokens)} tokens")
+        got = len(types) if isinstance(types, list) else repr(types)
+        raise ValueError(f"{source}: GGUF tokenizer.ggml.token_type has {got} entries for {len(tokens)} tokens")
     raw_merges = meta.get("tokenizer.ggml.merges", [])
     if not isinstance(raw_merges, list) or any(not isinstance(m, str) or " " not in m for m in raw_merges):
         raise ValueError(f"{source}: GGUF tokenizer.ggml.merges must be a list of \"left right\" strings")

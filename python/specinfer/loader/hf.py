@@ -51,7 +51,8 @@ def _shard_files(model_dir: str) -> list[str]:
             if os.path.isabs(name) or os.path.commonpath([root, f]) != root or f == root:
                 raise ValueError(f"{index_path}: weight_map shard {name!r} resolves outside the model directory")
             if not os.path.isfile(f):
-                raise FileNotFoundError(f"missing safetensors shard listed in the index: {os.path.join(model_dir, name)}")
+                raise FileNotFoundError(
+                    f"missing safetensors shard listed in the index: {os.path.join(model_dir, name)}")
             files.append(f)
         return files
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
