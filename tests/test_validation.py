@@ -66,6 +66,7 @@ def assert_serves(gen, reference=None):
     ({"speculate": 1}, "speculate"),
     ({"temperature": True}, "temperature"),
     ({"logprobs": 2.0}, "logprobs"),
+    ({"top_k": 2**70}, "top_k"),  # used to overflow inside the step, wedging the engine
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
@@ -76,6 +77,13 @@ def test_largest_seed_and_numpy_ints_are_accepted(gen, reference):
     sp = SamplingParams(seed=np.uint64(2**64 - 1), max_tokens=np.int64(3), stop_token_ids=[np.int32(9)])
     assert type(sp.seed) is int and sp.seed == 2**64 - 1 and sp.stop_token_ids == (9,)
     assert len(gen.generate([GOOD_PROMPT], sp, use_tqdm=False)[0].token_ids) >= 1
+    assert_serves(gen, reference)
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token(gen, reference):
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=5, top_k=k) for k in (0, 256, 2**31 - 1)]
+    outs = gen.generate([GOOD_PROMPT] * 3, params, use_tqdm=False)
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     assert_serves(gen, reference)
 
 

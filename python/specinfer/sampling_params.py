@@ -68,8 +68,9 @@ class SamplingParams:
         p = self.top_p
         if not _is_real(p) or math.isnan(p) or not 0.0 < p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+            raise bad("top_k", "must be an integer in [-1, 2**31) (0 or -1 disables it; values above the "
+                      "vocabulary size keep every token)")
         m = self.min_p
         if not _is_real(m) or math.isnan(m) or not 0.0 <= m <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
