@@ -118,6 +118,21 @@ def test_add_request_validates_prompt_token_ids(gen, reference, ids, match):
     assert_serves(gen, reference)
 
 
+def test_text_whose_tokens_fall_outside_the_model_vocabulary(tiny, tmp_path):
+    """A tokenizer.json larger than the model's vocabulary: the text prompt is refused, not the step."""
+    from tokenizers import Tokenizer
+
+    d = tmp_path / "big_tokenizer"
+    shutil.copytree(tiny, d)
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    tok.add_tokens(["zz"])  # id 256 in a 256-token model
+    tok.save(str(d / "tokenizer.json"))
+    g = Generator(str(d), max_model_len=64, block_size=4, num_kv_blocks=32)
+    with pytest.raises(ValueError, match=r"prompt \(tokenized\) token id 256 is outside the vocabulary \[0, 256\)"):
+        g.generate(["t5 zz"], GREEDY, use_tqdm=False)
+    assert_serves(g)
+
+
 def test_bad_request_id_and_params_type(gen, reference):
     with pytest.raises(ValueError, match="request_id must be a str"):
         gen.engine.add_request(7, GOOD_PROMPT, GREEDY)
