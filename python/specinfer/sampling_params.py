@@ -42,7 +42,7 @@ class SamplingParams:
             if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
                 raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids (got {ids!r})")
             ids = tuple(ids)
-            bad = next((t for t in ids if not _is_int(t) or t < 0), None)
+            bad = next((t for t in ids if not is_int(t) or t < 0), None)
             if bad is not None:
                 raise ValueError(f"SamplingParams.stop_token_ids must hold integer token ids >= 0 (got {bad!r} "
                                  f"in {list(ids)!r})")
@@ -56,9 +56,9 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why} (got {getattr(self, name)!r})")
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
@@ -68,15 +68,15 @@ class SamplingParams:
         p = self.top_p
         if not _is_real(p) or math.isnan(p) or not 0.0 < p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+        if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             raise bad("top_k", "must be an integer in [-1, 2**31) (0 or -1 disables it; values above the "
                       "vocabulary size keep every token)")
         m = self.min_p
         if not _is_real(m) or math.isnan(m) or not 0.0 <= m <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise bad("seed", "must be an integer in [0, 2**64) or None")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0 or None")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must hold non-empty strings")
@@ -89,7 +89,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
     """A Python or numpy integer, not a bool (True is not token id 1)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 

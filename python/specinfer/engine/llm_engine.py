@@ -22,7 +22,7 @@ from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
 from specinfer.outputs import RequestOutput
 from specinfer.platform import resolve_dtype, resolve_platform
-from specinfer.sampling_params import SEED_LIMIT, SamplingParams, _is_int
+from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.proposer import ProposalInput
@@ -42,9 +42,9 @@ class LLMEngine:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20):
-        if not _is_int(seed) or not 0 <= seed < SEED_LIMIT:
+        if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
-        if not _is_int(max_logprobs) or max_logprobs < 0:
+        if not is_int(max_logprobs) or max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0 (got {max_logprobs!r})")
         self.max_logprobs = int(max_logprobs)  # SamplingParams.logprobs above this is refused (vLLM: 20)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -146,8 +146,8 @@ class LLMEngine:
         if isinstance(ids, np.ndarray) and ids.ndim != 1:
             raise ValueError(f"{what} token ids must be a flat list (got an array of shape {ids.shape})")
         ids = list(ids)
-        bad = next((t for t in ids if not _is_int(t)), None)
-        if bad is not None or (ids and isinstance(ids[0], np.ndarray)):
+        bad = next((t for t in ids if not is_int(t)), None)
+        if bad is not None:
             raise ValueError(f"{what} token ids must be integers (got {bad!r} of type {type(bad).__name__})")
         ids = [int(t) for t in ids]
         if not ids:
