@@ -307,7 +307,9 @@ def _gguf_meta(**over):
     for k, v in over.items():
         key = {"eos": "tokenizer.ggml.eos_token_id", "eot": "tokenizer.ggml.eot_token_id",
                "bos": "tokenizer.ggml.bos_token_id", "tokens": "tokenizer.ggml.tokens",
-               "heads": "llama.attention.head_count", "kv_heads": "llama.attention.head_count_kv"}[k]
+               "heads": "llama.attention.head_count", "kv_heads": "llama.attention.head_count_kv",
+               "types": "tokenizer.ggml.token_type", "merges": "tokenizer.ggml.merges",
+               "vocab": "llama.vocab_size"}[k]
         if v is _DELETE:
             meta.pop(key)
         else:
@@ -344,6 +346,9 @@ def _write_gguf(path, meta):
     ({"eos": 9999}, r"tokenizer.ggml.eos_token_id = 9999 is outside the vocabulary \[0, 300\)"),
     ({"bos": 300}, "tokenizer.ggml.bos_token_id = 300 is outside the vocabulary"),
     ({"eot": 400}, "tokenizer.ggml.eot_token_id = 400"),
+    ({"types": [1] * 299}, "tokenizer.ggml.token_type has 299 entries for 300 tokens"),
+    ({"merges": ["t0t1"]}, "tokenizer.ggml.merges must be a list of \"left right\" strings"),
+    ({"vocab": 200}, r"tokenizer.ggml.tokens has 300 tokens, more than llama.vocab_size \(200\)"),
 ])
 def test_broken_gguf_is_refused_naming_the_field(gen, reference, tmp_path, over, match):
     path = _write_gguf(tmp_path / "broken.gguf", _gguf_meta(**over))
