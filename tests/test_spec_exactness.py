@@ -125,7 +125,7 @@ def test_disable_by_batch_size(models, reference):
     params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0) for i in range(8)]
 
     def run(spec, n):
-        gen = Generator(str(target), speculative=spec)
+        gen = Generator(str(target), speculative=spec, max_model_len=256, num_kv_blocks=64)
         outs = gen.generate(prompts[:n], params[:n], use_tqdm=False)
         assert [o.token_ids for o in outs] == [w[:p.max_tokens] for w, p in zip(want, params[:n])]
         return [o.num_draft_tokens for o in outs], gen.spec_metrics()["num_draft_tokens"]
