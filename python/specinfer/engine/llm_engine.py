@@ -34,7 +34,7 @@ from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
 from specinfer.outputs import RequestOutput
 from specinfer.platform import resolve_dtype, resolve_platform
-from specinfer.sampling_params import SamplingParams
+from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.proposer import ProposalInput
@@ -53,7 +53,12 @@ class ProposerContext:
 class LLMEngine:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None):
+                 enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20):
+        if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
+        if not is_int(max_logprobs) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0 (got {max_logprobs!r})")
+        self.max_logprobs = int(max_logprobs)  # SamplingParams.logprobs above this is refused (vLLM: 20)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                 enable_prefix_caching=enable_prefix_caching)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -128,26 +133,48 @@ class LLMEngine:
 
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         """Tokenize and check one request; raises ValueError naming the field. No side effects."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
+        self._check_params(params)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             ids = self.encode(prompt)
+            self._check_token_ids(ids, "prompt (tokenized)")
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in prompt]
-            if any(t < 0 or t >= self.vocab_size for t in ids):
-                bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
-                raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            ids = self._check_token_ids(prompt, "prompt")
         else:
             raise ValueError(f"prompt must be a str or a list of token ids (got {type(prompt).__name__})")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
-                             "to generate")
+        return ids
+
+    def _check_params(self, params) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
         if params.stop_token_ids and any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids holds ids outside the vocabulary [0, {self.vocab_size})")
+            bad = next(t for t in params.stop_token_ids if t >= self.vocab_size)
+            raise ValueError(f"SamplingParams.stop_token_ids holds {bad}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > min(self.max_logprobs, self.vocab_size):
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the engine's max_logprobs="
+                             f"{self.max_logprobs}" + (f" (vocabulary size {self.vocab_size})"
+                                                      if self.vocab_size < self.max_logprobs else "") +
+                             "; raise max_logprobs when building the engine")
+
+    def _check_token_ids(self, ids, what: str) -> list[int]:
+        """ids -> list[int] in [0, vocab) with room to generate under max_model_len, or ValueError."""
+        if isinstance(ids, np.ndarray) and ids.ndim != 1:
+            raise ValueError(f"{what} token ids must be a flat list (got an array of shape {ids.shape})")
+        ids = list(ids)
+        bad = next((t for t in ids if not is_int(t)), None)
+        if bad is not None:
+            raise ValueError(f"{what} token ids must be integers (got {bad!r} of type {type(bad).__name__})")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"{what} is empty (no tokens)")
+        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{what} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                             "to generate")
         return ids
 
     def encode(self, text: str) -> list[int]:
@@ -155,29 +182,45 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, stream: bool = False) -> None:
-        """Queue a request. With stream=True, step(final_only=True) still returns its
-        intermediate outputs (deltas since its last output)."""
-        params = params or SamplingParams()
+        """Validate and queue one request. `prompt_token_ids`, when given, is what runs (`prompt` is
+        then only echoed back); it is validated like a token-id prompt. Raises ValueError naming the
+        field; on any error nothing of the request is left behind. With stream=True,
+        step(final_only=True) still returns its intermediate outputs (deltas since its last one)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str (got {type(request_id).__name__})")
         with self._lock:
             if request_id in self._by_name:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
+            if prompt_token_ids is not None:
+                self._check_params(params)
+                ids = self._check_token_ids(prompt_token_ids, "prompt_token_ids")
+            else:
+                ids = self.validate(prompt, params)
             core_id = next(self._ids)
             seed = params.seed if params.seed is not None else int(
                 self._seed_source.integers(0, 2**64, dtype=np.uint64))
-            st = RequestState(request_id, core_id, prompt if isinstance(prompt, str) else None, list(ids), params,
+            # the Python state exists before the core learns of the request: a step never meets a
+            # request it cannot map, and a refusal by the core leaves nothing behind
+            st = RequestState(request_id, core_id, prompt if isinstance(prompt, str) else None, ids, params,
                               IncrementalDetokenizer(self.tokenizer, params.stop), seed,
                               logprobs=[] if params.logprobs is not None else None, stream=stream)
-            # the Python state exists before the core learns of the request: never half-added
             self._requests[core_id] = st
             self._by_name[request_id] = core_id
+            eos = list(self.loaded.eos_token_ids)
+            # ignore_eos ignores every EOS id of the model; otherwise the first is the core's EOS and
+            # the others stop like stop_token_ids do
+            stop_ids = list(params.stop_token_ids or ()) + ([] if params.ignore_eos else eos[1:])
+            # max_tokens beyond max_model_len is clamped, as vLLM does: the core also stops a request
+            # ("length") when prompt + output reach max_model_len
+            max_tokens = min(params.max_tokens, self.max_model_len)
+            min_tokens = min(params.min_tokens, max_tokens)
             try:
-                eos = self.loaded.eos_token_ids
-                stop_ids = list(params.stop_token_ids or ()) + list(eos[1:])
-                self.core.add_request(core_id, np.asarray(ids, dtype=np.int64), params.max_tokens,
-                                      params.min_tokens, eos[0] if eos else -1, params.ignore_eos, stop_ids)
+                self.core.add_request(core_id, np.asarray(ids, dtype=np.int64), max_tokens, min_tokens,
+                                      eos[0] if eos and not params.ignore_eos else -1, params.ignore_eos, stop_ids)
             except BaseException:
-                del self._requests[core_id], self._by_name[request_id]
+                del self._requests[core_id]
+                del self._by_name[request_id]
                 raise
 
     def abort(self, request_id: str) -> RequestOutput | None:
