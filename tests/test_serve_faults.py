@@ -181,6 +181,10 @@ def test_capacity_refuses_with_429_and_stop_aborts_the_rest_with_503():
         assert e.value.status == 429 and e.value.code == "queue_full"
         for q in queues:
             await started(q)
+        loop.drain()  # shutdown began: no admissions, the three go on
+        with pytest.raises(ApiError) as e:
+            submit("while-draining")
+        assert e.value.status == 503 and loop.in_flight == 3
         await asyncio.get_running_loop().run_in_executor(None, loop.stop, 10)
         with pytest.raises(ApiError) as e:
             submit("after-stop")

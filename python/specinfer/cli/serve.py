@@ -73,8 +73,8 @@ def run(args) -> int:
           f"{gen.engine.num_kv_blocks} KV blocks) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     server.run()
     loop = app.state.serve.loop
-    print(f"specinfer serve: shut down ({loop.num_finished} requests finished, {loop.num_aborted_at_shutdown} "
-          "aborted at shutdown)", file=sys.stderr, flush=True)
+    print(f"specinfer serve: shut down; requests finished: {loop.num_finished}, aborted at shutdown: "
+          f"{loop.num_aborted_at_shutdown}", file=sys.stderr, flush=True)
     if loop.fatal is not None:
         raise RuntimeError(f"the engine loop crashed: {loop.fatal}")
     return 0 if server.started else 1

@@ -72,6 +72,8 @@ class EngineLoop:
         self._inbox: deque[tuple[Submission, float]] = deque()
         self._aborts: list[str] = []
         self._in_flight = 0  # admitted and not ended; guarded by _cond
+        self._draining = False  # shutting down: no new admissions
+        self._abort_all: ApiError | None = None  # set: fail everything in flight with this
         self._stopping = False
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._consecutive_failures = 0
@@ -93,15 +95,19 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
     @property
+    def accepting(self) -> bool:
+        return self.alive and not self._draining
+
+    @property
     def in_flight(self) -> int:
         return self._in_flight
 
     def submit(self, subs: list[Submission]) -> None:
         """Admit all of `subs` or none: 429 at capacity, 503 when stopping."""
         with self._cond:
-            if not self.alive:
+            if not self.accepting:
                 self.metrics.requests_rejected.labels(reason="shutting_down").inc(len(subs))
-                raise ApiError(503, "the server is shutting down" if self._stopping else
+                raise ApiError(503, "the server is shutting down" if self._stopping or self._draining else
                                "the engine loop is not running", None, "unavailable")
             if self._in_flight + len(subs) > self.capacity:
                 self.metrics.requests_rejected.labels(reason="queue_full").inc(len(subs))
@@ -120,6 +126,18 @@ class EngineLoop:
             self._aborts.extend(request_ids)
             self._cond.notify()
 
+    def drain(self) -> None:
+        """Shutdown begins: refuse new requests (503); those in flight go on."""
+        with self._cond:
+            self._draining = True
+
+    def abort_all(self) -> None:
+        """End every request in flight now: its handler gets a 503 (a stream: an error event)."""
+        with self._cond:
+            self._abort_all = ApiError(503, "the server shut down before the request finished", None,
+                                       "shutting_down")
+            self._cond.notify()
+
     def stop(self, timeout: float | None = None) -> None:
         """Abort what is still in flight (their handlers get 503), then end the thread."""
         with self._cond:
@@ -134,19 +152,22 @@ class EngineLoop:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._aborts or self._stopping or engine.has_unfinished_requests()):
+                    while not (self._inbox or self._aborts or self._stopping or self._abort_all
+                               or engine.has_unfinished_requests()):
                         self._cond.wait()
                     new, self._inbox = list(self._inbox), deque()
                     aborts, self._aborts = self._aborts, []
+                    abort_all, self._abort_all = self._abort_all, None
                     stopping = self._stopping
                 for sub, arrival in new:
                     self._add(sub, arrival)
                 for rid in aborts:
                     self._abort(rid)
+                if abort_all is not None or stopping:
+                    self.num_aborted_at_shutdown += len(self._tracked)
+                    self._fail_all(abort_all or ApiError(503, "the server shut down before the request finished",
+                                                         None, "shutting_down"), reason="abort")
                 if stopping:
-                    self.num_aborted_at_shutdown = len(self._tracked)
-                    self._fail_all(ApiError(503, "the server shut down before the request finished", None,
-                                            "shutting_down"), reason="abort")
                     return
                 if engine.has_unfinished_requests():
                     self._step()

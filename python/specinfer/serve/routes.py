@@ -117,9 +117,10 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     loop = request.app.state.serve.loop
-    if loop.alive:
+    if loop.accepting:
         return JSONResponse({"status": "ok"})
-    reason = "the engine loop crashed" if loop.fatal is not None else "the engine loop is not running"
+    reason = ("the engine loop crashed" if loop.fatal is not None else
+              "the server is shutting down" if loop.alive else "the engine loop is not running")
     return JSONResponse(ApiError(503, reason, None, "unavailable").body(), status_code=503)
 
 
