@@ -248,6 +248,22 @@ def test_disconnect_mid_stream_aborts_and_frees_every_block(server):
     assert not server.engine.has_unfinished_requests()
 
 
+def test_disconnect_while_waiting_for_a_plain_response_aborts(server):
+    import http.client
+
+    before = scrape(server.port)
+    key = 'specinfer_requests_finished_total{finish_reason="abort"}'
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 240, "temperature": 0,
+                                                              "ignore_eos": True}).encode(),
+                 headers={"Content-Type": "application/json"})
+    wait_for(lambda: scrape(server.port)["specinfer_num_requests_running"] == 1, what="the request to run")
+    conn.close()  # gone before the answer
+    wait_for(lambda: scrape(server.port).get(key, 0) == before.get(key, 0) + 1, what="the abort")
+    assert idle_and_free(server.port)
+    assert scrape(server.port)["specinfer_generation_tokens_total"] - before["specinfer_generation_tokens_total"] < 240
+
+
 def test_full_queue_answers_429_and_recovers(server, client):
     body = {"prompt": "t5 t6", "max_tokens": 250, "temperature": 0, "ignore_eos": True}
     streams = [open_stream(server.port, "/v1/completions", body) for _ in range(CAPACITY)]
