@@ -91,6 +91,11 @@ def test_completion_of_token_ids_and_several_prompts(client, ref):
     assert [c.index for c in r.choices] == [0, 1]
     assert [c.text for c in r.choices] == [e.text for e in expected]
     assert r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model=MODEL, prompt=[PROMPT, "t9 t10 t11"], max_tokens=6, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    for i, e in enumerate(expected):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == e.text and mine[-1].finish_reason == "length"
     r = client.completions.create(model=MODEL, prompt=expected[0].prompt_token_ids, max_tokens=6, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == expected[0].text

@@ -62,7 +62,7 @@ class _Tracked:
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics, *, capacity: int, prompt_param: str = "prompt"):
+    def __init__(self, engine, metrics: ServerMetrics, *, capacity: int):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 (got {capacity})")
         self.engine = engine

@@ -11,7 +11,6 @@ from starlette.requests import Request
 from specinfer.outputs import RequestOutput
 from specinfer.sampling_params import SamplingParams
 from specinfer.serve.engine_loop import EngineLoop, Event, Submission
-from specinfer.serve.errors import ApiError
 
 
 class ClientGone(Exception):
@@ -31,10 +30,6 @@ class Generation:
         self.finals: list[RequestOutput | None] = [None] * n
         self._open = set(range(n))  # choices not yet finished or failed
         self._early: list[Event] = []  # outputs that arrived while start() waited for admissions
-
-    @property
-    def done(self) -> bool:
-        return not self._open
 
     async def start(self, request: Request) -> None:
         """Submit and wait until the engine admitted every choice (its refusal becomes the
@@ -124,4 +119,4 @@ async def _events_or_disconnect(events: AsyncIterator[Event], request: Request) 
         watch.cancel()
 
 
-__all__ = ["ApiError", "ClientGone", "Generation"]
+__all__ = ["ClientGone", "Generation"]
