@@ -76,6 +76,7 @@ class EngineLoop:
         self._abort_all: ApiError | None = None  # set: fail everything in flight with this
         self._stopping = False
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._outbox: list[tuple[asyncio.Queue, Event]] = []  # engine thread only: events to hand over
         self._consecutive_failures = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -169,9 +170,11 @@ class EngineLoop:
                                                          None, "shutting_down"), reason="abort")
                 if stopping:
                     return
+                self._flush()  # admissions are answered before the step, which may be long
                 if engine.has_unfinished_requests():
                     self._step()
                 self._publish_snapshot()
+                self._flush()
         except BaseException as e:  # a bug in the loop: fail everyone, /health turns 503
             self.fatal = e
             log.exception("the engine loop crashed")
@@ -185,6 +188,7 @@ class EngineLoop:
             self._fail_all(err, reason="error")
         finally:
             self._publish_snapshot()
+            self._flush()
 
     def _add(self, sub: Submission, arrival: float) -> None:
         try:
@@ -274,8 +278,15 @@ class EngineLoop:
             self._in_flight -= n
 
     def _post(self, sub: Submission, event: Event) -> None:
+        self._outbox.append((sub.sink, event))
+
+    def _flush(self) -> None:
+        """Hand the pending events to the event loop: one wake-up per batch, not per event."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
         try:
-            self._loop.call_soon_threadsafe(sub.sink.put_nowait, event)
+            self._loop.call_soon_threadsafe(_put_all, batch)
         except RuntimeError:  # the event loop is closed: the server is gone, nobody to tell
             pass
 
@@ -290,3 +301,8 @@ class EngineLoop:
             num_drafts=drafts, num_draft_tokens=int(m.get("num_draft_tokens", 0)),
             num_accepted_tokens=int(m.get("num_accepted_tokens", 0)),
             num_emitted_tokens=round(m.get("mean_acceptance_length", 0.0) * drafts), speculative=spec)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Event]]) -> None:
+    for sink, event in batch:
+        sink.put_nowait(event)
