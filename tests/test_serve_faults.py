@@ -227,7 +227,8 @@ class FailingForward:
 @pytest.fixture
 def faulty(tiny_dir, request):
     path, _ = tiny_dir("llama", seed=3)
-    gen = Generator(str(path), num_kv_blocks=64, block_size=8, max_num_seqs=4, max_model_len=256)
+    # max_num_seqs=1: a second request waits, outside the step that runs the first
+    gen = Generator(str(path), num_kv_blocks=64, block_size=8, max_num_seqs=1, max_model_len=256)
     if not engine_cancels_failed_steps(gen.engine):  # the test runs, and must fail: a wedged engine
         request.applymarker(pytest.mark.xfail(strict=True, reason="the engine does not cancel a failed step yet "
                                               "(the step transaction)"))
@@ -266,3 +267,26 @@ def test_a_failed_forward_fails_its_request_and_the_server_goes_on(faulty):
     assert m['specinfer_requests_finished_total{finish_reason="error"}'] == 2
     status, _, _ = request(srv.port, "GET", "/health")
     assert status == 200
+
+
+def test_a_failed_step_spares_the_request_it_did_not_run(faulty):
+    import concurrent.futures as cf
+
+    srv, injector, path = faulty
+    body_b = {"prompt": "t9 t8 t9 t8", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    expected_b = Generator(path, num_kv_blocks=64, block_size=8).generate(
+        ["t9 t8 t9 t8"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)[0].text
+    conn, resp = open_stream(srv.port, "/v1/completions", {"prompt": "t5 t6 t7", "max_tokens": 240, "temperature": 0,
+                                                            "ignore_eos": True})
+    assert read_events(resp, 1)  # A runs
+    with cf.ThreadPoolExecutor(1) as pool:
+        b = pool.submit(request, srv.port, "POST", "/v1/completions", body_b)
+        wait_for(lambda: scrape(srv.port)["specinfer_num_requests_waiting"] == 1, what="B waiting behind A")
+        injector.arm()  # the next step runs A only
+        rest = read_events(resp, 10_000)
+        conn.close()
+        status, _, raw = b.result(60)
+    assert rest[-1] == "[DONE]" and rest[-2]["error"]["code"] == "engine_step_failed"
+    assert status == 200 and json.loads(raw)["choices"][0]["text"] == expected_b  # B: as if nothing happened
+    wait_for(lambda: idle_and_free(srv.port), what="all blocks free")
+    assert scrape(srv.port)['specinfer_requests_finished_total{finish_reason="error"}'] == 1
