@@ -33,7 +33,9 @@ impl TokenPadding {
         if buckets.is_empty() || buckets[0] == 0 || buckets.windows(2).any(|w| w[0] >= w[1]) {
             return Err(CoreError::invalid(
                 "token_buckets",
-                format!("must be a non-empty strictly increasing list of ints >= 1, got {buckets:?}"),
+                format!(
+                    "must be a non-empty strictly increasing list of ints >= 1, got {buckets:?}"
+                ),
             ));
         }
         if (null_block as usize) < num_blocks {
@@ -42,7 +44,10 @@ impl TokenPadding {
                 format!("{null_block} is a real block of the pool (0..{num_blocks}); use a block id >= num_blocks"),
             ));
         }
-        Ok(TokenPadding { buckets, null_block })
+        Ok(TokenPadding {
+            buckets,
+            null_block,
+        })
     }
 
     pub fn buckets(&self) -> &[usize] {
@@ -99,7 +104,10 @@ mod tests {
     #[test]
     fn pads_up_to_the_smallest_bucket_and_past_the_largest_to_a_multiple() {
         let p = TokenPadding::new(vec![1, 2, 4, 8, 16], 10, 10).unwrap();
-        assert_eq!([1, 2, 3, 5, 16, 17, 40].map(|t| p.padded_len(t)), [1, 2, 4, 8, 16, 32, 48]);
+        assert_eq!(
+            [1, 2, 3, 5, 16, 17, 40].map(|t| p.padded_len(t)),
+            [1, 2, 4, 8, 16, 32, 48]
+        );
     }
 
     #[test]
@@ -110,9 +118,12 @@ mod tests {
         assert_eq!(out.input_ids, vec![1, 2, 3, 4, 5, 0, 0, 0]);
         assert_eq!(out.positions, vec![0, 1, 2, 3, 4, 0, 0, 0]);
         assert_eq!(out.slot_mapping, vec![0, 1, 2, 3, 4, 14, 15, 14]); // null block 7 * block_size 2
-        // the sequences, the logits rows and the real token count are untouched
+                                                                       // the sequences, the logits rows and the real token count are untouched
         assert_eq!((out.query_start_loc, out.seq_lens), (vec![0, 5], vec![5]));
-        assert_eq!((out.logits_indices, out.total_num_scheduled_tokens), (vec![4], 5));
+        assert_eq!(
+            (out.logits_indices, out.total_num_scheduled_tokens),
+            (vec![4], 5)
+        );
     }
 
     #[test]
