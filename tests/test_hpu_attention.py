@@ -136,16 +136,17 @@ def test_bucket_config_validation_names_the_field(bad, field):
 
 
 def test_device_wrappers_import_habana_lazily():
-    """graphs.py imports anywhere; its calls need habana_frameworks (absent here)."""
-    from specinfer.kernels.hpu import graphs
+    """device.py imports anywhere; its calls need habana_frameworks (absent here)."""
+    from specinfer.kernels.hpu import device
 
-    cache = graphs.HpuGraphCache(lambda x: x)
+    cache = device.HpuGraphCache(lambda x: x)
     assert len(cache) == 0
     try:
         import habana_frameworks  # noqa: F401
     except ImportError:
+        assert not device.hpu_available()
         with pytest.raises(ImportError):
-            graphs.mark_step()
+            device.mark_step()
 
 
 def test_registry_and_platform_choose_hpu_flat():

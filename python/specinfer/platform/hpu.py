@@ -1,0 +1,116 @@
+"""The Gaudi platforms: static shapes through buckets, flat block-list attention, HPU graphs.
+
+`HpuPlatform` runs on a Gaudi; `HpuEmulatedPlatform` (`device="hpu-emulated"`) runs the same
+path on CPU with the device calls answered by `EmulatedDevice`: the Rust packer pads every batch
+to a token bucket, padded rows write only the null block, attention runs through the flat
+block-list backend padded to (tokens, blocks) buckets, every planned shape is warmed up before
+serving, and the speculation length comes from the warmed lengths only. The shape policy (which
+buckets, which k) lives here; habana_frameworks is reached only through
+specinfer.kernels.hpu.device, imported when a Gaudi is actually used.
+"""
+from __future__ import annotations
+
+import torch
+
+from specinfer.kernels.hpu.buckets import BucketConfig, BucketPlanner, geometric_range
+from specinfer.platform.base import EngineLimits, Platform
+from specinfer.platform.cpu import host_available_bytes
+
+
+def bucket_config_for(limits: EngineLimits, spec_lengths: tuple[int, ...] | None = None) -> BucketConfig:
+    """Buckets covering every shape an engine with these limits can produce, growing by powers of
+    two (so padding wastes less than half of an axis) and topped by each axis' exact maximum."""
+    T = limits.max_num_batched_tokens
+    ctx_blocks = -(-limits.max_model_len // limits.block_size)
+    k = limits.num_speculative_tokens
+    rows = limits.max_num_seqs * (1 + k if limits.scorer == "batch_expansion" else 1)
+    most_blocks = max(T, rows) * ctx_blocks
+    if spec_lengths is None:
+        spec_lengths = tuple(range(k + 1))
+    return BucketConfig(
+        token_buckets=geometric_range(min(8, T), T),
+        batch_buckets=geometric_range(1, rows),
+        prefill_query_buckets=geometric_range(min(16, T), T),
+        block_buckets=geometric_range(min(8, most_blocks), most_blocks),
+        context_block_buckets=geometric_range(1, ctx_blocks),
+        spec_lengths=tuple(sorted({0, *spec_lengths})),
+    )
+
+
+class HpuPlatform(Platform):
+    name = "hpu"
+    default_attention_backend = "hpu_flat"
+    supported_attention_backends = ("hpu_flat",)
+    num_null_blocks = 1  # padded rows write their K/V into one block past the pool
+
+    def __init__(self, device: torch.device | None = None, *, bucket_config: BucketConfig | None = None,
+                 spec_lengths: tuple[int, ...] | None = None, multi_token_path: str = "flat",
+                 default_dtype: torch.dtype = torch.bfloat16):
+        super().__init__(device if device is not None else torch.device("hpu"), default_dtype)
+        self._bucket_config = bucket_config
+        self._spec_lengths = spec_lengths
+        self.multi_token_path = multi_token_path
+        self.planner: BucketPlanner | None = None
+        self.runners: list = []
+
+    def _planner(self, limits: EngineLimits) -> BucketPlanner:
+        if self.planner is None:
+            cfg = self._bucket_config or bucket_config_for(limits, self._spec_lengths)
+            self.planner = BucketPlanner(cfg)
+        return self.planner
+
+    def make_attention_backend(self, name: str, limits: EngineLimits):
+        from specinfer.attention.hpu_backend import HpuFlatBackend
+
+        return HpuFlatBackend(self._planner(limits), self.multi_token_path)
+
+    def device_ops(self):  # pragma: no cover - needs Gaudi
+        from specinfer.kernels.hpu.device import GaudiDevice
+
+        return GaudiDevice()
+
+    def make_runner(self, model, kv_caches, backend, limits: EngineLimits):
+        from specinfer.platform.bucketed_runner import BucketedModelRunner
+
+        runner = BucketedModelRunner(model, kv_caches, backend, self._planner(limits), self.device_ops())
+        self.runners.append(runner)
+        return runner
+
+    def available_memory_bytes(self) -> int:  # pragma: no cover - needs Gaudi
+        from specinfer.kernels.hpu.device import mem_get_info
+
+        return mem_get_info()[0]
+
+    def token_buckets(self, limits: EngineLimits) -> tuple[int, ...]:
+        return self._planner(limits).config.token_buckets
+
+    def speculation_length(self, wanted_k: int, num_seqs: int, scorer: str) -> int:
+        """The largest warmed k <= wanted_k whose verification batch fits the warmed buckets."""
+        if self.planner is None:
+            return wanted_k
+        return self.planner.speculation_length(wanted_k, num_seqs, scorer)
+
+    def warmup(self, runners) -> None:
+        for r in runners:
+            warm = getattr(r, "warmup", None)
+            if warm is not None:
+                warm()
+
+
+class HpuEmulatedPlatform(HpuPlatform):
+    """The Gaudi path on CPU (fp32 by default, so outputs can be compared exactly with torch_ref)."""
+
+    name = "hpu-emulated"
+
+    def __init__(self, *, bucket_config: BucketConfig | None = None, spec_lengths: tuple[int, ...] | None = None,
+                 multi_token_path: str = "flat", default_dtype: torch.dtype = torch.float32):
+        super().__init__(torch.device("cpu"), bucket_config=bucket_config, spec_lengths=spec_lengths,
+                         multi_token_path=multi_token_path, default_dtype=default_dtype)
+
+    def device_ops(self):
+        from specinfer.platform.bucketed_runner import EmulatedDevice
+
+        return EmulatedDevice()
+
+    def available_memory_bytes(self) -> int:
+        return host_available_bytes()
