@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from specinfer.kernels.hpu.buckets import BucketConfig, BucketPlanner, geometric_range
+from specinfer.kernels.hpu.buckets import BucketConfig, BucketPlanner, bucket_range, geometric_range
 from specinfer.platform.base import EngineLimits, Platform
 from specinfer.platform.cpu import host_available_bytes
 
 
 def bucket_config_for(limits: EngineLimits, spec_lengths: tuple[int, ...] | None = None) -> BucketConfig:
-    """Buckets covering every shape an engine with these limits can produce, growing by powers of
-    two (so padding wastes less than half of an axis) and topped by each axis' exact maximum."""
+    """Buckets covering every shape an engine with these limits can produce, each topped by the
+    axis' exact maximum. Tokens: powers of two up to an eighth of the budget, then steps of an
+    eighth (vllm-hpu's ramp), so a full step wastes at most 1/8 while small steps keep small
+    graphs; at most ~12 token buckets. Other axes grow by powers of two (waste < 1/2), which keeps
+    the (tokens x blocks) warm-up plan of the all-flat layout in the low hundreds."""
     T = limits.max_num_batched_tokens
     ctx_blocks = -(-limits.max_model_len // limits.block_size)
     k = limits.num_speculative_tokens
@@ -28,7 +31,7 @@ def bucket_config_for(limits: EngineLimits, spec_lengths: tuple[int, ...] | None
     if spec_lengths is None:
         spec_lengths = tuple(range(k + 1))
     return BucketConfig(
-        token_buckets=geometric_range(min(8, T), T),
+        token_buckets=bucket_range(min(8, T), max(8, T // 8), T),
         batch_buckets=geometric_range(1, rows),
         prefill_query_buckets=geometric_range(min(16, T), T),
         block_buckets=geometric_range(min(8, most_blocks), most_blocks),
