@@ -67,7 +67,7 @@ def test_greedy_equals_torch_ref(models, reference, method, scorer):
     assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
     eng.core.check_invariants()
     assert eng.core.stats()["num_preemptions"] > 0
-    assert eng.runner.shapes.cold == set()  # every forward and logits shape was warmed
+    assert [r.shapes.cold for r in eng.platform.runners] == [set()] * len(eng.platform.runners)  # all warmed
     assert eng.runner.device_ops.num_mark_steps > 0  # the Gaudi path's lazy-mode marks were issued
     if method is not None:
         assert gen.spec_metrics()["num_draft_tokens"] > 0
@@ -104,11 +104,13 @@ def _shape_key(args) -> tuple:
     return tuple(shapes)
 
 
-def test_no_new_shapes_after_warmup_over_a_long_mixed_workload(models):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_no_new_shapes_after_warmup_over_a_long_mixed_workload(models, method):
     """A hook on every module call (installed before the engine exists, so it sees the warm-up
-    too) records the shapes each forward receives; serving 40 requests of mixed lengths, with
-    chunked prefill, verification and finishing requests, adds none to what the warm-up saw."""
-    target, _ = models
+    too) records the shapes each forward receives, target's and draft's; serving 40 requests of
+    mixed lengths, with chunked prefill, verification and finishing requests, adds none to what
+    the warm-up saw."""
+    target, draft = models
     seen: list[tuple[int, tuple]] = []
 
     def hook(module, args):
@@ -118,9 +120,8 @@ def test_no_new_shapes_after_warmup_over_a_long_mixed_workload(models):
     handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
     try:
         gen = Generator(target, device="hpu-emulated", block_size=4, max_num_batched_tokens=32, num_kv_blocks=200,
-                        max_model_len=128, max_num_seqs=8, speculative=_spec("ngram", None, k=4))
-        model_id = id(gen.engine.loaded.model)
-        warmed = {key for mid, key in seen if mid == model_id}
+                        max_model_len=128, max_num_seqs=8, speculative=_spec(method, draft, k=4))
+        warmed = set(seen)
         num_warm = len(seen)
         prompts = _prompts(40, seed=11, longest=50)
         params = [SamplingParams(max_tokens=4 + (7 * i) % 25, temperature=0.0, ignore_eos=True) for i in range(40)]
@@ -128,9 +129,11 @@ def test_no_new_shapes_after_warmup_over_a_long_mixed_workload(models):
             gen.generate(prompts[i:i + 10], params[i:i + 10], use_tqdm=False)
     finally:
         handle.remove()
-    served = [key for mid, key in seen[num_warm:] if mid == model_id]
+    served = seen[num_warm:]
     assert len(served) > 50 and len(set(served)) > 5  # a real workload over many shapes
     assert set(served) - warmed == set()
+    models_seen = {mid for mid, _ in served}
+    assert id(gen.engine.loaded.model) in models_seen and len(models_seen) == (2 if method == "draft_model" else 1)
     runner = gen.engine.runner
     assert runner.shapes.cold == set() and len(runner.shapes.served) > 5
     assert gen.engine.num_mixed_steps > 0

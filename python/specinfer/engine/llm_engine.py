@@ -35,6 +35,7 @@ class ProposerContext:
     block_size: int
     device: torch.device
     default_generator: torch.Generator
+    make_runner: object  # callable(model, kv_caches, backend) -> ModelRunner: the platform's runner
 
 
 class LLMEngine:
@@ -62,7 +63,8 @@ class LLMEngine:
         self.vocab_size = self.loaded.config.vocab_size
         self.proposer = None
         if self.spec is not None:
-            ctx = ProposerContext(self.loaded, load, cache_cfg.block_size, self.device, self.default_generator)
+            ctx = ProposerContext(self.loaded, load, cache_cfg.block_size, self.device, self.default_generator,
+                                  lambda m, kv, be: self.platform.make_runner(m, kv, be, self._limits))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size
@@ -74,8 +76,9 @@ class LLMEngine:
         self.max_model_len = self._max_model_len(sched_cfg.max_model_len, kv_models, cache_cfg, budget)
         self.num_kv_blocks = choose_num_blocks(
             cache_cfg.num_kv_blocks, block_size=self.block_size, max_model_len=self.max_model_len, **budget)
-        limits = EngineLimits(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens, self.max_model_len,
-                              self.block_size, k, self.spec.scorer if self.spec else "mqa")
+        self._limits = limits = EngineLimits(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
+                                             self.max_model_len, self.block_size, k,
+                                             self.spec.scorer if self.spec else "mqa")
         backend = self.platform.make_attention_backend(attention_backend, limits)
         num_cache_blocks = self.num_kv_blocks + self.platform.num_null_blocks  # null block: padded rows' K/V
         caches = [allocate_kv_caches(m, num_cache_blocks, self.block_size, self.dtype, self.device)
@@ -92,7 +95,7 @@ class LLMEngine:
         token_buckets = self.platform.token_buckets(limits)
         if token_buckets is not None:  # static shapes: the packer pads every batch to a bucket
             self.core.set_token_padding(list(token_buckets), self.num_kv_blocks)
-        self.platform.warmup([self.runner])
+        self.platform.warmup()  # every runner it made: compile / capture the planned shapes
         if hasattr(self.proposer, "bind_core"):
             self.proposer.bind_core(self.core)
         self.step_sampler = StepSampler(self.spec, self.default_generator, self.loaded.eos_token_ids)

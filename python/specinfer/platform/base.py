@@ -106,5 +106,6 @@ class Platform:
         """The k to draft this step: any k on dynamic-shape platforms."""
         return wanted_k
 
-    def warmup(self, runners: list[ModelRunner]) -> None:
-        """Compile or capture every shape serving may meet (static-shape platforms)."""
+    def warmup(self) -> None:
+        """Compile or capture every shape serving may meet, for every runner this platform made
+        (static-shape platforms, CUDA graphs)."""

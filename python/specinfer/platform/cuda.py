@@ -49,13 +49,11 @@ class CudaPlatform(Platform):
         self.graph_runners.append(runner)
         return runner
 
-    def warmup(self, runners) -> None:
-        """Capture every planned decode/verification bucket (each runner falls back to eager
-        for a bucket whose capture fails, and for every batch no bucket fits)."""
-        for r in runners:
-            capture = getattr(r, "capture_all", None)
-            if capture is not None:
-                capture()
+    def warmup(self) -> None:
+        """Capture every planned decode/verification bucket of every graph runner (each falls
+        back to eager for a bucket whose capture fails, and for every batch no bucket fits)."""
+        for r in self.graph_runners:
+            r.capture_all()
 
 
 def cuda_kv_budget(free: int, total: int, utilization: float, reserve_bytes: int) -> tuple[int, float, int]:

@@ -135,8 +135,8 @@ class CudaGraphRunner(ModelRunner):
     @torch.inference_mode()
     def capture_all(self) -> int:  # pragma: no cover - needs CUDA
         """Capture every planned key; a key whose capture raises runs eagerly from then on."""
-        if self.mode != "graph":
-            return 0
+        if self.mode != "graph" or self._graphs or self._failed:
+            return len(self._graphs)  # not capturing here, or captured already
         for key in self.plan.keys():
             b = self._batch(key)  # all padding: no sequence, every slot -1
             try:

@@ -27,11 +27,14 @@ def bucket_config_for(limits: EngineLimits, spec_lengths: tuple[int, ...] | None
     ctx_blocks = -(-limits.max_model_len // limits.block_size)
     k = limits.num_speculative_tokens
     rows = limits.max_num_seqs * (1 + k if limits.scorer == "batch_expansion" else 1)
-    most_blocks = max(T, rows) * ctx_blocks
+    most_blocks = (max(T, rows) + limits.max_num_seqs) * ctx_blocks
     if spec_lengths is None:
         spec_lengths = tuple(range(k + 1))
+    tokens = bucket_range(min(8, T), max(8, T // 8), T)
+    if k:  # a draft model's catch-up forward: a step's tokens plus each request's bonus/recovered one
+        tokens = (*tokens, T + limits.max_num_seqs)
     return BucketConfig(
-        token_buckets=bucket_range(min(8, T), max(8, T // 8), T),
+        token_buckets=tokens,
         batch_buckets=geometric_range(1, rows),
         prefill_query_buckets=geometric_range(min(16, T), T),
         block_buckets=geometric_range(min(8, most_blocks), most_blocks),
@@ -93,11 +96,11 @@ class HpuPlatform(Platform):
             return wanted_k
         return self.planner.speculation_length(wanted_k, num_seqs, scorer)
 
-    def warmup(self, runners) -> None:
-        for r in runners:
-            warm = getattr(r, "warmup", None)
-            if warm is not None:
-                warm()
+    def warmup(self) -> None:
+        """Run every planned shape once on every runner made here (target and draft model)."""
+        for r in self.runners:
+            if not r.shapes.warmed:
+                r.warmup()
 
 
 class HpuEmulatedPlatform(HpuPlatform):

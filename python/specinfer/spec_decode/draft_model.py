@@ -30,11 +30,12 @@ class DraftModelProposer:
         self.block_size = ctx.block_size
         self.device = ctx.device
         self.default_generator = ctx.default_generator
+        self.make_runner = ctx.make_runner
         self.runner: ModelRunner | None = None
         self.num_seen: dict[int, int] = {}  # core id -> tokens whose draft KV is written
 
     def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
-        self.runner = ModelRunner(self.loaded.model, kv_caches_per_model[0], backend)
+        self.runner = self.make_runner(self.loaded.model, kv_caches_per_model[0], backend)
 
     def forget(self, core_ids) -> None:
         for i in core_ids:
