@@ -124,8 +124,9 @@ class HpuFlatBackend:
         if self.multi_token_path == "flat":
             plan = []
             for t in c.token_buckets:
-                most = planner.pad(t * c.context_block_buckets[-1], "blocks")  # every row at the longest context
-                plan += [(t, (t, nb), None) for nb in c.block_buckets if nb <= most]
+                most = t * c.context_block_buckets[-1]  # every row at the longest context
+                reach = next((nb for nb in c.block_buckets if nb >= most), c.block_buckets[-1])
+                plan += [(t, (t, nb), None) for nb in c.block_buckets if nb <= reach]
             return plan
         flats = [None] + planner.decode_shapes()
         denses = [None] + planner.multi_token_shapes()
