@@ -197,3 +197,22 @@ def test_padding_waste_bench_reports_both_axes():
                          spec_lengths=(0, 1, 2, 3))
     r0 = padding_waste(mix, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, bucket_config=exact)
     assert r0["token_waste"] == 0 and r0["block_waste"] == 0 and r0["real_tokens"] == r["real_tokens"]
+
+
+def test_dense_multi_token_layout_with_a_coarse_plan(models, reference):
+    """multi_token_path="dense" (prefill chunks and 1 + k runs as padded dense queries, decodes on
+    the flat path): exact too, and a coarse explicit plan (tokens x flat x dense shapes) is warmed
+    completely, so serving meets no cold shape."""
+    from specinfer.kernels.hpu import BucketConfig
+
+    target, _ = models
+    cfg = BucketConfig(token_buckets=(16,), batch_buckets=(8,), block_buckets=(64,), context_block_buckets=(24,),
+                       prefill_query_buckets=(16,), spec_lengths=(0, 1, 2, 3))
+    platform = HpuEmulatedPlatform(bucket_config=cfg, multi_token_path="dense")
+    gen = Generator(target, device=platform, speculative=_spec("ngram", None), **ENGINE)
+    runner = gen.engine.runner
+    assert len(runner.shapes.warmed) == 1 * (2 * 6 - 1) + 1  # forwards (flat | none) x (dense | none), logits
+    outs = gen.generate(_prompts(8), GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == reference
+    assert runner.shapes.cold == set() and not platform.planner.cold_shapes
+    assert any(len(key) == 4 for key in runner.shapes.served)  # some forward used both paths at once
