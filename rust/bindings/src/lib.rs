@@ -297,7 +297,11 @@ impl SchedulerCore {
     /// platforms). Padded tokens belong to no sequence and write their K/V only into
     /// `null_block`, a block id outside the pool (>= num_blocks). `None` turns padding off.
     #[pyo3(signature = (token_buckets, null_block = 0))]
-    fn set_token_padding(&mut self, token_buckets: Option<Vec<i64>>, null_block: i64) -> PyResult<()> {
+    fn set_token_padding(
+        &mut self,
+        token_buckets: Option<Vec<i64>>,
+        null_block: i64,
+    ) -> PyResult<()> {
         self.token_padding = match token_buckets {
             None => None,
             Some(b) => {
@@ -305,8 +309,12 @@ impl SchedulerCore {
                     .into_iter()
                     .map(|x| non_negative("token_buckets", x))
                     .collect::<PyResult<Vec<usize>>>()?;
-                let null = u32::try_from(null_block).map_err(|_| invalid("null_block", "out of range"))?;
-                Some(core::TokenPadding::new(buckets, null, self.inner.num_total_blocks()).map_err(to_py)?)
+                let null =
+                    u32::try_from(null_block).map_err(|_| invalid("null_block", "out of range"))?;
+                Some(
+                    core::TokenPadding::new(buckets, null, self.inner.num_total_blocks())
+                        .map_err(to_py)?,
+                )
             }
         };
         Ok(())
