@@ -63,6 +63,10 @@ class HpuPlatform(Platform):
         if self.planner is None:
             cfg = self._bucket_config or bucket_config_for(limits, self._spec_lengths)
             self.planner = BucketPlanner(cfg)
+            self._limits = limits
+        elif limits != self._limits:
+            raise ValueError("this HPU platform object already serves an engine with other limits; "
+                             "give each engine its own platform (its buckets are planned per engine)")
         return self.planner
 
     def make_attention_backend(self, name: str, limits: EngineLimits):
