@@ -10,11 +10,15 @@ specinfer.kernels.hpu.device, imported when a Gaudi is actually used.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from specinfer.kernels.hpu.buckets import BucketConfig, BucketPlanner, bucket_range, geometric_range
 from specinfer.platform.base import EngineLimits, Platform
 from specinfer.platform.cpu import host_available_bytes
+
+if TYPE_CHECKING:  # the kernels package is imported only when an HPU platform plans its buckets
+    from specinfer.kernels.hpu.buckets import BucketConfig, BucketPlanner
 
 
 def bucket_config_for(limits: EngineLimits, spec_lengths: tuple[int, ...] | None = None) -> BucketConfig:
@@ -23,6 +27,8 @@ def bucket_config_for(limits: EngineLimits, spec_lengths: tuple[int, ...] | None
     eighth (vllm-hpu's ramp), so a full step wastes at most 1/8 while small steps keep small
     graphs; at most ~12 token buckets. Other axes grow by powers of two (waste < 1/2), which keeps
     the (tokens x blocks) warm-up plan of the all-flat layout in the low hundreds."""
+    from specinfer.kernels.hpu.buckets import BucketConfig, bucket_range, geometric_range
+
     T = limits.max_num_batched_tokens
     ctx_blocks = -(-limits.max_model_len // limits.block_size)
     k = limits.num_speculative_tokens
@@ -61,6 +67,8 @@ class HpuPlatform(Platform):
 
     def _planner(self, limits: EngineLimits) -> BucketPlanner:
         if self.planner is None:
+            from specinfer.kernels.hpu.buckets import BucketPlanner
+
             cfg = self._bucket_config or bucket_config_for(limits, self._spec_lengths)
             self.planner = BucketPlanner(cfg)
             self._limits = limits
