@@ -32,8 +32,16 @@ if ! ls .whl/specinfer-*.whl > /dev/null 2>&1; then
 fi
 # --no-deps: the machine already has torch/numpy/safetensors/tokenizers/tqdm/jinja2 (via torch and
 # transformers) and cannot reach an index; gguf is imported only to load .gguf files
-python3 -m pip install --no-index --no-deps --force-reinstall .whl/specinfer-*.whl .whl/gguf-*.whl \
-    > "$OUT/pip.log" 2>&1 || { echo "pip install failed (see pip.log)" | tee -a "$OUT/summary.txt"; exit 3; }
+if ! python3 -m pip install --no-index --no-deps --force-reinstall .whl/specinfer-*.whl .whl/gguf-*.whl \
+        > "$OUT/pip.log" 2>&1; then
+    # a read-only or pip-less environment: a wheel is a zip, unpack it onto PYTHONPATH instead
+    echo "pip install failed (see pip.log); unpacking the wheels into $OUT/site" | tee -a "$OUT/summary.txt"
+    mkdir -p "$OUT/site"
+    for w in .whl/specinfer-*.whl .whl/gguf-*.whl; do
+        python3 -m zipfile -e "$w" "$OUT/site" || { echo "cannot unpack $w" | tee -a "$OUT/summary.txt"; exit 3; }
+    done
+    export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 # run the tests against the installed wheel, not a source tree
 python3 -c "import specinfer, specinfer._core, specinfer.kernels.triton; print('specinfer from', specinfer.__file__)" \
     2>&1 | tee -a "$OUT/summary.txt"
@@ -50,7 +58,8 @@ rc=$?; tail -n 3 "$OUT/triton_cuda.log" | tee -a "$OUT/summary.txt"; [ $rc -eq 0
 
 step "throughput (benches/device/throughput.py)"
 env -u TRITON_INTERPRET timeout 270 python3 benches/device/throughput.py --out "$OUT" > "$OUT/throughput.log" 2>&1
-rc=$?; grep '^{"batch"' "$OUT/throughput.log" | tee -a "$OUT/summary.txt"; [ $rc -eq 0 ] || status=1
+rc=$?; grep '^{"batch"' "$OUT/throughput.log" | tee -a "$OUT/summary.txt"
+[ $rc -eq 0 ] || { status=1; echo "throughput exit $rc:" | tee -a "$OUT/summary.txt"; tail -n 5 "$OUT/throughput.log" | tee -a "$OUT/summary.txt"; }
 
 step "done: status $status"
 exit $status
