@@ -216,3 +216,18 @@ def test_dense_multi_token_layout_with_a_coarse_plan(models, reference):
     assert [o.token_ids for o in outs] == reference
     assert runner.shapes.cold == set() and not platform.planner.cold_shapes
     assert any(len(key) == 4 for key in runner.shapes.served)  # some forward used both paths at once
+
+
+@pytest.mark.hpu
+def test_engine_on_gaudi_equals_the_emulation(models, reference):  # pragma: no cover - needs a Gaudi
+    """The same path on a Gaudi (HPU graphs per bucket, mark_step): the emulation's tokens, fp32,
+    and no shape outside the warm-up plan. Not yet run on a device."""
+    import habana_frameworks.torch  # noqa: F401
+
+    target, draft = models
+    for method, scorer in [(None, "mqa"), ("ngram", "mqa"), ("draft_model", "batch_expansion")]:
+        gen = Generator(target, device="hpu", dtype="float32", speculative=_spec(method, draft, scorer=scorer),
+                        **ENGINE)
+        outs = gen.generate(_prompts(8), GREEDY, use_tqdm=False)
+        assert [o.token_ids for o in outs] == reference
+        assert [r.shapes.cold for r in gen.engine.platform.runners] == [set()] * len(gen.engine.platform.runners)
