@@ -45,7 +45,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
 
-    g = p.add_argument_group("speculative decoding (off unless --method, --draft or -k is given)")
+    g = p.add_argument_group("speculative decoding (off unless --speculative-config, --method, --draft or -k is "
+                             "given)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='the whole SpeculativeConfig as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(instead of the flags below)")
     g.add_argument("--method", choices=[*proposer_names(), "none"], default=None,
                    help="proposer (default: draft_model with --draft, else ngram with -k, else none)")
     g.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model "
@@ -88,6 +92,8 @@ def check_model(name: str | None, what: str = "model") -> None:
 
 def speculative_config(args):
     """The SpeculativeConfig the flags ask for, or None; validated now."""
+    if getattr(args, "speculative_config", None) is not None:
+        return _speculative_config_json(args)
     method = args.method
     if method is None:
         method = "draft_model" if args.draft else ("ngram" if args.num_speculative_tokens is not None else "none")
@@ -108,6 +114,29 @@ def speculative_config(args):
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
         posterior_alpha=args.posterior_alpha, scorer=args.scorer)
+
+
+def _speculative_config_json(args):
+    import json
+
+    from specinfer.spec_decode.config import SpeculativeConfig
+
+    clashing = [flag for flag, value in (("--method", args.method), ("--draft", args.draft),
+                                         ("-k", args.num_speculative_tokens)) if value is not None]
+    if clashing:
+        raise CliError(f"--speculative-config cannot be combined with {', '.join(clashing)}")
+    try:
+        value = json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise CliError(f"--speculative-config is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CliError("--speculative-config must be a JSON object")
+    try:
+        spec = SpeculativeConfig.from_any(value)
+    except (TypeError, ValueError) as e:
+        raise CliError(f"--speculative-config: {' '.join(str(e).split())}") from None
+    check_model(spec.model, "draft model")
+    return spec
 
 
 def sampling_params(args, **overrides):

@@ -333,6 +333,12 @@ impl SchedulerCore {
         Ok(UpdateOutput::new(py, out))
     }
 
+    /// Undoes the pending step as if schedule() had not run (a failure between
+    /// schedule() and update()); False when no step was pending.
+    fn cancel_step(&mut self) -> bool {
+        self.inner.cancel_step()
+    }
+
     fn num_free_blocks(&self) -> usize {
         self.inner.num_free_blocks()
     }
@@ -368,6 +374,7 @@ struct SchedulerOutput {
     num_scheduled_tokens: Py<PyArray1<i32>>,
     num_computed_tokens: Py<PyArray1<i32>>,
     num_draft_tokens: Py<PyArray1<i32>>,
+    draft_token_ids: Py<PyArray1<i64>>,
     cu_num_logits: Py<PyArray1<i32>>,
     logits_indices: Py<PyArray1<i64>>,
     input_ids: Py<PyArray1<i64>>,
@@ -397,6 +404,7 @@ impl SchedulerOutput {
             num_scheduled_tokens: o.num_scheduled_tokens.into_pyarray(py).unbind(),
             num_computed_tokens: o.num_computed_tokens.into_pyarray(py).unbind(),
             num_draft_tokens: o.num_draft_tokens.into_pyarray(py).unbind(),
+            draft_token_ids: o.draft_token_ids.into_pyarray(py).unbind(),
             cu_num_logits: o.cu_num_logits.into_pyarray(py).unbind(),
             logits_indices: o.logits_indices.into_pyarray(py).unbind(),
             input_ids: o.input_ids.into_pyarray(py).unbind(),
