@@ -7,6 +7,7 @@ import torch
 from specinfer.attention import AttentionMetadata, get_backend
 from specinfer.attention.hpu_backend import HpuFlatBackend
 from specinfer.kernels.hpu import BucketConfig, BucketPlanner, bucket_range, build_flat_metadata
+from specinfer.kernels.hpu.buckets import geometric_range
 
 from paged_batch import MIXED, dense_oracle, make_batch, run_backend
 
@@ -98,6 +99,9 @@ def test_cold_shape_is_recorded_not_fatal():
 def test_bucket_range_and_pad():
     assert bucket_range(1, 32, 128) == (1, 2, 4, 8, 16, 32, 64, 96, 128)
     assert bucket_range(16, 128, 300) == (16, 32, 64, 128, 256, 300)
+    assert geometric_range(8, 100) == (8, 16, 32, 64, 100)
+    assert geometric_range(8, 100, per_octave=2) == (8, 11, 16, 23, 32, 45, 64, 91, 100)
+    assert geometric_range(5, 5) == (5,)
     planner = BucketPlanner(BucketConfig(batch_buckets=(1, 2, 4, 8), spec_lengths=(0, 2, 4),
                                          prefill_query_buckets=(16, 64)))
     assert [planner.pad(n, "batch") for n in (1, 3, 5, 8)] == [1, 4, 8, 8]

@@ -31,16 +31,17 @@ def bucket_range(bmin: int, step: int, bmax: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def geometric_range(bmin: int, bmax: int) -> tuple[int, ...]:
-    """Powers of two times bmin up to bmax, and bmax itself: log2(bmax / bmin) + 1 buckets, so
-    padding wastes less than half of any padded axis."""
-    assert 1 <= bmin <= bmax, f"bad bucket range ({bmin}, {bmax})"
-    out, v = [], bmin
-    while v < bmax:
-        out.append(v)
-        v *= 2
-    out.append(bmax)
-    return tuple(out)
+def geometric_range(bmin: int, bmax: int, per_octave: int = 1) -> tuple[int, ...]:
+    """bmin * 2**(i / per_octave) (rounded) below bmax, and bmax itself: per_octave buckets per
+    doubling, so padding wastes less than 2**(1 / per_octave) - 1 of the axis (1: < 100 %,
+    2: < 41 %)."""
+    assert 1 <= bmin <= bmax and per_octave >= 1, f"bad bucket range ({bmin}, {bmax}, {per_octave})"
+    out, i = set(), 0
+    while (v := int(round(bmin * 2 ** (i / per_octave)))) < bmax:
+        out.add(v)
+        i += 1
+    out.add(bmax)
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,15 @@ def padding_waste(mix: Mix, *, max_num_seqs: int = 32, max_num_batched_tokens: i
                                           np.full(len(live) * k, 5, np.int64))
     return {"mix": mix.name, "steps": steps, "real_tokens": real, "padded_tokens": padded,
             "token_waste": padded / max(real, 1), "real_blocks": real_blocks, "padded_blocks": padded_blocks,
-            "block_waste": padded_blocks / max(real_blocks, 1), "token_buckets": list(cfg.token_buckets)}
+            "block_waste": padded_blocks / max(real_blocks, 1), "token_buckets": list(cfg.token_buckets),
+            "warmup_shapes": _warmup_shapes(planner)}
+
+
+def _warmup_shapes(planner) -> int:
+    """Graphs the all-flat warm-up compiles: every (tokens, blocks) forward plus logits per token bucket."""
+    from specinfer.attention.hpu_backend import HpuFlatBackend
+
+    return len(HpuFlatBackend(planner, "flat").shape_plan()) + len(planner.config.token_buckets)
 
 
 def _flat_blocks(sched, block_size: int) -> int:
@@ -111,9 +119,10 @@ def main(argv=None) -> int:
     if argv and "--json" in argv:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'mix':<16} {'steps':>6} {'tokens padded/real':>19} {'blocks padded/real':>19}")
+    print(f"{'mix':<16} {'steps':>6} {'tokens padded/real':>19} {'blocks padded/real':>19} {'warm-up graphs':>15}")
     for r in rows:
-        print(f"{r['mix']:<16} {r['steps']:>6} {r['token_waste']:>19.3f} {r['block_waste']:>19.3f}")
+        print(f"{r['mix']:<16} {r['steps']:>6} {r['token_waste']:>19.3f} {r['block_waste']:>19.3f} "
+              f"{r['warmup_shapes']:>15}")
     return 0
 
 
