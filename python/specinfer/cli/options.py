@@ -23,7 +23,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default: auto, "
                    "fp32 on CPU)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or hpu (default: auto)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
+                   "CPU) (default: auto)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton", "hpu_flat"],
+                   help="attention kernels (default: the device's own: torch_ref on CPU, triton on CUDA, hpu_flat "
+                   "on Gaudi; triton on CPU needs TRITON_INTERPRET=1)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="CUDA: share of the GPU's total memory the engine may use, weights included (default: 0.9)")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch (default: "
                    "torch's own choice)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -149,9 +155,13 @@ def engine_kwargs(args) -> dict:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise CliError(f"--gpu-memory-utilization must be in (0, 1] (got {args.gpu_memory_utilization})")
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def load_generator(args, spec):

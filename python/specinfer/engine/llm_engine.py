@@ -22,18 +22,17 @@ import numpy as np
 import torch
 
 from specinfer._core import SchedulerCore
-from specinfer.attention import get_backend
 from specinfer.config import CacheConfig, SchedulerConfig
 from specinfer.engine.batch import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
-from specinfer.engine.kv_cache import allocate_kv_caches, budget_blocks, bytes_per_block, choose_num_blocks
+from specinfer.engine.kv_cache import (activation_bytes, allocate_kv_caches, budget_blocks, bytes_per_block,
+                                      choose_num_blocks)
 from specinfer.engine.model_loading import load_any
-from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
 from specinfer.outputs import RequestOutput
-from specinfer.platform import resolve_dtype, resolve_platform
+from specinfer.platform import EngineLimits, resolve_dtype, resolve_platform
 from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
@@ -48,23 +47,27 @@ class ProposerContext:
     block_size: int
     device: torch.device
     max_num_batched_tokens: int  # the most tokens a proposer's catch-up forward may take per step
+    make_runner: object  # callable(model, kv_caches, backend) -> ModelRunner: the platform's runner
 
 
 class LLMEngine:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20):
+                 enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
+                 attention_backend=None, gpu_memory_utilization=0.9):
         if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
         if not is_int(max_logprobs) or max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0 (got {max_logprobs!r})")
         self.max_logprobs = int(max_logprobs)  # SamplingParams.logprobs above this is refused (vLLM: 20)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                enable_prefix_caching=enable_prefix_caching)
+                                enable_prefix_caching=enable_prefix_caching,
+                                gpu_memory_utilization=gpu_memory_utilization)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len)
         self.spec = SpeculativeConfig.from_any(speculative)
         self.platform = resolve_platform(device)
+        attention_backend = self.platform.choose_attention_backend(attention_backend)  # before any load
         self.dtype = resolve_dtype(dtype, self.platform)
         self.device = self.platform.device
         # seeds for requests without one: drawn in add order from the engine's seed
@@ -79,20 +82,27 @@ class LLMEngine:
         self.proposer = None
         if self.spec is not None:
             ctx = ProposerContext(self.loaded, load, cache_cfg.block_size, self.device,
-                                  sched_cfg.max_num_batched_tokens)
+                                  sched_cfg.max_num_batched_tokens,
+                                  lambda m, kv, be: self.platform.make_runner(m, kv, be, self._limits))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        reserve = activation_bytes([m.config for m in kv_models], sched_cfg.max_num_batched_tokens,
+                                   sched_cfg.max_num_seqs * (1 + k), self.dtype)
         budget = dict(block_bytes=bytes_per_block(kv_models, self.block_size, self.dtype),
-                      available_bytes=self.platform.available_memory_bytes(),
-                      memory_fraction=cache_cfg.kv_cache_memory_fraction, max_bytes=cache_cfg.kv_cache_max_bytes)
+                      **self.platform.memory_budget(cache_cfg, reserve).as_kwargs())
         self.max_model_len = self._max_model_len(sched_cfg.max_model_len, kv_models, cache_cfg, budget)
         self.num_kv_blocks = choose_num_blocks(
             cache_cfg.num_kv_blocks, block_size=self.block_size, max_model_len=self.max_model_len, **budget)
-        backend = get_backend(self.platform.attention_backend)
-        caches = [allocate_kv_caches(m, self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        self._limits = limits = EngineLimits(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
+                                             self.max_model_len, self.block_size, k,
+                                             self.spec.scorer if self.spec else "mqa")
+        backend = self.platform.make_attention_backend(attention_backend, limits)
+        num_cache_blocks = self.num_kv_blocks + self.platform.num_null_blocks  # null block: padded rows' K/V
+        caches = [allocate_kv_caches(m, num_cache_blocks, self.block_size, self.dtype, self.device)
                   for m in kv_models]
-        self.runner = ModelRunner(self.loaded.model, caches[0], backend)
+        self.runner = self.platform.make_runner(self.loaded.model, caches[0], backend, limits)
         lookahead = 0
         if self.proposer is not None:
             self.proposer.bind_kv_caches(caches[1:], backend)
@@ -101,6 +111,10 @@ class LLMEngine:
             self.num_kv_blocks, self.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
             self.max_model_len, cache_cfg.enable_prefix_caching, lookahead,
             self.spec is not None and self.spec.scorer == "batch_expansion")
+        token_buckets = self.platform.token_buckets(limits)
+        if token_buckets is not None:  # static shapes: the packer pads every batch to a bucket
+            self.core.set_token_padding(list(token_buckets), self.num_kv_blocks)
+        self.platform.warmup()  # every runner it made: compile / capture the planned shapes
         if hasattr(self.proposer, "bind_core"):
             self.proposer.bind_core(self.core)
         self.step_sampler = StepSampler(self.spec, self.loaded.eos_token_ids)
@@ -408,7 +422,7 @@ class LLMEngine:
                           for st in states], dtype=bool)
         if not wants.any():
             return
-        k = self.spec.num_speculative_tokens
+        k = self.platform.speculation_length(self.spec.num_speculative_tokens, len(states), self.spec.scorer)
         max_drafts = np.zeros(R, dtype=np.int64)
         for r, st in enumerate(states):
             out_left = st.params.max_tokens - len(st.output_token_ids) - 1

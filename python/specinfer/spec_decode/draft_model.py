@@ -38,12 +38,13 @@ class DraftModelProposer:
         self.block_size = ctx.block_size
         self.device = ctx.device
         self.max_catch_up_tokens = ctx.max_num_batched_tokens
+        self.make_runner = ctx.make_runner
         self.runner: ModelRunner | None = None
         self.num_seen: dict[int, int] = {}  # core id -> tokens whose draft KV is written
         self.records = DraftKvRecords(ctx.block_size)
 
     def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
-        self.runner = ModelRunner(self.loaded.model, kv_caches_per_model[0], backend)
+        self.runner = self.make_runner(self.loaded.model, kv_caches_per_model[0], backend)
 
     def forget(self, core_ids) -> None:
         for i in core_ids:
