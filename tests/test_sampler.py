@@ -62,7 +62,6 @@ def test_metadata_flags():
     (dict(temperature=[1.0], min_p=[2.0]), "min_p"),
     (dict(temperature=[1.0, 1.0], top_k=[1]), "top_k"),
     (dict(temperature=[1.0], streams=RandomStreams.build([1, 2], [0, 0])), "streams"),
-    (dict(temperature=[1.0], max_num_logprobs=-1), "max_num_logprobs"),
 ])
 def test_metadata_bad_input_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -221,23 +220,28 @@ def test_inverse_cdf_never_picks_a_zero_weight():
 
 
 def test_logprobs_are_raw_log_softmax():
+    """compute_logprobs is what the engine reports (StepSampler._logprobs calls it)."""
+    from specinfer.sample import compute_logprobs
+
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(5))
-    meta = SamplingMetadata.build([0.0, 0.5, 1.0, 2.0, 1.0], top_k=[0, 3, 0, 0, 2],
-                                  max_num_logprobs=4, streams=streams(5, 6))
-    out = Sampler()(logits, meta)
-    lp = out.logprobs
+    meta = SamplingMetadata.build([0.0, 0.5, 1.0, 2.0, 1.0], top_k=[0, 3, 0, 0, 2], streams=streams(5, 6))
+    tokens = Sampler()(logits, meta).token_ids
+    lp = compute_logprobs(logits, tokens, 4)
     raw = torch.log_softmax(logits, -1)
     assert lp.token_ids.shape == (5, 5) and lp.logprobs.shape == (5, 5)
-    assert torch.equal(lp.token_ids[:, 0], out.token_ids)
+    assert torch.equal(lp.token_ids[:, 0], tokens)
     torch.testing.assert_close(lp.logprobs, raw.gather(1, lp.token_ids))
     assert torch.equal(lp.token_ids[:, 1:], raw.topk(4, -1).indices)
-    expected_rank = (raw > raw.gather(1, out.token_ids[:, None])).sum(1) + 1
+    expected_rank = (raw > raw.gather(1, tokens[:, None])).sum(1) + 1
     assert torch.equal(lp.sampled_token_ranks, expected_rank)
     assert lp.sampled_token_ranks[0] == 1  # greedy row samples the top token
-    assert Sampler()(logits, SamplingMetadata.build([1.0] * 5, streams=streams(5))).logprobs is None
-    zero = Sampler()(logits, SamplingMetadata.build([1.0] * 5, max_num_logprobs=0,
-                                                    streams=streams(5))).logprobs
-    assert zero.token_ids.shape == (5, 1)
+    entries = lp.entries(2)
+    for j, e in enumerate(entries):
+        top2 = raw[j].topk(2).indices.tolist()
+        assert set(e) == {int(tokens[j]), *top2}
+        assert all(abs(e[t] - raw[j, t].item()) < 1e-6 for t in e)
+    assert compute_logprobs(logits, tokens, 0).entries(0) == [{int(t): raw[j, t].item()}
+                                                              for j, t in enumerate(tokens)]
 
 
 def test_sampler_rejects_mismatched_rows():

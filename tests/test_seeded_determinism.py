@@ -35,14 +35,16 @@ PROMPT = [5, 17, 99, 5, 17, 99, 5, 17, 40, 41, 5, 17]  # repeats: n-gram lookup 
 
 
 class SplitCounter:
-    """Wraps the engine's step sampler to count proposals split by the token budget."""
+    """Wraps the engine's step sampler to count the seeded request's proposals split by the
+    token budget."""
 
     def __init__(self, fn):
         self.fn, self.splits = fn, 0
 
-    def __call__(self, *args, **kwargs):
-        em = self.fn(*args, **kwargs)
-        self.splits += int(((em.num_draft_tokens > 0) & (em.num_rows == em.num_draft_tokens)).sum())
+    def __call__(self, logits, sched, states, draft_probs):
+        em = self.fn(logits, sched, states, draft_probs)
+        split = (em.num_draft_tokens > 0) & (em.num_rows == em.num_draft_tokens)
+        self.splits += sum(int(s) for s, st in zip(split, states) if st.params.seed is not None)
         return em
 
 
@@ -53,14 +55,15 @@ def _run(target, draft, method, acceptance, batch, **engine):
     else:
         spec["prompt_lookup_min"], spec["prompt_lookup_max"] = 1, 3
     spec.update(engine.pop("spec", {}))
-    gen = Generator(str(target), block_size=4, max_model_len=128, speculative=spec, **engine)
+    gen = Generator(str(target), block_size=4, max_model_len=64, speculative=spec, **engine)
     counter = SplitCounter(gen.engine.step_sampler)
     gen.engine.step_sampler = counter
     prompts, params = _others(batch)
-    outs = gen.generate([PROMPT] + prompts, [SEEDED] + params, use_tqdm=False)
+    # the seeded request comes last: budget cuts and preemption hit it first
+    outs = gen.generate(prompts + [PROMPT], params + [SEEDED], use_tqdm=False)
     core = gen.engine.core
     assert core.num_free_blocks() == core.num_total_blocks()
-    return outs[0].token_ids, counter.splits, core.stats()["num_preemptions"], gen.spec_metrics()
+    return outs[-1].token_ids, counter.splits, core.stats()["num_preemptions"], gen.spec_metrics()
 
 
 @pytest.mark.parametrize("acceptance", ["rejection_sampler", "typical_acceptance_sampler"])
@@ -70,13 +73,15 @@ def test_seeded_request_is_the_same_in_any_batch_budget_and_pool(models, method,
     alone, _, _, m = _run(target, draft, method, acceptance, 0)
     assert m["num_draft_tokens"] > 0
     batched, _, _, _ = _run(target, draft, method, acceptance, 7)
-    split, splits, _, _ = _run(target, draft, method, acceptance, 7, max_num_batched_tokens=6)
-    preempted, _, preemptions, _ = _run(target, draft, method, acceptance, 7, num_kv_blocks=24)
+    split, splits, _, _ = _run(target, draft, method, acceptance, 0, max_num_batched_tokens=3)
+    tight, _, _, _ = _run(target, draft, method, acceptance, 7, max_num_batched_tokens=6)
+    preempted, _, preemptions, _ = _run(target, draft, method, acceptance, 7, num_kv_blocks=20)
     disabled, _, _, _ = _run(target, draft, method, acceptance, 7, spec={"disable_by_batch_size": 2})
     assert splits > 0, "the budget never split a proposal"
     assert preemptions > 0, "nothing was preempted"
     assert batched == alone
     assert split == alone
+    assert tight == alone
     assert preempted == alone
     assert disabled == alone
 

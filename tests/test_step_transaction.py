@@ -188,3 +188,35 @@ def test_a_failed_schedule_packing_leaves_no_pending_step(models, monkeypatch):
     while eng.has_unfinished_requests():
         eng.step()
     assert real.num_free_blocks() == real.num_total_blocks()
+
+
+def test_chat_ctrl_c_stops_only_the_answer(models):
+    """`specinfer chat` catches Ctrl-C around one turn: the turn's request is aborted, the
+    conversation goes on, and the next answer is what a fresh session would give."""
+    import io
+
+    from specinfer.chat_template import ChatTemplate
+    from specinfer.cli.chat import ChatSession
+
+    target, draft = models
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    fresh_gen = _generator(target, draft)
+    fresh = ChatSession(fresh_gen, ChatTemplate.for_model(fresh_gen.engine.loaded), params)
+    fresh.turn("t5 t6 t7", io.StringIO())
+    want = io.StringIO()
+    fresh.turn("t9 t10", want)
+
+    gen = _generator(target, draft)
+    session = ChatSession(gen, ChatTemplate.for_model(gen.engine.loaded), params)
+    session.turn("t5 t6 t7", io.StringIO())
+    eng = gen.engine
+    inj = Injector(eng.runner.forward, {2}, [KeyboardInterrupt])
+    eng.runner.forward = inj
+    with pytest.raises(KeyboardInterrupt):
+        session.turn("t9 t10", io.StringIO())
+    session.messages.pop()  # what chat's loop does on Ctrl-C
+    assert not eng.has_unfinished_requests()
+    got = io.StringIO()
+    session.turn("t9 t10", got)
+    assert got.getvalue() == want.getvalue()
+    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()

@@ -10,10 +10,10 @@ import argparse
 import os
 import sys
 
-from specinfer.cli import bench, chat, demo, generate, models, train_heads
+from specinfer.cli import bench, chat, demo, generate, models, serve, train_heads
 from specinfer.cli.errors import CliError, OneLineArgumentParser
 
-SUBCOMMANDS = {"generate": generate, "chat": chat, "bench": bench, "demo": demo, "models": models,
+SUBCOMMANDS = {"generate": generate, "chat": chat, "serve": serve, "bench": bench, "demo": demo, "models": models,
                "train-heads": train_heads}
 
 # errors that are the user's (bad value, missing file, unwritable path, unknown pack): exit 2

@@ -22,19 +22,19 @@ import numpy as np
 import torch
 
 from specinfer._core import SchedulerCore
-from specinfer.attention import get_backend
 from specinfer.config import CacheConfig, SchedulerConfig
 from specinfer.engine.batch import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
-from specinfer.engine.kv_cache import allocate_kv_caches, budget_blocks, bytes_per_block, choose_num_blocks
+from specinfer.engine.kv_cache import (activation_bytes, allocate_kv_caches, budget_blocks, bytes_per_block,
+                                      choose_num_blocks)
 from specinfer.engine.model_loading import load_any
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
 from specinfer.outputs import RequestOutput
-from specinfer.platform import resolve_dtype, resolve_platform
-from specinfer.sampling_params import SamplingParams
+from specinfer.platform import EngineLimits, resolve_dtype, resolve_platform
+from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.proposer import ProposalInput, TargetHidden
@@ -48,18 +48,27 @@ class ProposerContext:
     block_size: int
     device: torch.device
     max_num_batched_tokens: int  # the most tokens a proposer's catch-up forward may take per step
+    make_runner: object  # callable(model, kv_caches, backend) -> ModelRunner: the platform's runner
 
 
 class LLMEngine:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None):
+                 enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
+                 attention_backend=None, gpu_memory_utilization=0.9):
+        if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
+        if not is_int(max_logprobs) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0 (got {max_logprobs!r})")
+        self.max_logprobs = int(max_logprobs)  # SamplingParams.logprobs above this is refused (vLLM: 20)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                enable_prefix_caching=enable_prefix_caching)
+                                enable_prefix_caching=enable_prefix_caching,
+                                gpu_memory_utilization=gpu_memory_utilization)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len)
         self.spec = SpeculativeConfig.from_any(speculative)
         self.platform = resolve_platform(device)
+        attention_backend = self.platform.choose_attention_backend(attention_backend)  # before any load
         self.dtype = resolve_dtype(dtype, self.platform)
         self.device = self.platform.device
         # seeds for requests without one: drawn in add order from the engine's seed
@@ -74,20 +83,31 @@ class LLMEngine:
         self.proposer = None
         if self.spec is not None:
             ctx = ProposerContext(self.loaded, load, cache_cfg.block_size, self.device,
-                                  sched_cfg.max_num_batched_tokens)
+                                  sched_cfg.max_num_batched_tokens,
+                                  lambda m, kv, be: self.platform.make_runner(m, kv, be, self._limits))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        reserve = activation_bytes([m.config for m in kv_models], sched_cfg.max_num_batched_tokens,
+                                   sched_cfg.max_num_seqs * (1 + k), self.dtype)
         budget = dict(block_bytes=bytes_per_block(kv_models, self.block_size, self.dtype),
-                      available_bytes=self.platform.available_memory_bytes(),
-                      memory_fraction=cache_cfg.kv_cache_memory_fraction, max_bytes=cache_cfg.kv_cache_max_bytes)
+                      **self.platform.memory_budget(cache_cfg, reserve).as_kwargs())
         self.max_model_len = self._max_model_len(sched_cfg.max_model_len, kv_models, cache_cfg, budget)
         self.num_kv_blocks = choose_num_blocks(
             cache_cfg.num_kv_blocks, block_size=self.block_size, max_model_len=self.max_model_len, **budget)
-        backend = get_backend(self.platform.attention_backend)
-        caches = [allocate_kv_caches(m, self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        self._limits = limits = EngineLimits(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
+                                             self.max_model_len, self.block_size, k,
+                                             self.spec.scorer if self.spec else "mqa")
+        backend = self.platform.make_attention_backend(attention_backend, limits)
+        num_cache_blocks = self.num_kv_blocks + self.platform.num_null_blocks  # null block: padded rows' K/V
+        caches = [allocate_kv_caches(m, num_cache_blocks, self.block_size, self.dtype, self.device)
                   for m in kv_models]
-        self.runner = ModelRunner(self.loaded.model, caches[0], backend, getattr(self.proposer, "aux_layers", ()))
+        aux_layers = tuple(getattr(self.proposer, "aux_layers", ()))
+        if aux_layers:  # the proposer reads these target layers' inputs (EAGLE-3): an eager runner keeps them
+            self.runner = ModelRunner(self.loaded.model, caches[0], backend, aux_layers)
+        else:
+            self.runner = self.platform.make_runner(self.loaded.model, caches[0], backend, limits)
         lookahead = 0
         if self.proposer is not None:
             self.proposer.bind_kv_caches(caches[1:], backend)
@@ -98,6 +118,10 @@ class LLMEngine:
             self.num_kv_blocks, self.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
             self.max_model_len, cache_cfg.enable_prefix_caching, lookahead,
             self.spec is not None and self.spec.scorer == "batch_expansion")
+        token_buckets = self.platform.token_buckets(limits)
+        if token_buckets is not None:  # static shapes: the packer pads every batch to a bucket
+            self.core.set_token_padding(list(token_buckets), self.num_kv_blocks)
+        self.platform.warmup()  # every runner it made: compile / capture the planned shapes
         if hasattr(self.proposer, "bind_core"):
             self.proposer.bind_core(self.core)
         self.step_sampler = StepSampler(self.spec, self.loaded.eos_token_ids)
@@ -130,26 +154,48 @@ class LLMEngine:
 
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         """Tokenize and check one request; raises ValueError naming the field. No side effects."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
+        self._check_params(params)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             ids = self.encode(prompt)
+            self._check_token_ids(ids, "prompt (tokenized)")
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in prompt]
-            if any(t < 0 or t >= self.vocab_size for t in ids):
-                bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
-                raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            ids = self._check_token_ids(prompt, "prompt")
         else:
             raise ValueError(f"prompt must be a str or a list of token ids (got {type(prompt).__name__})")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
-                             "to generate")
+        return ids
+
+    def _check_params(self, params) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
         if params.stop_token_ids and any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids holds ids outside the vocabulary [0, {self.vocab_size})")
+            bad = next(t for t in params.stop_token_ids if t >= self.vocab_size)
+            raise ValueError(f"SamplingParams.stop_token_ids holds {bad}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > min(self.max_logprobs, self.vocab_size):
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the engine's max_logprobs="
+                             f"{self.max_logprobs}" + (f" (vocabulary size {self.vocab_size})"
+                                                      if self.vocab_size < self.max_logprobs else "") +
+                             "; raise max_logprobs when building the engine")
+
+    def _check_token_ids(self, ids, what: str) -> list[int]:
+        """ids -> list[int] in [0, vocab) with room to generate under max_model_len, or ValueError."""
+        if isinstance(ids, np.ndarray) and ids.ndim != 1:
+            raise ValueError(f"{what} token ids must be a flat list (got an array of shape {ids.shape})")
+        ids = list(ids)
+        bad = next((t for t in ids if not is_int(t)), None)
+        if bad is not None:
+            raise ValueError(f"{what} token ids must be integers (got {bad!r} of type {type(bad).__name__})")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"{what} is empty (no tokens)")
+        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{what} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                             "to generate")
         return ids
 
     def encode(self, text: str) -> list[int]:
@@ -157,29 +203,45 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, stream: bool = False) -> None:
-        """Queue a request. With stream=True, step(final_only=True) still returns its
-        intermediate outputs (deltas since its last output)."""
-        params = params or SamplingParams()
+        """Validate and queue one request. `prompt_token_ids`, when given, is what runs (`prompt` is
+        then only echoed back); it is validated like a token-id prompt. Raises ValueError naming the
+        field; on any error nothing of the request is left behind. With stream=True,
+        step(final_only=True) still returns its intermediate outputs (deltas since its last one)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str (got {type(request_id).__name__})")
         with self._lock:
             if request_id in self._by_name:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
+            if prompt_token_ids is not None:
+                self._check_params(params)
+                ids = self._check_token_ids(prompt_token_ids, "prompt_token_ids")
+            else:
+                ids = self.validate(prompt, params)
             core_id = next(self._ids)
             seed = params.seed if params.seed is not None else int(
                 self._seed_source.integers(0, 2**64, dtype=np.uint64))
-            st = RequestState(request_id, core_id, prompt if isinstance(prompt, str) else None, list(ids), params,
+            # the Python state exists before the core learns of the request: a step never meets a
+            # request it cannot map, and a refusal by the core leaves nothing behind
+            st = RequestState(request_id, core_id, prompt if isinstance(prompt, str) else None, ids, params,
                               IncrementalDetokenizer(self.tokenizer, params.stop), seed,
                               logprobs=[] if params.logprobs is not None else None, stream=stream)
-            # the Python state exists before the core learns of the request: never half-added
             self._requests[core_id] = st
             self._by_name[request_id] = core_id
+            eos = list(self.loaded.eos_token_ids)
+            # ignore_eos ignores every EOS id of the model; otherwise the first is the core's EOS and
+            # the others stop like stop_token_ids do
+            stop_ids = list(params.stop_token_ids or ()) + ([] if params.ignore_eos else eos[1:])
+            # max_tokens beyond max_model_len is clamped, as vLLM does: the core also stops a request
+            # ("length") when prompt + output reach max_model_len
+            max_tokens = min(params.max_tokens, self.max_model_len)
+            min_tokens = min(params.min_tokens, max_tokens)
             try:
-                eos = self.loaded.eos_token_ids
-                stop_ids = list(params.stop_token_ids or ()) + list(eos[1:])
-                self.core.add_request(core_id, np.asarray(ids, dtype=np.int64), params.max_tokens,
-                                      params.min_tokens, eos[0] if eos else -1, params.ignore_eos, stop_ids)
+                self.core.add_request(core_id, np.asarray(ids, dtype=np.int64), max_tokens, min_tokens,
+                                      eos[0] if eos and not params.ignore_eos else -1, params.ignore_eos, stop_ids)
             except BaseException:
-                del self._requests[core_id], self._by_name[request_id]
+                del self._requests[core_id]
+                del self._by_name[request_id]
                 raise
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -369,7 +431,7 @@ class LLMEngine:
         sees_every_step = getattr(self.proposer, "sees_every_step", False)
         if not wants.any() and not sees_every_step:
             return
-        k = self.spec.num_speculative_tokens
+        k = self.platform.speculation_length(self.spec.num_speculative_tokens, len(states), self.spec.scorer)
         max_drafts = np.zeros(R, dtype=np.int64)
         for r, st in enumerate(states):
             out_left = st.params.max_tokens - len(st.output_token_ids) - 1

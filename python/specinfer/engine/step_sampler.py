@@ -16,7 +16,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from specinfer.sample import RandomStreams, Sampler, SamplingMetadata, probs_from_logits, rejection_sample
+from specinfer.sample import (LogprobsTensors, RandomStreams, Sampler, SamplingMetadata, compute_logprobs,
+                              probs_from_logits, rejection_sample)
 from specinfer.sample.typical_acceptance import typical_acceptance_sample
 
 
@@ -139,32 +140,40 @@ class StepSampler:
         out = out.cpu().numpy()
         n_emit = n_emit.cpu().numpy().astype(np.int32)
         flat = out[np.arange(out.shape[1])[None, :] < n_emit[:, None]]
-        return flat, n_emit, _num_accepted(n_emit, d, has_bonus.numpy())
+        return flat, n_emit, _num_accepted(out, n_emit, d, np.asarray(sched.draft_token_ids))
 
     @staticmethod
     def _logprobs(logits, cu_logits, cu, flat, want, states, logprobs):
+        """Raw logprobs of every emitted token of the requests in `want` (one batched call)."""
+        rows, toks, spans = [], [], []
         for i in want:
-            n = int(cu[i + 1] - cu[i])
-            if n == 0:
-                continue
-            rows = logits[cu_logits[i]: cu_logits[i] + n].float().log_softmax(-1)  # [n, V]
-            toks = torch.from_numpy(flat[cu[i]: cu[i + 1]].astype(np.int64))
-            chosen = rows.gather(1, toks.unsqueeze(1)).squeeze(1).tolist()
-            top_n = states[i].params.logprobs
-            entries = []
-            if top_n:
-                vals, ids = rows.topk(top_n, dim=-1)
-                for j in range(n):
-                    e = dict(zip(ids[j].tolist(), vals[j].tolist()))
-                    e[int(toks[j])] = chosen[j]
-                    entries.append(e)
-            else:
-                entries = [{int(t): c} for t, c in zip(toks.tolist(), chosen)]
-            logprobs[i] = entries
+            n = int(cu[i + 1] - cu[i])  # emitted tokens = the first n of the request's logits rows
+            if n:
+                spans.append((i, len(toks), n))
+                rows.extend(range(int(cu_logits[i]), int(cu_logits[i]) + n))
+                toks.extend(flat[cu[i]: cu[i + 1]].tolist())
+        if not spans:
+            return
+        top_n = max(states[i].params.logprobs for i, _, _ in spans)
+        lp = compute_logprobs(logits[torch.tensor(rows, device=logits.device)],
+                              torch.tensor(toks, dtype=torch.int64), top_n)  # [T, top_n + 1]
+        for i, start, n in spans:
+            part = LogprobsTensors(lp.token_ids[start:start + n], lp.logprobs[start:start + n],
+                                   lp.sampled_token_ranks[start:start + n])
+            logprobs[i] = part.entries(states[i].params.logprobs)
 
 
-def _num_accepted(n_emit: np.ndarray, d: np.ndarray, has_bonus: np.ndarray) -> np.ndarray:
-    """Accepted drafts from emitted counts: every emitted token but the recovered/bonus one,
-    which is absent only when a split proposal (no bonus row) accepted all its d drafts."""
-    all_split_accepted = ~has_bonus & (n_emit == d)
-    return np.where(all_split_accepted, d, n_emit - 1).astype(np.int32)
+def _num_accepted(out: np.ndarray, n_emit: np.ndarray, d: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """Accepted drafts per request: the leading emitted tokens equal to its drafts (a recovered
+    token never equals the draft it replaces, so this is exact; the core applies the same rule
+    to decide whether a split proposal's rest is kept).
+
+    out int64[R, W] padded -1, n_emit int32[R], d int32[R] drafts verified, drafts int64[sum d]."""
+    R = len(d)
+    width = int(d.max(initial=0))
+    grid = np.full((R, width), -2, dtype=np.int64)
+    cols = np.arange(width)[None, :]
+    valid = cols < d[:, None]
+    grid[valid] = drafts
+    same = (out[:, :width] == grid) & valid & (cols < n_emit[:, None])
+    return np.cumprod(same, axis=1).sum(axis=1).astype(np.int32)

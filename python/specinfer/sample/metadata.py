@@ -53,7 +53,6 @@ class SamplingMetadata:
     no_top_k: bool  # no random row uses top-k
     no_top_p: bool  # no random row uses top-p
     no_min_p: bool  # no random row uses min-p
-    max_num_logprobs: int | None = None  # top-N logprobs to return; None = no logprobs
 
     @property
     def num_rows(self) -> int:
@@ -71,7 +70,6 @@ class SamplingMetadata:
         top_p: Sequence[float] | torch.Tensor | None = None,
         min_p: Sequence[float] | torch.Tensor | None = None,
         streams: RandomStreams | None = None,
-        max_num_logprobs: int | None = None,
         device: torch.device | str | None = None,
     ) -> "SamplingMetadata":
         """Validate per-row parameters (errors name the field and row) and set the flags."""
@@ -86,8 +84,6 @@ class SamplingMetadata:
         _check("top_k", k >= -1, k, ">= -1 (0 or -1 = off)")
         _check("top_p", (p > 0) & (p <= 1), p, "in (0, 1]")
         _check("min_p", (m >= 0) & (m <= 1), m, "in [0, 1]")
-        if max_num_logprobs is not None and max_num_logprobs < 0:
-            raise ValueError(f"max_num_logprobs = {max_num_logprobs} must be >= 0 or None")
         random = temp >= GREEDY_TEMPERATURE
         return cls(
             temperature=temp, top_k=k, top_p=p, min_p=m, streams=streams,
@@ -96,7 +92,6 @@ class SamplingMetadata:
             no_top_k=not bool((random & (k > 0)).any()),
             no_top_p=not bool((random & (p < 1)).any()),
             no_min_p=not bool((random & (m > 0)).any()),
-            max_num_logprobs=max_num_logprobs,
         )
 
     def expand(self, num_rows_per_request: Sequence[int]) -> "SamplingMetadata":
@@ -110,12 +105,11 @@ class SamplingMetadata:
         streams = None if self.streams is None else self.streams.expand(counts)
         return SamplingMetadata.build(
             self.temperature.repeat_interleave(rep), self.top_k.repeat_interleave(rep),
-            self.top_p.repeat_interleave(rep), self.min_p.repeat_interleave(rep), streams,
-            self.max_num_logprobs)
+            self.top_p.repeat_interleave(rep), self.min_p.repeat_interleave(rep), streams)
 
     def take(self, rows: Sequence[int]) -> "SamplingMetadata":
         """The metadata of a subset of rows, in the given order."""
         idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.temperature.device)
         streams = None if self.streams is None else self.streams.take(list(rows))
         return SamplingMetadata.build(self.temperature[idx], self.top_k[idx], self.top_p[idx],
-                                      self.min_p[idx], streams, self.max_num_logprobs)
+                                      self.min_p[idx], streams)

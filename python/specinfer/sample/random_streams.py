@@ -19,9 +19,10 @@ on the draws at those positions; draws past ``P + m`` did not influence it, and 
 ``<= P + m`` are never decided again. Each decided position therefore consumes fresh,
 independent uniforms, which is all the losslessness proofs need.
 
-One draw is one uniform in (0, 1) (float64, 53 bits, from the splitmix64 finalizer over
-unsigned 64-bit arithmetic, computed on the host: R x W numbers per step) moved to the device
-of the tensors it feeds. A token is drawn from weights by inverse CDF with one uniform
+One draw is one uniform in (0, 1) (float64, 53 bits, from the splitmix64 finalizer over 64-bit
+arithmetic), computed on the device of the tensors it feeds (torch int64 ops with wrap-around
+products and masked logical shifts; :func:`counter_uniform` is the numpy reference the tests
+hold it to, bit for bit). A token is drawn from weights by inverse CDF with one uniform
 (:func:`sample_from_weights`), so sampling costs one draw per row, not one per vocabulary
 entry.
 """
@@ -57,6 +58,34 @@ def counter_uniform(
         key = _mix(seeds + _GOLDEN * np.uint64(purpose))
         h = _mix(key ^ (positions.astype(np.uint64) * _GOLDEN + np.uint64(purpose)))
     return ((h >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 2.0**53)
+
+
+def _as_signed(c) -> int:  # the int64 with the bits of the uint64 c (taken mod 2**64)
+    c = int(c) % 2**64
+    return c - 2**64 if c >= 2**63 else c
+
+
+_GOLDEN_S, _M1_S, _M2_S = _as_signed(_GOLDEN), _as_signed(_M1), _as_signed(_M2)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:  # logical right shift of int64 bits
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix_t(x: torch.Tensor) -> torch.Tensor:  # int64[...] holding uint64 bits; splitmix64
+    x = (x ^ _srl(x, 30)) * _M1_S
+    x = (x ^ _srl(x, 27)) * _M2_S
+    return x ^ _srl(x, 31)
+
+
+def counter_uniform_torch(
+    seeds: torch.Tensor,  # int64[R] holding the uint64 seeds' bits
+    positions: torch.Tensor,  # int64[R, W] output positions
+    purpose: int,
+) -> torch.Tensor:  # float64[R, W] in (0, 1), on the tensors' device; equals counter_uniform
+    key = _mix_t(seeds + _as_signed(int(_GOLDEN) * purpose))
+    h = _mix_t(key.unsqueeze(1) ^ (positions * _GOLDEN_S + purpose))
+    return (_srl(h, 11).to(torch.float64) + 0.5) * (1.0 / 2.0**53)
 
 
 def check_seed(seed) -> int:
@@ -110,8 +139,9 @@ class RandomStreams:
         width: int = 1,
         device: torch.device | str | None = None,
     ) -> torch.Tensor:  # float64[R, width]: U(seed_i, positions_i + j, purpose)
-        pos = self.positions[:, None] + np.arange(width, dtype=np.int64)[None, :]
-        return torch.from_numpy(counter_uniform(self.seeds, pos, purpose)).to(device)
+        seeds = torch.from_numpy(self.seeds.view(np.int64)).to(device)
+        pos = torch.from_numpy(self.positions).to(device).unsqueeze(1) + torch.arange(width, device=seeds.device)
+        return counter_uniform_torch(seeds, pos, purpose)
 
 
 def sample_from_weights(

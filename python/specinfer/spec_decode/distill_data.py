@@ -73,10 +73,8 @@ def target_states(model, backend, token_ids: list[int], aux_layers: tuple[int, .
 
 
 def build_sequences(generator, prompts: list, max_tokens: int, aux_layers: tuple[int, ...] = ()) -> list[DistillSequence]:
-    from specinfer.attention import get_backend
-
     engine = generator.engine
-    backend = get_backend(engine.platform.attention_backend)
+    backend = engine.runner.backend
     out = []
     for ids, p in continuations(generator, prompts, max_tokens):
         final, aux = target_states(engine.loaded.model, backend, ids, aux_layers, device=engine.device)

@@ -7,8 +7,9 @@ after a pause), in one batched forward whose last rows give the first draft; the
 batched single-token forwards give the rest. Positions it writes past the confirmed tokens sit
 in the lookahead slots the core reserved; rejected ones are simply overwritten later.
 
-The catch-up takes at most the engine's token budget per step (a long history after a pause or
-a preemption is caught up over several steps; a request drafts once it is level). On a
+The catch-up takes at most the engine's token budget (plus one token per sampled request) per
+step: in steady state that is exactly what the target confirmed, while a long history after a
+pause is caught up over several steps (a request drafts once it is level). On a
 request's first sight, prefix-cache blocks are reused only where this draft wrote their KV for
 the same prefix (DraftKvRecords). Draft tokens are sampled from q by inverse CDF with the
 request's counter-based draw ``U(seed, output position, DRAFT)``.
@@ -39,12 +40,13 @@ class DraftModelProposer:
         self.block_size = ctx.block_size
         self.device = ctx.device
         self.max_catch_up_tokens = ctx.max_num_batched_tokens
+        self.make_runner = ctx.make_runner
         self.runner: ModelRunner | None = None
         self.num_seen: dict[int, int] = {}  # core id -> tokens whose draft KV is written
         self.records = DraftKvRecords(ctx.block_size)
 
     def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
-        self.runner = ModelRunner(self.loaded.model, kv_caches_per_model[0], backend)
+        self.runner = self.make_runner(self.loaded.model, kv_caches_per_model[0], backend)
 
     def forget(self, core_ids) -> None:
         for i in core_ids:
@@ -58,7 +60,9 @@ class DraftModelProposer:
         starts = np.zeros(R, np.int64)
         ends = np.zeros(R, np.int64)
         level = np.zeros(R, dtype=bool)  # caught up with every confirmed token
-        budget = self.max_catch_up_tokens
+        # The target's scheduled tokens plus each sampled request's new token: in steady state
+        # that is exactly what the draft must see, so only a catch-up after a pause is spread.
+        budget = self.max_catch_up_tokens + int(inp.sampled.sum())
         for r, st in enumerate(inp.requests):
             if st.finished or not follow[r]:
                 continue

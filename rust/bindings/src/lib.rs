@@ -113,6 +113,8 @@ fn recycled_array2<'py>(
 struct SchedulerCore {
     inner: Scheduler,
     spare_block_tables: BufferPool,
+    /// Static-shape platforms: every scheduled batch's token axis is padded to a bucket.
+    token_padding: Option<core::TokenPadding>,
 }
 
 #[pymethods]
@@ -144,6 +146,7 @@ impl SchedulerCore {
         Ok(SchedulerCore {
             inner: Scheduler::new(config).map_err(to_py)?,
             spare_block_tables: BufferPool::default(),
+            token_padding: None,
         })
     }
 
@@ -277,8 +280,44 @@ impl SchedulerCore {
             .and_then(|mut p| p.pop())
             .unwrap_or_default();
         let inner = &mut self.inner;
-        let out = py.detach(|| inner.schedule_reusing(buf)).map_err(to_py)?;
+        let padding = self.token_padding.as_ref();
+        let out = py
+            .detach(|| {
+                let mut out = inner.schedule_reusing(buf)?;
+                if let Some(p) = padding {
+                    p.pad(&mut out, inner.config().block_size);
+                }
+                Ok(out)
+            })
+            .map_err(to_py)?;
         SchedulerOutput::new(py, out, &self.spare_block_tables)
+    }
+
+    /// Pad every scheduled batch's token axis up to the smallest of `token_buckets` (static-shape
+    /// platforms). Padded tokens belong to no sequence and write their K/V only into
+    /// `null_block`, a block id outside the pool (>= num_blocks). `None` turns padding off.
+    #[pyo3(signature = (token_buckets, null_block = 0))]
+    fn set_token_padding(
+        &mut self,
+        token_buckets: Option<Vec<i64>>,
+        null_block: i64,
+    ) -> PyResult<()> {
+        self.token_padding = match token_buckets {
+            None => None,
+            Some(b) => {
+                let buckets = b
+                    .into_iter()
+                    .map(|x| non_negative("token_buckets", x))
+                    .collect::<PyResult<Vec<usize>>>()?;
+                let null =
+                    u32::try_from(null_block).map_err(|_| invalid("null_block", "out of range"))?;
+                Some(
+                    core::TokenPadding::new(buckets, null, self.inner.num_total_blocks())
+                        .map_err(to_py)?,
+                )
+            }
+        };
+        Ok(())
     }
 
     fn update(
