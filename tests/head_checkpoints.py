@@ -32,7 +32,6 @@ def _write(path: Path, config: dict, tensors: dict, file: str, pt: bool = False)
 def mlp_speculator(path, target, *, n_predict=4, inner_dim=0, tie=False, scale_input=False, prefix=True,
                    seed=0) -> Path:
     """IBM layout. emb_i random; head_i rows = GELU(LN(c * emb_i rows)) so stage i repeats its input token."""
-    g = torch.Generator().manual_seed(seed)
     lm = target_lm_head(target)
     V, E = lm.shape
     D = inner_dim or E
@@ -58,7 +57,6 @@ def mlp_speculator(path, target, *, n_predict=4, inner_dim=0, tie=False, scale_i
            "emb_dim": E, "inner_dim": inner_dim, "n_predict": n_predict,
            "top_k_tokens_per_head": [4, 3, 2, 2, 2, 2][:n_predict], "n_candidates": 5, "tie_weights": tie,
            "scale_input": scale_input}
-    del g
     return _write(path, cfg, t, "model.safetensors")
 
 
@@ -88,8 +86,8 @@ def medusa_original(path, target, *, num_heads=4, num_layers=1, legacy=False, pt
 
 def medusa_vllm(path, target, *, num_heads=4, num_layers=1, fc_bias=True, truncated=None, shared=False,
                 prefix=False, seed=2) -> Path:
-    """vLLM MedusaModel layout; `truncated` = V_t keeps the V_t most... (here: the first V_t ids of a
-    fixed permutation) with token_map; `shared` = original_lm_head (one head for all)."""
+    """vLLM MedusaModel layout; `truncated` = V_t keeps V_t ids (a fixed random subset, sorted) with
+    token_map; `shared` = original_lm_head (one head for all)."""
     lm = target_lm_head(target)
     V, H = lm.shape
     w, b = _resblocks(num_heads, num_layers, H, seed)
