@@ -73,6 +73,17 @@ def _triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _cpu_attention_backend() -> str:
+    """The Rust kernel (cpu_native) unless SPECINFER_CPU_ATTENTION names another backend."""
+    from specinfer.attention import available_backends
+
+    name = os.environ.get("SPECINFER_CPU_ATTENTION", "cpu_native")
+    if name not in available_backends():
+        raise ValueError(f"SPECINFER_CPU_ATTENTION={name!r} is not an attention backend; available: "
+                         f"{available_backends()}")
+    return name
+
+
 def resolve_platform(device: str = "auto") -> Platform:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else ("hpu" if _hpu_available() else "cpu")
@@ -81,7 +92,7 @@ def resolve_platform(device: str = "auto") -> Platform:
     except (RuntimeError, TypeError):
         raise ValueError(f"device={device!r} is not supported (auto, cpu, cuda, hpu)") from None
     if dev.type == "cpu":
-        return Platform("cpu", dev, torch.float32, "torch_ref")
+        return Platform("cpu", dev, torch.float32, _cpu_attention_backend())
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r} requested but CUDA is not available")
