@@ -24,7 +24,7 @@ use std::fmt;
 use rayon::prelude::*;
 
 use crate::elem::Elem;
-use crate::simd::{Isa, Lanes, Scalar};
+use crate::simd::{Isa, Lanes, Rows, Scalar};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
 use crate::threads;
@@ -32,7 +32,7 @@ use crate::threads;
 /// Keys per online-softmax chunk.
 const KEY_CHUNK: usize = 32;
 /// Query rows (tokens x heads of a group) an item aims for: enough reuse of each K/V row,
-/// small enough that long prefills split into many items.
+/// small enough that long prefills split into many items (twice this with AVX-512: 4 vectors).
 const TILE_ROWS: usize = 32;
 
 /// A bad argument, naming the field at fault.
@@ -284,7 +284,8 @@ pub fn paged_attention<E: Elem>(
         return err("kv_cache", format!("has {} elements, expected {}", cache.len(), 2 * half));
     }
     let group = h / geo.num_kv_heads;
-    let tile = (TILE_ROWS / group).max(1);
+    let tile_rows = if isa == Isa::Avx512 { 2 * TILE_ROWS } else { TILE_ROWS };
+    let tile = (tile_rows / group).max(1);
     let mut items = Vec::new();
     for s in 0..layout.num_seqs() {
         let n = (layout.query_start_loc[s + 1] - layout.query_start_loc[s]) as usize;
@@ -349,22 +350,33 @@ unsafe fn item_scalar<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
     attend_item::<E, Scalar>(ctx, it, out)
 }
 
+/// The row-parallel path once an item has at least half a vector of rows (verification runs,
+/// prefill tiles, wide GQA groups); the per-row dot path below that (decodes).
+#[inline(always)]
+unsafe fn attend<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+    if L::W > 1 && 2 * (it.q1 - it.q0) * ctx.group >= L::W {
+        attend_item_rows::<E, L>(ctx, it, out)
+    } else {
+        attend_item::<E, L>(ctx, it, out)
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn item_avx2<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
-    attend_item::<E, Avx2>(ctx, it, out)
+    attend::<E, Avx2>(ctx, it, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn item_avx512<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
-    attend_item::<E, Avx512>(ctx, it, out)
+    attend::<E, Avx512>(ctx, it, out)
 }
 
 /// One item: online softmax over key chunks. Rows r = i * group + j (query token i of the
 /// tile, head j of the group); row r sees key positions 0 ..= limit[r].
 #[inline(always)]
-unsafe fn attend_item<E: Elem, L: Lanes>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
     let (d, g, hkv, bs) = (ctx.geo.head_dim, ctx.group, ctx.geo.num_kv_heads, ctx.geo.block_size);
     let lay = ctx.layout;
     let start = lay.query_start_loc[it.seq] as usize;
@@ -390,14 +402,12 @@ unsafe fn attend_item<E: Elem, L: Lanes>(ctx: &Ctx<'_, E>, it: &Item, out: OutPt
     let mut run_max = vec![f32::NEG_INFINITY; rows];
     let mut run_sum = vec![0.0f32; rows];
     let mut p = vec![0.0f32; rows * KEY_CHUNK]; // scores, then probabilities, [rows, KEY_CHUNK]
-    let key_offset = |pos: usize| -> usize {
-        let block = table[pos / bs] as usize;
-        ((block * bs + pos % bs) * hkv + it.kv_head) * d
-    };
+    let mut offsets = [0usize; KEY_CHUNK]; // cache offset of each key row of a chunk
     for k0 in (0..num_keys).step_by(KEY_CHUNK) {
         let kn = KEY_CHUNK.min(num_keys - k0);
+        chunk_offsets(&mut offsets[..kn], table, k0, bs, hkv, it.kv_head, d);
         for c in 0..kn {
-            let off = key_offset(k0 + c);
+            let off = offsets[c];
             let krow = E::row(&ctx.k_cache[off..off + d], &mut scratch);
             for r in 0..rows {
                 p[r * KEY_CHUNK + c] =
@@ -418,15 +428,10 @@ unsafe fn attend_item<E: Elem, L: Lanes>(ctx: &Ctx<'_, E>, it: &Item, out: OutPt
                 L::scale(&mut acc[r * d..(r + 1) * d], correction);
             }
             run_max[r] = new_max;
-            let mut sum = 0.0f32;
-            for x in pr.iter_mut() {
-                *x = (*x - new_max).exp(); // masked: exp(-inf) = 0
-                sum += *x;
-            }
-            run_sum[r] += sum;
+            run_sum[r] += exp_shifted::<L>(pr, new_max); // masked: exp(-inf) = 0
         }
         for c in 0..kn {
-            let off = key_offset(k0 + c);
+            let off = offsets[c];
             let vrow = E::row(&ctx.v_cache[off..off + d], &mut scratch);
             for r in 0..rows {
                 let w = p[r * KEY_CHUNK + c];
@@ -444,6 +449,212 @@ unsafe fn attend_item<E: Elem, L: Lanes>(ctx: &Ctx<'_, E>, it: &Item, out: OutPt
             let dst = out.0.add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
             for (e, &a) in acc[r * d..(r + 1) * d].iter().enumerate() {
                 *dst.add(e) = E::from_f32(a * inv);
+            }
+        }
+    }
+}
+
+/// One item, lanes over query rows: scores of a key chunk for W rows at once from the
+/// transposed query tile (no horizontal sums), then the online softmax vectorized across rows
+/// with a vector exp. Same rows and masks as `attend_item`.
+#[inline(always)]
+unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+    let (d, g, hkv, bs, w) = (ctx.geo.head_dim, ctx.group, ctx.geo.num_kv_heads, ctx.geo.block_size, L::W);
+    let lay = ctx.layout;
+    let start = lay.query_start_loc[it.seq] as usize;
+    let n = lay.query_start_loc[it.seq + 1] as usize - start;
+    let context_start = lay.seq_lens[it.seq] as usize - n;
+    let table = &lay.block_table[it.seq * lay.table_width..(it.seq + 1) * lay.table_width];
+    let rows = (it.q1 - it.q0) * g;
+    let mp = rows.div_ceil(w) * w; // rows padded to whole vectors; padding rows see every key
+    let mut scratch = vec![0.0f32; d];
+    let mut qt = vec![0.0f32; d * mp]; // scaled queries transposed, [d, mp]
+    let mut limit = vec![usize::MAX; mp];
+    for i in 0..it.q1 - it.q0 {
+        for j in 0..g {
+            let r = i * g + j;
+            let src = E::row(ctx.q.row(start + it.q0 + i, it.kv_head * g + j), &mut scratch);
+            for (e, x) in src.iter().enumerate() {
+                qt[e * mp + r] = x * ctx.scale;
+            }
+            limit[r] = context_start + it.q0 + i;
+        }
+    }
+    let first_limit = context_start + it.q0; // the smallest limit (the tile's first token)
+    let num_keys = context_start + it.q1;
+    let mut acc = vec![0.0f32; rows * d];
+    let mut run_max = vec![f32::NEG_INFINITY; mp];
+    let mut run_sum = vec![0.0f32; mp];
+    let mut correction = vec![1.0f32; mp];
+    let mut p = vec![0.0f32; KEY_CHUNK * mp]; // scores, then probabilities, [KEY_CHUNK, mp]
+    let mut vchunk = vec![0.0f32; KEY_CHUNK * d]; // V rows of a chunk as f32 (non-f32 caches)
+    let mut offsets = [0usize; KEY_CHUNK]; // cache offset of each key row of a chunk
+    let qp = qt.as_ptr();
+    let pp = p.as_mut_ptr();
+    for k0 in (0..num_keys).step_by(KEY_CHUNK) {
+        let kn = KEY_CHUNK.min(num_keys - k0);
+        chunk_offsets(&mut offsets[..kn], table, k0, bs, hkv, it.kv_head, d);
+        for c in 0..kn {
+            let off = offsets[c];
+            let krow = E::row(&ctx.k_cache[off..off + d], &mut scratch);
+            for v in (0..mp).step_by(w) {
+                let (mut a0, mut a1, mut a2, mut a3) = (L::splat(0.0), L::splat(0.0), L::splat(0.0), L::splat(0.0));
+                let base = qp.add(v);
+                let mut e = 0;
+                while e + 4 <= d {
+                    a0 = L::fma(L::splat(krow[e]), L::load(base.add(e * mp)), a0);
+                    a1 = L::fma(L::splat(krow[e + 1]), L::load(base.add((e + 1) * mp)), a1);
+                    a2 = L::fma(L::splat(krow[e + 2]), L::load(base.add((e + 2) * mp)), a2);
+                    a3 = L::fma(L::splat(krow[e + 3]), L::load(base.add((e + 3) * mp)), a3);
+                    e += 4;
+                }
+                while e < d {
+                    a0 = L::fma(L::splat(krow[e]), L::load(base.add(e * mp)), a0);
+                    e += 1;
+                }
+                L::store(pp.add(c * mp + v), L::add(L::add(a0, a1), L::add(a2, a3)));
+            }
+        }
+        if k0 + kn - 1 > first_limit {
+            for c in 0..kn {
+                let pos = k0 + c;
+                for r in 0..rows {
+                    if pos > limit[r] {
+                        p[c * mp + r] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        for v in (0..mp).step_by(w) {
+            let mut chunk_max = L::splat(f32::NEG_INFINITY);
+            for c in 0..kn {
+                chunk_max = L::max(chunk_max, L::load(pp.add(c * mp + v)));
+            }
+            let old = L::load(run_max.as_ptr().add(v));
+            let new = L::max(old, chunk_max); // finite: key 0 is visible to every row
+            L::store(run_max.as_mut_ptr().add(v), new);
+            let corr = L::exp(L::sub(old, new)); // first chunk: exp(-inf) = 0
+            L::store(correction.as_mut_ptr().add(v), corr);
+            let mut sum = L::splat(0.0);
+            for c in 0..kn {
+                let e = L::exp(L::sub(L::load(pp.add(c * mp + v)), new)); // masked: 0
+                L::store(pp.add(c * mp + v), e);
+                sum = L::add(sum, e);
+            }
+            let l = L::load(run_sum.as_ptr().add(v));
+            L::store(run_sum.as_mut_ptr().add(v), L::fma(l, corr, sum));
+        }
+        if k0 > 0 {
+            for r in 0..rows {
+                if correction[r] != 1.0 {
+                    <L as Lanes>::scale(&mut acc[r * d..(r + 1) * d], correction[r]);
+                }
+            }
+        }
+        let mut vrows: [&[f32]; KEY_CHUNK] = [&[]; KEY_CHUNK];
+        for (c, slot) in vchunk.chunks_mut(d).take(kn).enumerate() {
+            let off = offsets[c];
+            vrows[c] = E::row(&ctx.v_cache[off..off + d], slot);
+        }
+        let probs = &p[..kn * mp];
+        match d / w {
+            _ if d % w != 0 => pv_axpy::<L>(&mut acc, probs, &vrows[..kn], rows, mp, d),
+            1 => pv_block::<L, 1>(&mut acc, probs, &vrows[..kn], rows, mp),
+            2 => pv_block::<L, 2>(&mut acc, probs, &vrows[..kn], rows, mp),
+            4 => pv_block::<L, 4>(&mut acc, probs, &vrows[..kn], rows, mp),
+            8 => pv_block::<L, 8>(&mut acc, probs, &vrows[..kn], rows, mp),
+            _ => pv_axpy::<L>(&mut acc, probs, &vrows[..kn], rows, mp, d),
+        }
+    }
+    let h = ctx.geo.num_heads;
+    for i in 0..it.q1 - it.q0 {
+        for j in 0..g {
+            let r = i * g + j;
+            let inv = 1.0 / run_sum[r];
+            let dst = out.0.add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
+            for (e, &a) in acc[r * d..(r + 1) * d].iter().enumerate() {
+                *dst.add(e) = E::from_f32(a * inv);
+            }
+        }
+    }
+}
+
+/// Cache offsets of key rows k0 .. k0 + out.len() of one kv head: one division per chunk,
+/// then (block, offset) stepped along the block table.
+#[inline(always)]
+fn chunk_offsets(out: &mut [usize], table: &[i32], k0: usize, bs: usize, hkv: usize, kv_head: usize, d: usize) {
+    let (mut blk, mut off) = (k0 / bs, k0 % bs);
+    let mut base = table[blk] as usize * bs;
+    for o in out.iter_mut() {
+        *o = ((base + off) * hkv + kv_head) * d;
+        off += 1;
+        if off == bs {
+            off = 0;
+            blk += 1;
+            if blk < table.len() {
+                base = table[blk] as usize * bs;
+            }
+        }
+    }
+}
+
+/// x = exp(x - shift) in place, vector by vector; returns the sum.
+#[inline(always)]
+unsafe fn exp_shifted<L: Rows>(x: &mut [f32], shift: f32) -> f32 {
+    let (w, n) = (L::W, x.len());
+    let p = x.as_mut_ptr();
+    let s = L::splat(shift);
+    let mut acc = L::splat(0.0);
+    let mut i = 0;
+    while i + w <= n {
+        let e = L::exp(L::sub(L::load(p.add(i)), s));
+        L::store(p.add(i), e);
+        acc = L::add(acc, e);
+        i += w;
+    }
+    let mut lanes = [0.0f32; 16];
+    L::store(lanes.as_mut_ptr(), acc); // W <= 16
+    let mut sum: f32 = lanes[..w].iter().sum();
+    while i < n {
+        *p.add(i) = (*p.add(i) - shift).exp();
+        sum += *p.add(i);
+        i += 1;
+    }
+    sum
+}
+
+/// acc[r] += sum_c probs[c, r] * v[c] with acc[r] held in NV registers across the chunk.
+#[inline(always)]
+unsafe fn pv_block<L: Rows, const NV: usize>(acc: &mut [f32], probs: &[f32], v: &[&[f32]], rows: usize, mp: usize) {
+    let w = L::W;
+    let d = NV * w;
+    for r in 0..rows {
+        let a = acc.as_mut_ptr().add(r * d);
+        let mut regs: [L::V; NV] = std::array::from_fn(|i| L::load(a.add(i * w)));
+        for (c, vrow) in v.iter().enumerate() {
+            let wgt = probs[c * mp + r];
+            if wgt == 0.0 {
+                continue;
+            }
+            let (s, vp) = (L::splat(wgt), vrow.as_ptr());
+            for (i, reg) in regs.iter_mut().enumerate() {
+                *reg = L::fma(s, L::load(vp.add(i * w)), *reg);
+            }
+        }
+        for (i, reg) in regs.iter().enumerate() {
+            L::store(a.add(i * w), *reg);
+        }
+    }
+}
+
+/// The same for head dims that are not a whole number of vectors.
+#[inline(always)]
+unsafe fn pv_axpy<L: Lanes>(acc: &mut [f32], probs: &[f32], v: &[&[f32]], rows: usize, mp: usize, d: usize) {
+    for (c, vrow) in v.iter().enumerate() {
+        for r in 0..rows {
+            let wgt = probs[c * mp + r];
+            if wgt != 0.0 {
+                L::axpy(&mut acc[r * d..(r + 1) * d], wgt, vrow);
             }
         }
     }

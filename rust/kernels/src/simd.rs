@@ -77,6 +77,37 @@ pub trait Lanes {
     unsafe fn scale(y: &mut [f32], a: f32);
 }
 
+/// Vectors of f32 lanes for the row-parallel path (lanes run over query rows), with a
+/// vectorized exp. `W` lanes per vector.
+///
+/// # Safety
+/// As for [`Lanes`]; pointers address at least `W` valid f32s.
+pub trait Rows {
+    const W: usize;
+    type V: Copy;
+    unsafe fn splat(x: f32) -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    unsafe fn store(p: *mut f32, v: Self::V);
+    /// a * b + c
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    /// e^x to about 2 ulp (Cephes' expf polynomial); -inf and x < -88.37 give 0.
+    unsafe fn exp(x: Self::V) -> Self::V;
+}
+
+/// Cephes expf constants.
+pub(crate) mod expf {
+    pub const HI: f32 = 88.376_26;
+    pub const LO: f32 = -88.376_26;
+    pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+    pub const C1: f32 = 0.693_359_4;
+    pub const C2: f32 = -2.121_944_4e-4;
+    pub const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+}
+
 pub struct Scalar;
 
 impl Lanes for Scalar {
@@ -109,6 +140,47 @@ impl Lanes for Scalar {
         for yi in y.iter_mut() {
             *yi *= a;
         }
+    }
+}
+
+impl Rows for Scalar {
+    const W: usize = 1;
+    type V = f32;
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> f32 {
+        *p
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: f32) {
+        *p = v
+    }
+    #[inline(always)]
+    unsafe fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+    #[inline(always)]
+    unsafe fn add(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    #[inline(always)]
+    unsafe fn sub(a: f32, b: f32) -> f32 {
+        a - b
+    }
+    #[inline(always)]
+    unsafe fn mul(a: f32, b: f32) -> f32 {
+        a * b
+    }
+    #[inline(always)]
+    unsafe fn max(a: f32, b: f32) -> f32 {
+        a.max(b)
+    }
+    #[inline(always)]
+    unsafe fn exp(x: f32) -> f32 {
+        x.exp()
     }
 }
 
@@ -250,6 +322,109 @@ mod x86 {
             }
         }
     }
+
+    impl super::Rows for Avx2 {
+        const W: usize = 8;
+        type V = __m256;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m256 {
+            _mm256_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            _mm256_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            _mm256_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn sub(a: __m256, b: __m256) -> __m256 {
+            _mm256_sub_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn max(a: __m256, b: __m256) -> __m256 {
+            _mm256_max_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn exp(x: __m256) -> __m256 {
+            use super::expf::*;
+            let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(HI)), _mm256_set1_ps(LO));
+            let fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(0.5)));
+            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(C2), _mm256_fnmadd_ps(fx, _mm256_set1_ps(C1), x));
+            let mut y = _mm256_set1_ps(P[0]);
+            for c in &P[1..] {
+                y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
+            }
+            y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+            let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+            _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+        }
+    }
+
+    impl super::Rows for Avx512 {
+        const W: usize = 16;
+        type V = __m512;
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            _mm512_set1_ps(x)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            _mm512_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn sub(a: __m512, b: __m512) -> __m512 {
+            _mm512_sub_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn max(a: __m512, b: __m512) -> __m512 {
+            _mm512_max_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn exp(x: __m512) -> __m512 {
+            use super::expf::*;
+            let x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(HI)), _mm512_set1_ps(LO));
+            let fx = _mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5));
+            let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(fx);
+            let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(C2), _mm512_fnmadd_ps(fx, _mm512_set1_ps(C1), x));
+            let mut y = _mm512_set1_ps(P[0]);
+            for c in &P[1..] {
+                y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
+            }
+            y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+            let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)));
+            _mm512_mul_ps(y, _mm512_castsi512_ps(e))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -271,6 +446,50 @@ mod tests {
             unsafe { L::scale(&mut y, 2.0) };
             for i in 0..n {
                 assert!((y[i] - 2.0 * (b[i] + 0.5 * a[i])).abs() < 1e-5, "scale n={n} i={i}");
+            }
+        }
+    }
+
+    fn check_exp<R: Rows>() {
+        let mut xs: Vec<f32> = (-2000..=800).map(|i| i as f32 * 0.11).collect();
+        xs.extend([0.0, -0.0, f32::NEG_INFINITY, -88.0, -87.0, 88.0, 1e-8, -1e-8]);
+        while xs.len() % R::W != 0 {
+            xs.push(0.5);
+        }
+        let mut out = vec![0.0f32; xs.len()];
+        for i in (0..xs.len()).step_by(R::W) {
+            unsafe { R::store(out.as_mut_ptr().add(i), R::exp(R::load(xs.as_ptr().add(i)))) };
+        }
+        for (&x, &y) in xs.iter().zip(&out) {
+            let want = (x as f64).exp();
+            if x == f32::NEG_INFINITY || x < -88.3 {
+                assert!(y.abs() < 1.2e-38, "exp({x}) = {y}");
+            } else if want < 1.2e-38 {
+                assert!((y as f64 - want).abs() < 1.2e-38, "exp({x}) = {y}, want {want}");
+            } else {
+                assert!(((y as f64 - want) / want).abs() < 4e-7, "exp({x}) = {y}, want {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn vector_exp_is_accurate() {
+        check_exp::<Scalar>();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Isa::Avx2.is_supported() {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn run() {
+                    check_exp::<Avx2>()
+                }
+                unsafe { run() }
+            }
+            if Isa::Avx512.is_supported() {
+                #[target_feature(enable = "avx512f")]
+                unsafe fn run512() {
+                    check_exp::<Avx512>()
+                }
+                unsafe { run512() }
             }
         }
     }
