@@ -14,15 +14,18 @@ class Generator:
     `model` is an HF directory, a `.gguf` file, or a model-pack name such as "smollm2-135m".
     `speculative` is a SpeculativeConfig or a dict of its fields, e.g.
     {"method": "ngram", "num_speculative_tokens": 4}.
+    `quantization="int8"` keeps GEMM weights int8 (CPU; GGUF Q8_0 as stored, other weights
+    quantized per 32 inputs) and runs them through the int8 kernel.
     """
 
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None):
+                 enable_prefix_caching=True, seed=0, speculative=None, quantization=None):
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=speculative)
+            enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=speculative,
+            quantization=quantization)
         self._counter = 0
 
     @property

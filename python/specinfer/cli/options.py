@@ -23,6 +23,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default: auto, "
                    "fp32 on CPU)")
+    g.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="int8: weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored; default: none)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or hpu (default: auto)")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch (default: "
                    "torch's own choice)")
@@ -120,7 +122,9 @@ def engine_kwargs(args) -> dict:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    quant = getattr(args, "quantization", "none")
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
+                quantization=None if quant == "none" else quant,
                 num_kv_blocks=args.num_kv_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
 

@@ -20,6 +20,7 @@ from specinfer.engine.model_loading import load_any
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
+from specinfer.models.int8_linear import check_quantization
 from specinfer.outputs import RequestOutput
 from specinfer.platform import resolve_dtype, resolve_platform
 from specinfer.sampling_params import SamplingParams
@@ -41,7 +42,7 @@ class ProposerContext:
 class LLMEngine:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None):
+                 enable_prefix_caching=True, seed=0, speculative=None, quantization=None):
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                 enable_prefix_caching=enable_prefix_caching)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -49,11 +50,13 @@ class LLMEngine:
         self.spec = SpeculativeConfig.from_any(speculative)
         self.platform = resolve_platform(device)
         self.dtype = resolve_dtype(dtype, self.platform)
+        self.quantization = check_quantization(quantization)  # weights of target and draft; KV stays dtype
         self.device = self.platform.device
         self.default_generator = torch.Generator(device="cpu").manual_seed(int(seed))
 
         def load(path):
-            return load_any(path, dtype=self.dtype, device=self.device, platform=self.platform)
+            return load_any(path, dtype=self.dtype, device=self.device, platform=self.platform,
+                            quantization=self.quantization)
 
         self.loaded = load(model)
         self.tokenizer = self.loaded.tokenizer

@@ -6,6 +6,7 @@
 //! copying (`IntoPyArray` hands the allocation to numpy).
 
 mod cpu_attention;
+mod cpu_linear;
 
 use std::sync::{Arc, Mutex};
 
@@ -432,6 +433,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SchedulerOutput>()?;
     m.add_class::<UpdateOutput>()?;
     cpu_attention::register(m)?;
+    cpu_linear::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

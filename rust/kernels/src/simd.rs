@@ -98,6 +98,15 @@ pub trait Rows {
     unsafe fn exp(x: Self::V) -> Self::V;
 }
 
+/// Widening loads of int8 weights, and a horizontal sum, for the int8 linear kernel.
+///
+/// # Safety
+/// As for [`Rows`]; `p` addresses at least `W` valid bytes.
+pub trait I8Rows: Rows {
+    unsafe fn load_i8(p: *const i8) -> Self::V;
+    unsafe fn sum(v: Self::V) -> f32;
+}
+
 /// Cephes expf constants.
 pub(crate) mod expf {
     pub const HI: f32 = 88.376_26;
@@ -181,6 +190,17 @@ impl Rows for Scalar {
     #[inline(always)]
     unsafe fn exp(x: f32) -> f32 {
         x.exp()
+    }
+}
+
+impl I8Rows for Scalar {
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> f32 {
+        *p as f32
+    }
+    #[inline(always)]
+    unsafe fn sum(v: f32) -> f32 {
+        v
     }
 }
 
@@ -371,6 +391,30 @@ mod x86 {
             y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
             let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
             _mm256_mul_ps(y, _mm256_castsi256_ps(e))
+        }
+    }
+
+    impl super::I8Rows for Avx2 {
+        #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> __m256 {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+        }
+        #[inline(always)]
+        unsafe fn sum(v: __m256) -> f32 {
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
+        }
+    }
+
+    impl super::I8Rows for Avx512 {
+        #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> __m512 {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+        }
+        #[inline(always)]
+        unsafe fn sum(v: __m512) -> f32 {
+            _mm512_reduce_add_ps(v)
         }
     }
 
