@@ -19,7 +19,7 @@ from test_gguf import write_synthetic_gguf
 from test_packed_linear import _logits
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 17])
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 40])  # 40: past KERNEL_MAX_ROWS, the dequantized GEMM
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_equals_linear_over_dequantized_weights(M, bias):
     g = torch.Generator().manual_seed(M)

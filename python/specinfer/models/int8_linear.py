@@ -6,6 +6,9 @@ model dtype.
 
     w = Int8Weight.quantize(dense)            # [out, in] float -> int8 + scales (absmax / 127)
     y = int8_linear(x, w, bias)               # same contract as F.linear
+
+Up to KERNEL_MAX_ROWS input rows the Rust kernel multiplies the int8 weights directly; longer
+inputs (prefill chunks) dequantize the weight for the call and run a float GEMM.
 """
 from __future__ import annotations
 
@@ -16,6 +19,10 @@ import torch
 from specinfer._core import int8_linear as _int8_linear_kernel
 
 GROUP_SIZE = 32  # inputs per scale (GGUF Q8_0 block)
+# Rows up to which the int8 kernel runs (decodes, verification runs, batches: weight-bandwidth
+# bound, where int8 reads a quarter of the bytes); longer inputs (prefill chunks) are compute
+# bound and go through a float GEMM over the weight dequantized for that call.
+KERNEL_MAX_ROWS = 32
 QUANTIZATIONS = ("int8",)
 
 
@@ -103,6 +110,9 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).to(torch.float32).contiguous()
     M = x2.shape[0]
+    if M > KERNEL_MAX_ROWS:
+        b = None if bias is None else bias.to(torch.float32)
+        return torch.nn.functional.linear(x2, weight.dequantize(), b).to(x.dtype).view(*lead, N)
     out = torch.empty(M, N, dtype=torch.float32)
     b = None
     if bias is not None:
