@@ -9,7 +9,7 @@ variable SPECINFER_ATTENTION_THREADS), and uses AVX-512, AVX2+FMA or portable co
 allows (`isa` forces one; `specinfer._core.cpu_kernel_isa()` says what this CPU has).
 
 Memory contract (asserted here, sizes re-checked in Rust): CPU tensors of one dtype (float32 or
-bfloat16; q/k/v are cast to the cache's), q [T, H, D] and k/v [T, Hkv, D] with unit stride along
+bfloat16; q/k/v are cast to the cache's; a float16 cache goes to torch_ref instead), q [T, H, D] and k/v [T, Hkv, D] with unit stride along
 D (strided token/head axes are fine: views of the fused qkv tensor), the cache
 [2, num_blocks, block_size, Hkv, D] contiguous; the metadata is validated once per forward.
 """
@@ -27,11 +27,13 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 THREADS_ENV = "SPECINFER_ATTENTION_THREADS"
 
 
-@dataclass(frozen=True)
+@dataclass
 class CpuNativePrepared:
     batch: CpuPagedBatch  # the validated layout (slots, runs, block table), shared by every layer
     num_tokens: int  # T
     block_size: int
+    meta: AttentionMetadata
+    fallback: object = None  # torch_ref's prepared metadata, built on first use (float16 caches)
 
 
 def _threads_setting() -> int | None:
@@ -60,7 +62,7 @@ class CpuNativeBackend:
         assert meta.slot_mapping.device.type == "cpu", "cpu_native: metadata must be on the CPU"
         batch = CpuPagedBatch(meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
                               meta.block_table.numpy(), meta.block_size)
-        return CpuNativePrepared(batch, meta.num_tokens, meta.block_size)
+        return CpuNativePrepared(batch, meta.num_tokens, meta.block_size, meta)
 
     def forward(self, q, k, v, kv_cache, prepared: CpuNativePrepared, scale: float) -> torch.Tensor:
         # q [T, H, D], k/v [T, Hkv, D] (strided views allowed), kv_cache [2, NB, BS, Hkv, D] -> [T, H, D]
@@ -68,7 +70,8 @@ class CpuNativeBackend:
         Hkv = k.shape[1]
         dtype = kv_cache.dtype
         name = DTYPE_NAMES.get(dtype)
-        assert name is not None, f"cpu_native: kv_cache dtype {dtype} is not float32 or bfloat16"
+        if name is None:  # e.g. float16: the kernel has no such element type
+            return self._torch_ref(q, k, v, kv_cache, prepared, scale)
         assert kv_cache.device.type == "cpu" and kv_cache.is_contiguous(), "cpu_native: kv_cache must be a contiguous CPU tensor"
         assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3:] == (Hkv, D), (
             f"cpu_native: kv_cache shape {tuple(kv_cache.shape)} is not [2, num_blocks, block_size, {Hkv}, {D}]")
@@ -92,3 +95,12 @@ class CpuNativeBackend:
             (v.data_ptr(), v.stride(0), v.stride(1)), kv_cache.data_ptr(), H, Hkv, D, kv_cache.shape[1],
             kv_cache.shape[2], float(scale), threads, self.isa)
         return out
+
+    @staticmethod
+    def _torch_ref(q, k, v, kv_cache, prepared: CpuNativePrepared, scale: float) -> torch.Tensor:
+        from specinfer.attention.torch_ref import TorchRefBackend
+
+        ref = TorchRefBackend()
+        if prepared.fallback is None:
+            prepared.fallback = ref.prepare(prepared.meta)
+        return ref.forward(q, k, v, kv_cache, prepared.fallback, scale)
