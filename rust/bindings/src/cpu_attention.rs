@@ -10,7 +10,9 @@
 use numpy::{AllowTypeChange, PyArrayLike1, PyArrayLike2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use specinfer_kernels::{self as kernels, AttentionError, Bf16, BatchLayout, Elem, HeadGeometry, Isa, StridedHeads};
+use specinfer_kernels::{
+    self as kernels, AttentionError, BatchLayout, Bf16, Elem, HeadGeometry, Isa, StridedHeads,
+};
 
 fn to_py(e: AttentionError) -> PyErr {
     PyValueError::new_err(e.to_string())
@@ -21,11 +23,27 @@ type Strided = (usize, usize, usize);
 
 /// # Safety
 /// `ptr` must address a live buffer covering the view's extent (the Python caller's contract).
-unsafe fn view<'a, E>(s: Strided, num_tokens: usize, heads: usize, head_dim: usize) -> StridedHeads<'a, E> {
+unsafe fn view<'a, E>(
+    s: Strided,
+    num_tokens: usize,
+    heads: usize,
+    head_dim: usize,
+) -> StridedHeads<'a, E> {
     let (ptr, token_stride, head_stride) = s;
     let len = StridedHeads::<E>::extent(num_tokens, heads, head_dim, token_stride, head_stride);
-    let data = if len == 0 { &[][..] } else { std::slice::from_raw_parts(ptr as *const E, len) };
-    StridedHeads { data, num_tokens, num_heads: heads, head_dim, token_stride, head_stride }
+    let data = if len == 0 {
+        &[][..]
+    } else {
+        std::slice::from_raw_parts(ptr as *const E, len)
+    };
+    StridedHeads {
+        data,
+        num_tokens,
+        num_heads: heads,
+        head_dim,
+        token_stride,
+        head_stride,
+    }
 }
 
 #[pyclass(module = "specinfer._core", frozen)]
@@ -87,15 +105,36 @@ impl CpuPagedBatch {
     ) -> PyResult<()> {
         let isa = match isa {
             None => Isa::detect(),
-            Some(name) => Isa::from_name(name)
-                .ok_or_else(|| PyValueError::new_err(format!("isa: unknown {name:?} (scalar, avx2, avx512)")))?,
+            Some(name) => Isa::from_name(name).ok_or_else(|| {
+                PyValueError::new_err(format!("isa: unknown {name:?} (scalar, avx2, avx512)"))
+            })?,
         };
-        let geo = HeadGeometry { num_heads, num_kv_heads, head_dim, block_size, num_blocks };
-        let call = Call { layout: &self.layout, geo, out_ptr, q, k, v, cache_ptr, scale, num_threads, isa };
+        let geo = HeadGeometry {
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            num_blocks,
+        };
+        let call = Call {
+            layout: &self.layout,
+            geo,
+            out_ptr,
+            q,
+            k,
+            v,
+            cache_ptr,
+            scale,
+            num_threads,
+            isa,
+        };
         match dtype {
             "float32" => py.detach(|| unsafe { call.run::<f32>() }),
             "bfloat16" => py.detach(|| unsafe { call.run::<Bf16>() }),
-            other => Err(AttentionError { field: "dtype", message: format!("{other:?} is not float32 or bfloat16") }),
+            other => Err(AttentionError {
+                field: "dtype",
+                message: format!("{other:?} is not float32 or bfloat16"),
+            }),
         }
         .map_err(to_py)
     }
@@ -121,21 +160,41 @@ impl Call<'_> {
     unsafe fn run<E: Elem>(&self) -> Result<(), AttentionError> {
         let (t, g) = (self.layout.num_tokens(), self.geo);
         let half = g.cache_half_len();
-        let cache = if half == 0 { &mut [][..] } else { std::slice::from_raw_parts_mut(self.cache_ptr as *mut E, 2 * half) };
+        let cache = if half == 0 {
+            &mut [][..]
+        } else {
+            std::slice::from_raw_parts_mut(self.cache_ptr as *mut E, 2 * half)
+        };
         let k = view::<E>(self.k, t, g.num_kv_heads, g.head_dim);
         let v = view::<E>(self.v, t, g.num_kv_heads, g.head_dim);
         kernels::store_kv(self.layout, &g, k, v, cache)?;
         let q = view::<E>(self.q, t, g.num_heads, g.head_dim);
         let out_len = t * g.num_heads * g.head_dim;
-        let out = if out_len == 0 { &mut [][..] } else { std::slice::from_raw_parts_mut(self.out_ptr as *mut E, out_len) };
-        kernels::paged_attention(self.isa, self.num_threads, self.layout, &g, q, cache, out, self.scale)
+        let out = if out_len == 0 {
+            &mut [][..]
+        } else {
+            std::slice::from_raw_parts_mut(self.out_ptr as *mut E, out_len)
+        };
+        kernels::paged_attention(
+            self.isa,
+            self.num_threads,
+            self.layout,
+            &g,
+            q,
+            cache,
+            out,
+            self.scale,
+        )
     }
 }
 
 /// (the instruction set used by default, every one this CPU supports).
 #[pyfunction]
 pub fn cpu_kernel_isa() -> (&'static str, Vec<&'static str>) {
-    (Isa::detect().name(), Isa::supported().into_iter().map(Isa::name).collect())
+    (
+        Isa::detect().name(),
+        Isa::supported().into_iter().map(Isa::name).collect(),
+    )
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

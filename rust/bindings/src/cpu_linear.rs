@@ -27,11 +27,14 @@ pub fn int8_linear(
 ) -> PyResult<()> {
     let isa = match isa {
         None => Isa::detect(),
-        Some(name) => Isa::from_name(name)
-            .ok_or_else(|| PyValueError::new_err(format!("isa: unknown {name:?} (scalar, avx2, avx512)")))?,
+        Some(name) => Isa::from_name(name).ok_or_else(|| {
+            PyValueError::new_err(format!("isa: unknown {name:?} (scalar, avx2, avx512)"))
+        })?,
     };
     if group == 0 || k % group != 0 {
-        return Err(PyValueError::new_err(format!("group: {group} does not divide k = {k}")));
+        return Err(PyValueError::new_err(format!(
+            "group: {group} does not divide k = {k}"
+        )));
     }
     if m == 0 || n == 0 {
         return Ok(());
@@ -48,7 +51,21 @@ pub fn int8_linear(
                 std::slice::from_raw_parts_mut(out_ptr as *mut f32, m * n),
             )
         };
-        kernels::int8_linear(isa, num_threads, x, m, Int8Weight { q, scales, n, k, group }, bias, out)
+        kernels::int8_linear(
+            isa,
+            num_threads,
+            x,
+            m,
+            Int8Weight {
+                q,
+                scales,
+                n,
+                k,
+                group,
+            },
+            bias,
+            out,
+        )
     })
     .map_err(|e| PyValueError::new_err(e.to_string()))
 }

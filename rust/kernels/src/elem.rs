@@ -74,7 +74,15 @@ mod tests {
 
     #[test]
     fn bf16_round_trips_representable_values_and_rounds_to_nearest_even() {
-        for x in [0.0f32, -0.0, 1.0, -2.5, 2.0f32.powi(100), 2.0f32.powi(-100), f32::INFINITY] {
+        for x in [
+            0.0f32,
+            -0.0,
+            1.0,
+            -2.5,
+            2.0f32.powi(100),
+            2.0f32.powi(-100),
+            f32::INFINITY,
+        ] {
             assert_eq!(Bf16::from_f32(x).to_f32(), x);
         }
         // 1 + 2^-8 is halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0)

@@ -10,16 +10,19 @@
 use rayon::prelude::*;
 
 use crate::paged_attention::AttentionError as KernelError;
-use crate::simd::{I8Rows, Isa, Scalar};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
+use crate::simd::{I8Rows, Isa, Scalar};
 use crate::threads;
 
 /// Output rows per work item.
 const ROWS_PER_ITEM: usize = 16;
 
 fn err<T>(field: &'static str, message: impl Into<String>) -> Result<T, KernelError> {
-    Err(KernelError { field, message: message.into() })
+    Err(KernelError {
+        field,
+        message: message.into(),
+    })
 }
 
 /// int8 weights `[n, k]` with f32 scales `[n, k / group]`.
@@ -35,13 +38,35 @@ pub struct Int8Weight<'a> {
 impl Int8Weight<'_> {
     fn validate(&self) -> Result<(), KernelError> {
         if self.group == 0 || self.group % 16 != 0 || self.k % self.group != 0 {
-            return err("group", format!("{} must be a multiple of 16 dividing k = {}", self.group, self.k));
+            return err(
+                "group",
+                format!(
+                    "{} must be a multiple of 16 dividing k = {}",
+                    self.group, self.k
+                ),
+            );
         }
         if self.q.len() != self.n * self.k {
-            return err("weight", format!("has {} elements, expected {} x {}", self.q.len(), self.n, self.k));
+            return err(
+                "weight",
+                format!(
+                    "has {} elements, expected {} x {}",
+                    self.q.len(),
+                    self.n,
+                    self.k
+                ),
+            );
         }
         if self.scales.len() != self.n * (self.k / self.group) {
-            return err("scales", format!("has {} elements, expected {} x {}", self.scales.len(), self.n, self.k / self.group));
+            return err(
+                "scales",
+                format!(
+                    "has {} elements, expected {} x {}",
+                    self.scales.len(),
+                    self.n,
+                    self.k / self.group
+                ),
+            );
         }
         Ok(())
     }
@@ -59,17 +84,29 @@ pub fn int8_linear(
 ) -> Result<(), KernelError> {
     w.validate()?;
     if !isa.is_supported() {
-        return err("isa", format!("{} is not supported by this CPU", isa.name()));
+        return err(
+            "isa",
+            format!("{} is not supported by this CPU", isa.name()),
+        );
     }
     if x.len() != m * w.k {
-        return err("x", format!("has {} elements, expected {m} x {}", x.len(), w.k));
+        return err(
+            "x",
+            format!("has {} elements, expected {m} x {}", x.len(), w.k),
+        );
     }
     if out.len() != m * w.n {
-        return err("out", format!("has {} elements, expected {m} x {}", out.len(), w.n));
+        return err(
+            "out",
+            format!("has {} elements, expected {m} x {}", out.len(), w.n),
+        );
     }
     if let Some(b) = bias {
         if b.len() != w.n {
-            return err("bias", format!("has {} elements, expected {}", b.len(), w.n));
+            return err(
+                "bias",
+                format!("has {} elements, expected {}", b.len(), w.n),
+            );
         }
     }
     let items: Vec<usize> = (0..w.n).step_by(ROWS_PER_ITEM).collect();
@@ -82,11 +119,21 @@ pub fn int8_linear(
         _ => rows_scalar,
     };
     let job = Job { x, m, w, bias };
-    let pool = if num_threads > 1 && items.len() > 1 { threads::pool(num_threads) } else { None };
+    let pool = if num_threads > 1 && items.len() > 1 {
+        threads::pool(num_threads)
+    } else {
+        None
+    };
     match pool {
         // SAFETY: `run` matches the supported `isa`; items write disjoint output columns.
-        Some(pool) => pool.install(|| items.par_iter().for_each(|&n0| unsafe { run(&job, n0, out_ptr) })),
-        None => items.iter().for_each(|&n0| unsafe { run(&job, n0, out_ptr) }),
+        Some(pool) => pool.install(|| {
+            items
+                .par_iter()
+                .for_each(|&n0| unsafe { run(&job, n0, out_ptr) })
+        }),
+        None => items
+            .iter()
+            .for_each(|&n0| unsafe { run(&job, n0, out_ptr) }),
     }
     Ok(())
 }
@@ -148,7 +195,13 @@ unsafe fn output_rows<L: I8Rows>(job: &Job<'_>, n0: usize, out: OutPtr) {
 /// Activation rows m0 .. m0 + MC against output rows n0 .. n1: MC accumulators in registers,
 /// each widened weight vector used MC times.
 #[inline(always)]
-unsafe fn block<L: I8Rows, const MC: usize>(job: &Job<'_>, n0: usize, n1: usize, m0: usize, out: OutPtr) {
+unsafe fn block<L: I8Rows, const MC: usize>(
+    job: &Job<'_>,
+    n0: usize,
+    n1: usize,
+    m0: usize,
+    out: OutPtr,
+) {
     let (k, g, w) = (job.w.k, job.w.group, L::W);
     let groups = k / g;
     let xp = job.x.as_ptr().add(m0 * k);
@@ -220,7 +273,11 @@ mod tests {
                     .map(|i| {
                         let (mi, ni) = (i / n, i % n);
                         (0..k)
-                            .map(|e| x[mi * k + e] as f64 * q[ni * k + e] as f64 * scales[ni * (k / group) + e / group] as f64)
+                            .map(|e| {
+                                x[mi * k + e] as f64
+                                    * q[ni * k + e] as f64
+                                    * scales[ni * (k / group) + e / group] as f64
+                            })
                             .sum::<f64>()
                             + bias[ni] as f64
                     })
@@ -228,10 +285,19 @@ mod tests {
                 for isa in Isa::supported() {
                     for threads in [1, 3] {
                         let mut out = vec![0.0f32; m * n];
-                        let w = Int8Weight { q: &q, scales: &scales, n, k, group };
+                        let w = Int8Weight {
+                            q: &q,
+                            scales: &scales,
+                            n,
+                            k,
+                            group,
+                        };
                         int8_linear(isa, threads, &x, m, w, Some(&bias), &mut out).unwrap();
                         for (i, (&o, &r)) in out.iter().zip(&want).enumerate() {
-                            assert!((o as f64 - r).abs() < 1e-4 * (1.0 + r.abs()), "{isa:?} m={m} n={n} k={k} {i}: {o} vs {r}");
+                            assert!(
+                                (o as f64 - r).abs() < 1e-4 * (1.0 + r.abs()),
+                                "{isa:?} m={m} n={n} k={k} {i}: {o} vs {r}"
+                            );
                         }
                     }
                 }
@@ -241,7 +307,24 @@ mod tests {
 
     #[test]
     fn quantize_follows_q8_0() {
-        let w = [0.0f32, 1.0, -2.0, 0.5, 127.0 / 127.0 * 2.0, -0.01, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+        let w = [
+            0.0f32,
+            1.0,
+            -2.0,
+            0.5,
+            127.0 / 127.0 * 2.0,
+            -0.01,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+        ];
         let (q, s) = quantize(&w, 1, 16, 16);
         assert_eq!(s, vec![2.0 / 127.0]);
         assert_eq!(&q[..6], &[0, 64, -127, 32, 127, -1]);
@@ -255,12 +338,50 @@ mod tests {
         let s = vec![1.0f32; 2];
         let x = vec![0.0f32; 32];
         let mut out = vec![0.0f32; 2];
-        let w = Int8Weight { q: &q, scales: &s, n: 2, k: 32, group: 24 };
-        assert_eq!(int8_linear(Isa::Scalar, 1, &x, 1, w, None, &mut out).unwrap_err().field, "group");
-        let w = Int8Weight { q: &q, scales: &s[..1], n: 2, k: 32, group: 32 };
-        assert_eq!(int8_linear(Isa::Scalar, 1, &x, 1, w, None, &mut out).unwrap_err().field, "scales");
-        let w = Int8Weight { q: &q, scales: &s, n: 2, k: 32, group: 32 };
-        assert_eq!(int8_linear(Isa::Scalar, 1, &x[..31], 1, w, None, &mut out).unwrap_err().field, "x");
-        assert_eq!(int8_linear(Isa::Scalar, 1, &x, 1, w, Some(&[0.0]), &mut out).unwrap_err().field, "bias");
+        let w = Int8Weight {
+            q: &q,
+            scales: &s,
+            n: 2,
+            k: 32,
+            group: 24,
+        };
+        assert_eq!(
+            int8_linear(Isa::Scalar, 1, &x, 1, w, None, &mut out)
+                .unwrap_err()
+                .field,
+            "group"
+        );
+        let w = Int8Weight {
+            q: &q,
+            scales: &s[..1],
+            n: 2,
+            k: 32,
+            group: 32,
+        };
+        assert_eq!(
+            int8_linear(Isa::Scalar, 1, &x, 1, w, None, &mut out)
+                .unwrap_err()
+                .field,
+            "scales"
+        );
+        let w = Int8Weight {
+            q: &q,
+            scales: &s,
+            n: 2,
+            k: 32,
+            group: 32,
+        };
+        assert_eq!(
+            int8_linear(Isa::Scalar, 1, &x[..31], 1, w, None, &mut out)
+                .unwrap_err()
+                .field,
+            "x"
+        );
+        assert_eq!(
+            int8_linear(Isa::Scalar, 1, &x, 1, w, Some(&[0.0]), &mut out)
+                .unwrap_err()
+                .field,
+            "bias"
+        );
     }
 }

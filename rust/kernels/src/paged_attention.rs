@@ -24,9 +24,9 @@ use std::fmt;
 use rayon::prelude::*;
 
 use crate::elem::Elem;
-use crate::simd::{Isa, Lanes, Rows, Scalar};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
+use crate::simd::{Isa, Lanes, Rows, Scalar};
 use crate::threads;
 
 /// Keys per online-softmax chunk.
@@ -51,7 +51,10 @@ impl fmt::Display for AttentionError {
 impl std::error::Error for AttentionError {}
 
 fn err<T>(field: &'static str, message: impl Into<String>) -> Result<T, AttentionError> {
-    Err(AttentionError { field, message: message.into() })
+    Err(AttentionError {
+        field,
+        message: message.into(),
+    })
 }
 
 /// Head counts and the cache's geometry.
@@ -66,13 +69,20 @@ pub struct HeadGeometry {
 
 impl HeadGeometry {
     fn validate(&self) -> Result<(), AttentionError> {
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.head_dim == 0 || self.block_size == 0 {
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || self.head_dim == 0
+            || self.block_size == 0
+        {
             return err("geometry", format!("every size must be >= 1, got {self:?}"));
         }
         if self.num_heads % self.num_kv_heads != 0 {
             return err(
                 "num_heads",
-                format!("{} is not a multiple of num_kv_heads {}", self.num_heads, self.num_kv_heads),
+                format!(
+                    "{} is not a multiple of num_kv_heads {}",
+                    self.num_heads, self.num_kv_heads
+                ),
             );
         }
         Ok(())
@@ -98,14 +108,26 @@ pub struct StridedHeads<'a, E> {
 
 impl<'a, E> StridedHeads<'a, E> {
     /// Elements from the first to one past the last element addressed.
-    pub fn extent(num_tokens: usize, num_heads: usize, head_dim: usize, token_stride: usize, head_stride: usize) -> usize {
+    pub fn extent(
+        num_tokens: usize,
+        num_heads: usize,
+        head_dim: usize,
+        token_stride: usize,
+        head_stride: usize,
+    ) -> usize {
         if num_tokens == 0 || num_heads == 0 || head_dim == 0 {
             return 0;
         }
         (num_tokens - 1) * token_stride + (num_heads - 1) * head_stride + head_dim
     }
 
-    fn validate(&self, field: &'static str, num_tokens: usize, num_heads: usize, head_dim: usize) -> Result<(), AttentionError> {
+    fn validate(
+        &self,
+        field: &'static str,
+        num_tokens: usize,
+        num_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), AttentionError> {
         if (self.num_tokens, self.num_heads, self.head_dim) != (num_tokens, num_heads, head_dim) {
             return err(
                 field,
@@ -115,9 +137,21 @@ impl<'a, E> StridedHeads<'a, E> {
                 ),
             );
         }
-        let need = Self::extent(self.num_tokens, self.num_heads, self.head_dim, self.token_stride, self.head_stride);
+        let need = Self::extent(
+            self.num_tokens,
+            self.num_heads,
+            self.head_dim,
+            self.token_stride,
+            self.head_stride,
+        );
         if self.data.len() < need {
-            return err(field, format!("strides address {need} elements, the buffer has {}", self.data.len()));
+            return err(
+                field,
+                format!(
+                    "strides address {need} elements, the buffer has {}",
+                    self.data.len()
+                ),
+            );
         }
         Ok(())
     }
@@ -132,10 +166,10 @@ impl<'a, E> StridedHeads<'a, E> {
 /// The batch's runs, validated once per forward and reused by every layer.
 #[derive(Clone, Debug)]
 pub struct BatchLayout {
-    slot_mapping: Vec<i64>,    // [T] flat cache slot (block * block_size + offset) of each new token
+    slot_mapping: Vec<i64>, // [T] flat cache slot (block * block_size + offset) of each new token
     query_start_loc: Vec<i32>, // [S + 1]
-    seq_lens: Vec<i32>,        // [S] context length including the query
-    block_table: Vec<i32>,     // [S, table_width] row-major
+    seq_lens: Vec<i32>,     // [S] context length including the query
+    block_table: Vec<i32>,  // [S, table_width] row-major
     table_width: usize,
     block_size: usize,
     max_block: i64, // largest block id a run reads (-1: none)
@@ -156,18 +190,37 @@ impl BatchLayout {
         }
         let s = seq_lens.len();
         if query_start_loc.len() != s + 1 {
-            return err("query_start_loc", format!("has {} entries for {s} sequences (want S + 1)", query_start_loc.len()));
+            return err(
+                "query_start_loc",
+                format!(
+                    "has {} entries for {s} sequences (want S + 1)",
+                    query_start_loc.len()
+                ),
+            );
         }
         if block_table.len() != s * table_width {
-            return err("block_table", format!("has {} entries, expected {s} x {table_width}", block_table.len()));
+            return err(
+                "block_table",
+                format!(
+                    "has {} entries, expected {s} x {table_width}",
+                    block_table.len()
+                ),
+            );
         }
         if query_start_loc[0] != 0 {
-            return err("query_start_loc", format!("must start at 0, got {}", query_start_loc[0]));
+            return err(
+                "query_start_loc",
+                format!("must start at 0, got {}", query_start_loc[0]),
+            );
         }
         if query_start_loc[s] as i64 != slot_mapping.len() as i64 {
             return err(
                 "query_start_loc",
-                format!("ends at {} but slot_mapping has {} tokens", query_start_loc[s], slot_mapping.len()),
+                format!(
+                    "ends at {} but slot_mapping has {} tokens",
+                    query_start_loc[s],
+                    slot_mapping.len()
+                ),
             );
         }
         let mut max_block = -1i64;
@@ -178,15 +231,26 @@ impl BatchLayout {
                 return err("query_start_loc", format!("decreases at sequence {i}"));
             }
             if len < n {
-                return err("seq_lens", format!("sequence {i}: context {len} shorter than its query {n}"));
+                return err(
+                    "seq_lens",
+                    format!("sequence {i}: context {len} shorter than its query {n}"),
+                );
             }
             let blocks = (len as usize).div_ceil(block_size);
             if blocks > table_width {
-                return err("block_table", format!("sequence {i} needs {blocks} blocks, the table has {table_width} columns"));
+                return err(
+                    "block_table",
+                    format!(
+                        "sequence {i} needs {blocks} blocks, the table has {table_width} columns"
+                    ),
+                );
             }
             for &b in &block_table[i * table_width..i * table_width + blocks] {
                 if b < 0 {
-                    return err("block_table", format!("sequence {i}: negative block id {b}"));
+                    return err(
+                        "block_table",
+                        format!("sequence {i}: negative block id {b}"),
+                    );
                 }
                 max_block = max_block.max(b as i64);
             }
@@ -198,7 +262,16 @@ impl BatchLayout {
             }
             max_slot = max_slot.max(slot);
         }
-        Ok(BatchLayout { slot_mapping, query_start_loc, seq_lens, block_table, table_width, block_size, max_block, max_slot })
+        Ok(BatchLayout {
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            table_width,
+            block_size,
+            max_block,
+            max_slot,
+        })
     }
 
     pub fn num_tokens(&self) -> usize {
@@ -212,15 +285,30 @@ impl BatchLayout {
     fn check_cache(&self, geo: &HeadGeometry) -> Result<(), AttentionError> {
         geo.validate()?;
         if geo.block_size != self.block_size {
-            return err("block_size", format!("cache has {}, the batch was laid out for {}", geo.block_size, self.block_size));
+            return err(
+                "block_size",
+                format!(
+                    "cache has {}, the batch was laid out for {}",
+                    geo.block_size, self.block_size
+                ),
+            );
         }
         if self.max_block >= geo.num_blocks as i64 {
-            return err("block_table", format!("block id {} out of range (num_blocks {})", self.max_block, geo.num_blocks));
+            return err(
+                "block_table",
+                format!(
+                    "block id {} out of range (num_blocks {})",
+                    self.max_block, geo.num_blocks
+                ),
+            );
         }
         if self.max_slot >= (geo.num_blocks * geo.block_size) as i64 {
             return err(
                 "slot_mapping",
-                format!("slot {} out of range ({} blocks of {})", self.max_slot, geo.num_blocks, geo.block_size),
+                format!(
+                    "slot {} out of range ({} blocks of {})",
+                    self.max_slot, geo.num_blocks, geo.block_size
+                ),
             );
         }
         Ok(())
@@ -242,7 +330,10 @@ pub fn store_kv<E: Elem>(
     v.validate("v", t, hkv, d)?;
     let half = geo.cache_half_len();
     if cache.len() != 2 * half {
-        return err("kv_cache", format!("has {} elements, expected {}", cache.len(), 2 * half));
+        return err(
+            "kv_cache",
+            format!("has {} elements, expected {}", cache.len(), 2 * half),
+        );
     }
     let (kc, vc) = cache.split_at_mut(half);
     for (tok, &slot) in layout.slot_mapping.iter().enumerate() {
@@ -272,38 +363,72 @@ pub fn paged_attention<E: Elem>(
 ) -> Result<(), AttentionError> {
     layout.check_cache(geo)?;
     if !isa.is_supported() {
-        return err("isa", format!("{} is not supported by this CPU", isa.name()));
+        return err(
+            "isa",
+            format!("{} is not supported by this CPU", isa.name()),
+        );
     }
     let (t, h, d) = (layout.num_tokens(), geo.num_heads, geo.head_dim);
     q.validate("q", t, h, d)?;
     if out.len() != t * h * d {
-        return err("out", format!("has {} elements, expected {t} x {h} x {d}", out.len()));
+        return err(
+            "out",
+            format!("has {} elements, expected {t} x {h} x {d}", out.len()),
+        );
     }
     let half = geo.cache_half_len();
     if cache.len() != 2 * half {
-        return err("kv_cache", format!("has {} elements, expected {}", cache.len(), 2 * half));
+        return err(
+            "kv_cache",
+            format!("has {} elements, expected {}", cache.len(), 2 * half),
+        );
     }
     let group = h / geo.num_kv_heads;
-    let tile_rows = if isa == Isa::Avx512 { 2 * TILE_ROWS } else { TILE_ROWS };
+    let tile_rows = if isa == Isa::Avx512 {
+        2 * TILE_ROWS
+    } else {
+        TILE_ROWS
+    };
     let tile = (tile_rows / group).max(1);
     let mut items = Vec::new();
     for s in 0..layout.num_seqs() {
         let n = (layout.query_start_loc[s + 1] - layout.query_start_loc[s]) as usize;
         for kv_head in 0..geo.num_kv_heads {
             for q0 in (0..n).step_by(tile) {
-                items.push(Item { seq: s, kv_head, q0, q1: (q0 + tile).min(n) });
+                items.push(Item {
+                    seq: s,
+                    kv_head,
+                    q0,
+                    q1: (q0 + tile).min(n),
+                });
             }
         }
     }
     let (k_cache, v_cache) = cache.split_at(half);
-    let ctx = Ctx { layout, geo: *geo, group, q, k_cache, v_cache, scale };
+    let ctx = Ctx {
+        layout,
+        geo: *geo,
+        group,
+        q,
+        k_cache,
+        v_cache,
+        scale,
+    };
     let out = OutPtr(out.as_mut_ptr());
     let run: ItemFn<E> = item_fn::<E>(isa);
-    let pool = if num_threads > 1 && items.len() > 1 { threads::pool(num_threads) } else { None };
+    let pool = if num_threads > 1 && items.len() > 1 {
+        threads::pool(num_threads)
+    } else {
+        None
+    };
     match pool {
         // SAFETY: `run` matches `isa`, which the CPU supports (checked above); every item writes
         // only its own (token, head) rows of `out`, so items never write the same element.
-        Some(pool) => pool.install(|| items.par_iter().for_each(|it| unsafe { run(&ctx, it, out) })),
+        Some(pool) => pool.install(|| {
+            items
+                .par_iter()
+                .for_each(|it| unsafe { run(&ctx, it, out) })
+        }),
         None => items.iter().for_each(|it| unsafe { run(&ctx, it, out) }),
     }
     Ok(())
@@ -377,7 +502,12 @@ unsafe fn item_avx512<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
 /// tile, head j of the group); row r sees key positions 0 ..= limit[r].
 #[inline(always)]
 unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
-    let (d, g, hkv, bs) = (ctx.geo.head_dim, ctx.group, ctx.geo.num_kv_heads, ctx.geo.block_size);
+    let (d, g, hkv, bs) = (
+        ctx.geo.head_dim,
+        ctx.group,
+        ctx.geo.num_kv_heads,
+        ctx.geo.block_size,
+    );
     let lay = ctx.layout;
     let start = lay.query_start_loc[it.seq] as usize;
     let n = lay.query_start_loc[it.seq + 1] as usize - start;
@@ -390,7 +520,10 @@ unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out
     for i in 0..it.q1 - it.q0 {
         for j in 0..g {
             let r = i * g + j;
-            let src = E::row(ctx.q.row(start + it.q0 + i, it.kv_head * g + j), &mut scratch);
+            let src = E::row(
+                ctx.q.row(start + it.q0 + i, it.kv_head * g + j),
+                &mut scratch,
+            );
             for (dst, x) in qt[r * d..(r + 1) * d].iter_mut().zip(src) {
                 *dst = x * ctx.scale;
             }
@@ -410,8 +543,11 @@ unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out
             let off = offsets[c];
             let krow = E::row(&ctx.k_cache[off..off + d], &mut scratch);
             for r in 0..rows {
-                p[r * KEY_CHUNK + c] =
-                    if k0 + c <= limit[r] { L::dot(&qt[r * d..(r + 1) * d], krow) } else { f32::NEG_INFINITY };
+                p[r * KEY_CHUNK + c] = if k0 + c <= limit[r] {
+                    L::dot(&qt[r * d..(r + 1) * d], krow)
+                } else {
+                    f32::NEG_INFINITY
+                };
             }
         }
         for r in 0..rows {
@@ -446,7 +582,9 @@ unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out
         for j in 0..g {
             let r = i * g + j;
             let inv = 1.0 / run_sum[r]; // > 0: key 0 is visible to every row
-            let dst = out.0.add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
+            let dst = out
+                .0
+                .add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
             for (e, &a) in acc[r * d..(r + 1) * d].iter().enumerate() {
                 *dst.add(e) = E::from_f32(a * inv);
             }
@@ -459,7 +597,13 @@ unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out
 /// with a vector exp. Same rows and masks as `attend_item`.
 #[inline(always)]
 unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
-    let (d, g, hkv, bs, w) = (ctx.geo.head_dim, ctx.group, ctx.geo.num_kv_heads, ctx.geo.block_size, L::W);
+    let (d, g, hkv, bs, w) = (
+        ctx.geo.head_dim,
+        ctx.group,
+        ctx.geo.num_kv_heads,
+        ctx.geo.block_size,
+        L::W,
+    );
     let lay = ctx.layout;
     let start = lay.query_start_loc[it.seq] as usize;
     let n = lay.query_start_loc[it.seq + 1] as usize - start;
@@ -473,7 +617,10 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
     for i in 0..it.q1 - it.q0 {
         for j in 0..g {
             let r = i * g + j;
-            let src = E::row(ctx.q.row(start + it.q0 + i, it.kv_head * g + j), &mut scratch);
+            let src = E::row(
+                ctx.q.row(start + it.q0 + i, it.kv_head * g + j),
+                &mut scratch,
+            );
             for (e, x) in src.iter().enumerate() {
                 qt[e * mp + r] = x * ctx.scale;
             }
@@ -498,7 +645,8 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
             let off = offsets[c];
             let krow = E::row(&ctx.k_cache[off..off + d], &mut scratch);
             for v in (0..mp).step_by(w) {
-                let (mut a0, mut a1, mut a2, mut a3) = (L::splat(0.0), L::splat(0.0), L::splat(0.0), L::splat(0.0));
+                let (mut a0, mut a1, mut a2, mut a3) =
+                    (L::splat(0.0), L::splat(0.0), L::splat(0.0), L::splat(0.0));
                 let base = qp.add(v);
                 let mut e = 0;
                 while e + 4 <= d {
@@ -571,7 +719,9 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
         for j in 0..g {
             let r = i * g + j;
             let inv = 1.0 / run_sum[r];
-            let dst = out.0.add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
+            let dst = out
+                .0
+                .add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
             for (e, &a) in acc[r * d..(r + 1) * d].iter().enumerate() {
                 *dst.add(e) = E::from_f32(a * inv);
             }
@@ -582,7 +732,15 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
 /// Cache offsets of key rows k0 .. k0 + out.len() of one kv head: one division per chunk,
 /// then (block, offset) stepped along the block table.
 #[inline(always)]
-fn chunk_offsets(out: &mut [usize], table: &[i32], k0: usize, bs: usize, hkv: usize, kv_head: usize, d: usize) {
+fn chunk_offsets(
+    out: &mut [usize],
+    table: &[i32],
+    k0: usize,
+    bs: usize,
+    hkv: usize,
+    kv_head: usize,
+    d: usize,
+) {
     let (mut blk, mut off) = (k0 / bs, k0 % bs);
     let mut base = table[blk] as usize * bs;
     for o in out.iter_mut() {
@@ -625,7 +783,13 @@ unsafe fn exp_shifted<L: Rows>(x: &mut [f32], shift: f32) -> f32 {
 
 /// acc[r] += sum_c probs[c, r] * v[c] with acc[r] held in NV registers across the chunk.
 #[inline(always)]
-unsafe fn pv_block<L: Rows, const NV: usize>(acc: &mut [f32], probs: &[f32], v: &[&[f32]], rows: usize, mp: usize) {
+unsafe fn pv_block<L: Rows, const NV: usize>(
+    acc: &mut [f32],
+    probs: &[f32],
+    v: &[&[f32]],
+    rows: usize,
+    mp: usize,
+) {
     let w = L::W;
     let d = NV * w;
     for r in 0..rows {
@@ -649,7 +813,14 @@ unsafe fn pv_block<L: Rows, const NV: usize>(acc: &mut [f32], probs: &[f32], v: 
 
 /// The same for head dims that are not a whole number of vectors.
 #[inline(always)]
-unsafe fn pv_axpy<L: Lanes>(acc: &mut [f32], probs: &[f32], v: &[&[f32]], rows: usize, mp: usize, d: usize) {
+unsafe fn pv_axpy<L: Lanes>(
+    acc: &mut [f32],
+    probs: &[f32],
+    v: &[&[f32]],
+    rows: usize,
+    mp: usize,
+    d: usize,
+) {
     for (c, vrow) in v.iter().enumerate() {
         for r in 0..rows {
             let wgt = probs[c * mp + r];

@@ -30,9 +30,20 @@ struct Batch {
     runs: Vec<(usize, usize)>,
 }
 
-fn make_batch(runs: &[(usize, usize)], bs: usize, h: usize, hkv: usize, d: usize, seed: u64) -> Batch {
+fn make_batch(
+    runs: &[(usize, usize)],
+    bs: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    seed: u64,
+) -> Batch {
     let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
-    let nb: usize = runs.iter().map(|&(c, n)| (c + n).div_ceil(bs)).sum::<usize>() + 3;
+    let nb: usize = runs
+        .iter()
+        .map(|&(c, n)| (c + n).div_ceil(bs))
+        .sum::<usize>()
+        + 3;
     let mut free: Vec<usize> = (0..nb).collect();
     for i in (1..free.len()).rev() {
         let j = ((rng.next() + 1.0) * 0.5 * (i + 1) as f32) as usize % (i + 1);
@@ -40,8 +51,14 @@ fn make_batch(runs: &[(usize, usize)], bs: usize, h: usize, hkv: usize, d: usize
     }
     let half = nb * bs * hkv * d;
     let mut cache = vec![0.0f32; 2 * half];
-    let w = runs.iter().map(|&(c, n)| (c + n).div_ceil(bs)).max().unwrap_or(0) + 2;
-    let (mut table, mut slots, mut qsl, mut lens) = (vec![0i32; runs.len() * w], vec![], vec![0i32], vec![]);
+    let w = runs
+        .iter()
+        .map(|&(c, n)| (c + n).div_ceil(bs))
+        .max()
+        .unwrap_or(0)
+        + 2;
+    let (mut table, mut slots, mut qsl, mut lens) =
+        (vec![0i32; runs.len() * w], vec![], vec![0i32], vec![]);
     let (mut full_k, mut full_v) = (vec![], vec![]);
     let t: usize = runs.iter().map(|r| r.1).sum();
     let qkv_stride = (h + 2 * hkv) * d;
@@ -75,8 +92,23 @@ fn make_batch(runs: &[(usize, usize)], bs: usize, h: usize, hkv: usize, d: usize
         lens.push(len as i32);
     }
     let layout = BatchLayout::new(slots, qsl, lens, table, w, bs).unwrap();
-    let geo = HeadGeometry { num_heads: h, num_kv_heads: hkv, head_dim: d, block_size: bs, num_blocks: nb };
-    Batch { layout, geo, cache, qkv, qkv_stride, full_k, full_v, runs: runs.to_vec() }
+    let geo = HeadGeometry {
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: bs,
+        num_blocks: nb,
+    };
+    Batch {
+        layout,
+        geo,
+        cache,
+        qkv,
+        qkv_stride,
+        full_k,
+        full_v,
+        runs: runs.to_vec(),
+    }
 }
 
 fn view<'a, E>(data: &'a [E], b: &Batch, offset_heads: usize, heads: usize) -> StridedHeads<'a, E> {
@@ -106,14 +138,23 @@ fn oracle(b: &Batch, qkv: &[f32], scale: f64) -> Vec<f64> {
                 let scores: Vec<f64> = (0..keys)
                     .map(|p| {
                         let k = &b.full_k[s][(p * hkv + kvh) * d..][..d];
-                        q.iter().zip(k).map(|(x, y)| *x as f64 * *y as f64).sum::<f64>() * scale
+                        q.iter()
+                            .zip(k)
+                            .map(|(x, y)| *x as f64 * *y as f64)
+                            .sum::<f64>()
+                            * scale
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for dd in 0..d {
-                    out.push((0..keys).map(|p| e[p] * b.full_v[s][(p * hkv + kvh) * d + dd] as f64).sum::<f64>() / z);
+                    out.push(
+                        (0..keys)
+                            .map(|p| e[p] * b.full_v[s][(p * hkv + kvh) * d + dd] as f64)
+                            .sum::<f64>()
+                            / z,
+                    );
                 }
             }
             tok += 1;
@@ -127,13 +168,45 @@ const DECODES: &[(usize, usize)] = &[(7, 1), (30, 1), (0, 1), (12, 1), (100, 1)]
 const VERIFY: &[(usize, usize)] = &[(7, 4), (20, 4), (3, 4)];
 const LONG: &[(usize, usize)] = &[(70, 90), (300, 1), (5, 200)];
 
-fn check_f32(runs: &[(usize, usize)], bs: usize, h: usize, hkv: usize, d: usize, isa: Isa, threads: usize) {
-    let mut b = make_batch(runs, bs, h, hkv, d, (bs * 131 + h * 17 + hkv * 7 + d) as u64);
+fn check_f32(
+    runs: &[(usize, usize)],
+    bs: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    isa: Isa,
+    threads: usize,
+) {
+    let mut b = make_batch(
+        runs,
+        bs,
+        h,
+        hkv,
+        d,
+        (bs * 131 + h * 17 + hkv * 7 + d) as u64,
+    );
     let scale = 1.0 / (d as f32).sqrt();
     let qkv = b.qkv.clone();
-    store_kv(&b.layout, &b.geo, view(&qkv, &b, h, hkv), view(&qkv, &b, h + hkv, hkv), &mut b.cache).unwrap();
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, h, hkv),
+        view(&qkv, &b, h + hkv, hkv),
+        &mut b.cache,
+    )
+    .unwrap();
     let mut out = vec![0.0f32; b.layout.num_tokens() * h * d];
-    paged_attention(isa, threads, &b.layout, &b.geo, view(&qkv, &b, 0, h), &b.cache, &mut out, scale).unwrap();
+    paged_attention(
+        isa,
+        threads,
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, 0, h),
+        &b.cache,
+        &mut out,
+        scale,
+    )
+    .unwrap();
     let want = oracle(&b, &qkv, scale as f64);
     for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
         assert!(
@@ -190,13 +263,33 @@ fn bf16_matches_dense_oracle_within_bf16_rounding() {
     b32.full_v.iter_mut().for_each(round);
     let scale = 1.0 / (d as f32).sqrt();
     let want = oracle(&b32, &b32.qkv, scale as f64);
-    store_kv(&b.layout, &b.geo, view(&qkv16, &b, h, hkv), view(&qkv16, &b, h + hkv, hkv), &mut cache16).unwrap();
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv16, &b, h, hkv),
+        view(&qkv16, &b, h + hkv, hkv),
+        &mut cache16,
+    )
+    .unwrap();
     for isa in Isa::supported() {
         let mut out = vec![Bf16::default(); b.layout.num_tokens() * h * d];
-        paged_attention(isa, 2, &b.layout, &b.geo, view(&qkv16, &b, 0, h), &cache16, &mut out, scale).unwrap();
+        paged_attention(
+            isa,
+            2,
+            &b.layout,
+            &b.geo,
+            view(&qkv16, &b, 0, h),
+            &cache16,
+            &mut out,
+            scale,
+        )
+        .unwrap();
         for (i, (o, &w)) in out.iter().zip(&want).enumerate() {
             let o = o.to_f32() as f64;
-            assert!((o - w).abs() <= 1e-5 + 8e-3 * w.abs(), "{isa:?} element {i}: {o} vs {w}");
+            assert!(
+                (o - w).abs() <= 1e-5 + 8e-3 * w.abs(),
+                "{isa:?} element {i}: {o} vs {w}"
+            );
         }
     }
 }
@@ -207,10 +300,18 @@ fn store_kv_writes_exactly_the_slots() {
     let mut b = make_batch(MIXED, bs, h, hkv, d, 9);
     let before = b.cache.clone();
     let qkv = b.qkv.clone();
-    store_kv(&b.layout, &b.geo, view(&qkv, &b, h, hkv), view(&qkv, &b, h + hkv, hkv), &mut b.cache).unwrap();
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, h, hkv),
+        view(&qkv, &b, h + hkv, hkv),
+        &mut b.cache,
+    )
+    .unwrap();
     let half = b.geo.cache_half_len();
     let row = hkv * d;
-    let written: std::collections::HashSet<usize> = b.layout.slot_mapping.iter().map(|&s| s as usize).collect();
+    let written: std::collections::HashSet<usize> =
+        b.layout.slot_mapping.iter().map(|&s| s as usize).collect();
     for slot in 0..half / row {
         for kv in 0..2 {
             let range = kv * half + slot * row..kv * half + (slot + 1) * row;
@@ -221,8 +322,14 @@ fn store_kv_writes_exactly_the_slots() {
     }
     for (tok, &slot) in b.layout.slot_mapping.iter().enumerate() {
         let slot = slot as usize;
-        assert_eq!(b.cache[slot * row..(slot + 1) * row], qkv[tok * b.qkv_stride + h * d..][..row]);
-        assert_eq!(b.cache[half + slot * row..half + (slot + 1) * row], qkv[tok * b.qkv_stride + (h + hkv) * d..][..row]);
+        assert_eq!(
+            b.cache[slot * row..(slot + 1) * row],
+            qkv[tok * b.qkv_stride + h * d..][..row]
+        );
+        assert_eq!(
+            b.cache[half + slot * row..half + (slot + 1) * row],
+            qkv[tok * b.qkv_stride + (h + hkv) * d..][..row]
+        );
     }
 }
 
@@ -240,20 +347,40 @@ fn bad_layouts_are_refused_naming_the_field() {
     assert_eq!(e.field, "slot_mapping");
     // a block id past the cache is caught when the cache is known
     let layout = BatchLayout::new(vec![0], vec![0, 1], vec![1], vec![5], 1, 4).unwrap();
-    let geo = HeadGeometry { num_heads: 2, num_kv_heads: 1, head_dim: 8, block_size: 4, num_blocks: 2 };
+    let geo = HeadGeometry {
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+        block_size: 4,
+        num_blocks: 2,
+    };
     let cache = vec![0.0f32; 2 * geo.cache_half_len()];
     let q = vec![0.0f32; 16];
     let mut out = vec![0.0f32; 16];
-    let qv = StridedHeads { data: &q, num_tokens: 1, num_heads: 2, head_dim: 8, token_stride: 16, head_stride: 8 };
+    let qv = StridedHeads {
+        data: &q,
+        num_tokens: 1,
+        num_heads: 2,
+        head_dim: 8,
+        token_stride: 16,
+        head_stride: 8,
+    };
     let e = paged_attention(Isa::Scalar, 1, &layout, &geo, qv, &cache, &mut out, 1.0).unwrap_err();
     assert_eq!(e.field, "block_table");
     // GQA needs num_heads to be a multiple of num_kv_heads
     let layout = BatchLayout::new(vec![0], vec![0, 1], vec![1], vec![0], 1, 4).unwrap();
-    let geo3 = HeadGeometry { num_kv_heads: 3, ..geo };
+    let geo3 = HeadGeometry {
+        num_kv_heads: 3,
+        ..geo
+    };
     let e = paged_attention(Isa::Scalar, 1, &layout, &geo3, qv, &cache, &mut out, 1.0).unwrap_err();
     assert_eq!(e.field, "num_heads");
     // a q view whose strides run past its buffer
-    let short = StridedHeads { data: &q[..10], ..qv };
-    let e = paged_attention(Isa::Scalar, 1, &layout, &geo, short, &cache, &mut out, 1.0).unwrap_err();
+    let short = StridedHeads {
+        data: &q[..10],
+        ..qv
+    };
+    let e =
+        paged_attention(Isa::Scalar, 1, &layout, &geo, short, &cache, &mut out, 1.0).unwrap_err();
     assert_eq!(e.field, "q");
 }

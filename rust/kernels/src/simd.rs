@@ -22,7 +22,9 @@ impl Isa {
             if std::arch::is_x86_feature_detected!("avx512f") {
                 return Isa::Avx512;
             }
-            if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
                 return Isa::Avx2;
             }
         }
@@ -34,7 +36,10 @@ impl Isa {
         match self {
             Isa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"),
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
             #[cfg(not(target_arch = "x86_64"))]
@@ -44,7 +49,10 @@ impl Isa {
 
     /// Every instruction set this CPU can run, the portable one first.
     pub fn supported() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.is_supported()).collect()
+        [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+            .into_iter()
+            .filter(|i| i.is_supported())
+            .collect()
     }
 
     pub fn name(self) -> &'static str {
@@ -114,7 +122,14 @@ pub(crate) mod expf {
     pub const LOG2E: f32 = std::f32::consts::LOG2_E;
     pub const C1: f32 = 0.693_359_4;
     pub const C2: f32 = -2.121_944_4e-4;
-    pub const P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
+    pub const P: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5, // Cephes: 5.0000001201e-1, which rounds to 0.5 in f32
+    ];
 }
 
 pub struct Scalar;
@@ -223,12 +238,18 @@ mod x86 {
             let mut acc1 = _mm256_setzero_ps();
             let mut i = 0;
             while i + 16 <= n {
-                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+                acc0 =
+                    _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+                acc1 = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i + 8)),
+                    _mm256_loadu_ps(pb.add(i + 8)),
+                    acc1,
+                );
                 i += 16;
             }
             if i + 8 <= n {
-                acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+                acc0 =
+                    _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
                 i += 8;
             }
             let acc = _mm256_add_ps(acc0, acc1);
@@ -252,7 +273,10 @@ mod x86 {
             let va = _mm256_set1_ps(a);
             let mut i = 0;
             while i + 8 <= n {
-                _mm256_storeu_ps(py.add(i), _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))));
+                _mm256_storeu_ps(
+                    py.add(i),
+                    _mm256_fmadd_ps(va, _mm256_loadu_ps(px.add(i)), _mm256_loadu_ps(py.add(i))),
+                );
                 i += 8;
             }
             while i < n {
@@ -294,17 +318,27 @@ mod x86 {
             let mut acc1 = _mm512_setzero_ps();
             let mut i = 0;
             while i + 32 <= n {
-                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
-                acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i + 16)), _mm512_loadu_ps(pb.add(i + 16)), acc1);
+                acc0 =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+                acc1 = _mm512_fmadd_ps(
+                    _mm512_loadu_ps(pa.add(i + 16)),
+                    _mm512_loadu_ps(pb.add(i + 16)),
+                    acc1,
+                );
                 i += 32;
             }
             if i + 16 <= n {
-                acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
+                acc0 =
+                    _mm512_fmadd_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)), acc0);
                 i += 16;
             }
             if i < n {
                 let m = tail_mask(n - i);
-                acc1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, pa.add(i)), _mm512_maskz_loadu_ps(m, pb.add(i)), acc1);
+                acc1 = _mm512_fmadd_ps(
+                    _mm512_maskz_loadu_ps(m, pa.add(i)),
+                    _mm512_maskz_loadu_ps(m, pb.add(i)),
+                    acc1,
+                );
             }
             _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1))
         }
@@ -316,12 +350,19 @@ mod x86 {
             let va = _mm512_set1_ps(a);
             let mut i = 0;
             while i + 16 <= n {
-                _mm512_storeu_ps(py.add(i), _mm512_fmadd_ps(va, _mm512_loadu_ps(px.add(i)), _mm512_loadu_ps(py.add(i))));
+                _mm512_storeu_ps(
+                    py.add(i),
+                    _mm512_fmadd_ps(va, _mm512_loadu_ps(px.add(i)), _mm512_loadu_ps(py.add(i))),
+                );
                 i += 16;
             }
             if i < n {
                 let m = tail_mask(n - i);
-                let r = _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, px.add(i)), _mm512_maskz_loadu_ps(m, py.add(i)));
+                let r = _mm512_fmadd_ps(
+                    va,
+                    _mm512_maskz_loadu_ps(m, px.add(i)),
+                    _mm512_maskz_loadu_ps(m, py.add(i)),
+                );
                 _mm512_mask_storeu_ps(py.add(i), m, r);
             }
         }
@@ -338,7 +379,11 @@ mod x86 {
             }
             if i < n {
                 let m = tail_mask(n - i);
-                _mm512_mask_storeu_ps(py.add(i), m, _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, py.add(i))));
+                _mm512_mask_storeu_ps(
+                    py.add(i),
+                    m,
+                    _mm512_mul_ps(va, _mm512_maskz_loadu_ps(m, py.add(i))),
+                );
             }
         }
     }
@@ -382,14 +427,29 @@ mod x86 {
         unsafe fn exp(x: __m256) -> __m256 {
             use super::expf::*;
             let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(HI)), _mm256_set1_ps(LO));
-            let fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(0.5)));
-            let r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(C2), _mm256_fnmadd_ps(fx, _mm256_set1_ps(C1), x));
+            let fx = _mm256_floor_ps(_mm256_fmadd_ps(
+                x,
+                _mm256_set1_ps(LOG2E),
+                _mm256_set1_ps(0.5),
+            ));
+            let r = _mm256_fnmadd_ps(
+                fx,
+                _mm256_set1_ps(C2),
+                _mm256_fnmadd_ps(fx, _mm256_set1_ps(C1), x),
+            );
             let mut y = _mm256_set1_ps(P[0]);
             for c in &P[1..] {
                 y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(*c));
             }
-            y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-            let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+            y = _mm256_fmadd_ps(
+                y,
+                _mm256_mul_ps(r, r),
+                _mm256_add_ps(r, _mm256_set1_ps(1.0)),
+            );
+            let e = _mm256_slli_epi32(
+                _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)),
+                23,
+            );
             _mm256_mul_ps(y, _mm256_castsi256_ps(e))
         }
     }
@@ -459,13 +519,24 @@ mod x86 {
             let x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(HI)), _mm512_set1_ps(LO));
             let fx = _mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5));
             let fx = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(fx);
-            let r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(C2), _mm512_fnmadd_ps(fx, _mm512_set1_ps(C1), x));
+            let r = _mm512_fnmadd_ps(
+                fx,
+                _mm512_set1_ps(C2),
+                _mm512_fnmadd_ps(fx, _mm512_set1_ps(C1), x),
+            );
             let mut y = _mm512_set1_ps(P[0]);
             for c in &P[1..] {
                 y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(*c));
             }
-            y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
-            let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)));
+            y = _mm512_fmadd_ps(
+                y,
+                _mm512_mul_ps(r, r),
+                _mm512_add_ps(r, _mm512_set1_ps(1.0)),
+            );
+            let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(fx),
+                _mm512_set1_epi32(127),
+            ));
             _mm512_mul_ps(y, _mm512_castsi512_ps(e))
         }
     }
@@ -481,22 +552,40 @@ mod tests {
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             let got = unsafe { L::dot(&a, &b) };
-            assert!((got as f64 - want).abs() < 1e-4, "dot n={n}: {got} vs {want}");
+            assert!(
+                (got as f64 - want).abs() < 1e-4,
+                "dot n={n}: {got} vs {want}"
+            );
             let mut y = b.clone();
             unsafe { L::axpy(&mut y, 0.5, &a) };
             for i in 0..n {
-                assert!((y[i] - (b[i] + 0.5 * a[i])).abs() < 1e-6, "axpy n={n} i={i}");
+                assert!(
+                    (y[i] - (b[i] + 0.5 * a[i])).abs() < 1e-6,
+                    "axpy n={n} i={i}"
+                );
             }
             unsafe { L::scale(&mut y, 2.0) };
             for i in 0..n {
-                assert!((y[i] - 2.0 * (b[i] + 0.5 * a[i])).abs() < 1e-5, "scale n={n} i={i}");
+                assert!(
+                    (y[i] - 2.0 * (b[i] + 0.5 * a[i])).abs() < 1e-5,
+                    "scale n={n} i={i}"
+                );
             }
         }
     }
 
     fn check_exp<R: Rows>() {
         let mut xs: Vec<f32> = (-2000..=800).map(|i| i as f32 * 0.11).collect();
-        xs.extend([0.0, -0.0, f32::NEG_INFINITY, -88.0, -87.0, 88.0, 1e-8, -1e-8]);
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::NEG_INFINITY,
+            -88.0,
+            -87.0,
+            88.0,
+            1e-8,
+            -1e-8,
+        ]);
         while xs.len() % R::W != 0 {
             xs.push(0.5);
         }
@@ -509,9 +598,15 @@ mod tests {
             if x == f32::NEG_INFINITY || x < -88.3 {
                 assert!(y.abs() < 1.2e-38, "exp({x}) = {y}");
             } else if want < 1.2e-38 {
-                assert!((y as f64 - want).abs() < 1.2e-38, "exp({x}) = {y}, want {want}");
+                assert!(
+                    (y as f64 - want).abs() < 1.2e-38,
+                    "exp({x}) = {y}, want {want}"
+                );
             } else {
-                assert!(((y as f64 - want) / want).abs() < 4e-7, "exp({x}) = {y}, want {want}");
+                assert!(
+                    ((y as f64 - want) / want).abs() < 4e-7,
+                    "exp({x}) = {y}, want {want}"
+                );
             }
         }
     }
