@@ -101,6 +101,8 @@ class LlamaForCausalLM(nn.Module):
         self.num_layers = cfg.num_layers
         self.dtype = dtype
         self.quantization = quantization = check_quantization(quantization)
+        if quantization is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on CPU only (device={device!s})")
         self.linear = int8_linear if quantization else dense_linear  # swapped by pack_linear_weights
         self.packed = False
         if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
