@@ -61,6 +61,25 @@ def test_bfloat16_cache():
     _check(MIXED, 16, 8, 2, 64, dtype=torch.bfloat16, tol=2e-2, threads=2)
 
 
+def test_bfloat16_long_prefill_runs_go_to_sdpa_the_rest_to_the_kernel(monkeypatch):
+    from specinfer.attention import cpu_native
+
+    seqs = MIXED + [(10, 70), (0, 64)]  # two runs at or past SDPA_MIN_QUERY_LEN, one with context
+    monkeypatch.setattr(cpu_native, "_sdpa_runs", _counting(cpu_native._sdpa_runs, calls := []))
+    _check(seqs, 16, 8, 2, 64, dtype=torch.bfloat16, tol=2e-2)
+    assert [len(runs) for runs in calls] == [2]
+    calls.clear()
+    _check(seqs, 16, 8, 2, 64, dtype=torch.float32)  # float32: the kernel attends everything
+    assert calls == []
+
+
+def _counting(fn, calls):
+    def wrapped(q, kv_flat, runs, *args):
+        calls.append(runs)
+        return fn(q, kv_flat, runs, *args)
+    return wrapped
+
+
 def test_float16_cache_goes_to_torch_ref():
     _check(MIXED, 4, 4, 2, 16, dtype=torch.float16, tol=2e-3)
 

@@ -53,17 +53,21 @@ pub struct CpuPagedBatch {
 
 #[pymethods]
 impl CpuPagedBatch {
+    /// skip: per sequence, whether `forward` leaves its output rows to the caller (its K/V is
+    /// still stored).
     #[new]
+    #[pyo3(signature = (slot_mapping, query_start_loc, seq_lens, block_table, block_size, skip=None))]
     fn new(
         slot_mapping: PyArrayLike1<'_, i64, AllowTypeChange>,
         query_start_loc: PyArrayLike1<'_, i32, AllowTypeChange>,
         seq_lens: PyArrayLike1<'_, i32, AllowTypeChange>,
         block_table: PyArrayLike2<'_, i32, AllowTypeChange>,
         block_size: usize,
+        skip: Option<Vec<bool>>,
     ) -> PyResult<Self> {
         let table = block_table.as_array();
         let width = table.ncols();
-        let layout = BatchLayout::new(
+        let mut layout = BatchLayout::new(
             slot_mapping.as_array().to_vec(),
             query_start_loc.as_array().to_vec(),
             seq_lens.as_array().to_vec(),
@@ -72,6 +76,9 @@ impl CpuPagedBatch {
             block_size,
         )
         .map_err(to_py)?;
+        if let Some(skip) = skip {
+            layout.skip_attention(skip).map_err(to_py)?;
+        }
         Ok(CpuPagedBatch { layout })
     }
 

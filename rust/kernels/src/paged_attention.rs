@@ -172,8 +172,9 @@ pub struct BatchLayout {
     block_table: Vec<i32>,  // [S, table_width] row-major
     table_width: usize,
     block_size: usize,
-    max_block: i64, // largest block id a run reads (-1: none)
-    max_slot: i64,  // largest slot a token writes (-1: none)
+    max_block: i64,  // largest block id a run reads (-1: none)
+    max_slot: i64,   // largest slot a token writes (-1: none)
+    skip: Vec<bool>, // [S] runs `paged_attention` leaves to the caller (their KV is still stored)
 }
 
 impl BatchLayout {
@@ -271,7 +272,21 @@ impl BatchLayout {
             block_size,
             max_block,
             max_slot,
+            skip: vec![false; s],
         })
+    }
+
+    /// Leave the flagged runs' output rows to the caller (who attends them some other way);
+    /// `store_kv` still writes their keys and values.
+    pub fn skip_attention(&mut self, skip: Vec<bool>) -> Result<(), AttentionError> {
+        if skip.len() != self.num_seqs() {
+            return err(
+                "skip",
+                format!("has {} flags for {} sequences", skip.len(), self.num_seqs()),
+            );
+        }
+        self.skip = skip;
+        Ok(())
     }
 
     pub fn num_tokens(&self) -> usize {
@@ -391,7 +406,7 @@ pub fn paged_attention<E: Elem>(
     };
     let tile = (tile_rows / group).max(1);
     let mut items = Vec::new();
-    for s in 0..layout.num_seqs() {
+    for s in (0..layout.num_seqs()).filter(|&s| !layout.skip[s]) {
         let n = (layout.query_start_loc[s + 1] - layout.query_start_loc[s]) as usize;
         for kv_head in 0..geo.num_kv_heads {
             for q0 in (0..n).step_by(tile) {

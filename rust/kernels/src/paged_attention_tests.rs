@@ -384,3 +384,53 @@ fn bad_layouts_are_refused_naming_the_field() {
         paged_attention(Isa::Scalar, 1, &layout, &geo, short, &cache, &mut out, 1.0).unwrap_err();
     assert_eq!(e.field, "q");
 }
+
+#[test]
+fn skipped_runs_are_left_untouched_and_the_rest_still_match() {
+    let (h, hkv, d, bs) = (4, 2, 16, 4);
+    let mut b = make_batch(MIXED, bs, h, hkv, d, 11);
+    let skip: Vec<bool> = MIXED.iter().map(|&(_, n)| n > 16).collect();
+    b.layout.skip_attention(skip.clone()).unwrap();
+    assert_eq!(
+        b.layout
+            .clone()
+            .skip_attention(vec![true])
+            .unwrap_err()
+            .field,
+        "skip"
+    );
+    let qkv = b.qkv.clone();
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, h, hkv),
+        view(&qkv, &b, h + hkv, hkv),
+        &mut b.cache,
+    )
+    .unwrap();
+    let mut out = vec![7.0f32; b.layout.num_tokens() * h * d];
+    let scale = 0.25;
+    paged_attention(
+        Isa::detect(),
+        2,
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, 0, h),
+        &b.cache,
+        &mut out,
+        scale,
+    )
+    .unwrap();
+    let want = oracle(&b, &qkv, scale as f64);
+    let mut tok = 0;
+    for (s, &(_, n)) in MIXED.iter().enumerate() {
+        for i in tok * h * d..(tok + n) * h * d {
+            if skip[s] {
+                assert_eq!(out[i], 7.0);
+            } else {
+                assert!((out[i] as f64 - want[i]).abs() < 2e-5 * (1.0 + want[i].abs()));
+            }
+        }
+        tok += n;
+    }
+}
