@@ -9,7 +9,6 @@ against the first method.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -21,9 +20,8 @@ from specinfer.bench.prompting import load_task
 
 def make_generator(model, method: str):
     backend, dtype, *quant = method.split(":")
-    os.environ["SPECINFER_CPU_ATTENTION"] = backend
     kw = {"quantization": quant[0]} if quant else {}
-    return Generator(model, dtype=dtype, enable_prefix_caching=False, **kw)
+    return Generator(model, dtype=dtype, enable_prefix_caching=False, attention_backend=backend, **kw)
 
 
 def main(argv=None):

@@ -10,7 +10,7 @@ from specinfer import Generator, SamplingParams
 @pytest.fixture(scope="module")
 def gen(tiny_dir):
     path, _ = tiny_dir("llama", False)
-    return Generator(str(path), max_model_len=64, block_size=4)
+    return Generator(str(path), max_model_len=64, block_size=4, num_kv_blocks=32)
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -156,6 +157,7 @@ def test_generate_batch_reports_bad_lines_and_completes_the_others(tiny, referen
         json.dumps({"prompt": "t4", "temperature": -1}),  # a bad override
         json.dumps({"prompt_token_ids": [3, 999]}),  # outside the vocabulary: found after loading
         json.dumps({"messages": [{"role": "user", "content": "t8 t9"}], "max_tokens": 2}),
+        json.dumps({"messages": [{"role": "user", "content": ["t8"]}]}),  # content not a string
     ]
     src, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(lines) + "\n")
@@ -167,12 +169,13 @@ def test_generate_batch_reports_bad_lines_and_completes_the_others(tiny, referen
     assert f"specinfer generate: error: {src}:2: invalid JSON (Expecting ',' delimiter at column 36)" in err
     assert any(e.startswith(f"specinfer generate: error: {src}:5: SamplingParams.temperature") for e in err)
     assert any(e.startswith(f"specinfer generate: error: {src}:6: prompt token id 999") for e in err)
-    assert "req" in proc.stderr  # the progress bar
-    assert any(e.startswith("summary: 3 requests (3 failed)") for e in err)
+    assert f"specinfer generate: error: {src}:8: messages[0].content must be a string (got list)" in err
+    assert re.search(r"generate: +100%\|[^\n\r]*\| 3/3 \[", proc.stderr), proc.stderr  # the progress bar
+    assert any(e.startswith("summary: 3 requests (4 failed)") for e in err)
 
     results = [json.loads(s) for s in out.read_text().splitlines()]
-    assert [r["line"] for r in results] == [1, 2, 3, 5, 6, 7]
-    assert [("error" in r) for r in results] == [False, True, False, True, True, False]
+    assert [r["line"] for r in results] == [1, 2, 3, 5, 6, 7, 8]
+    assert [("error" in r) for r in results] == [False, True, False, True, True, False, True]
     first, third, chat = results[0], results[2], results[5]
     assert first["id"] == "first" and first["prompt"] == "t5 t6 t7 t5 t6 t7"
     assert first["token_ids"] == reference("t5 t6 t7 t5 t6 t7", 6)

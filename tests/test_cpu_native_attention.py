@@ -121,18 +121,14 @@ def test_tiny_model_logits_equal_torch_ref(tiny_dir):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_cpu_platform_defaults_to_cpu_native_with_an_override(monkeypatch):
-    from specinfer.platform import resolve_platform
+def test_cpu_platform_defaults_to_cpu_native():
+    from specinfer.platform import CpuPlatform, resolve_platform
 
     assert resolve_platform("cpu").attention_backend == "cpu_native"
-    monkeypatch.setenv("SPECINFER_CPU_ATTENTION", "torch_ref")
-    assert resolve_platform("cpu").attention_backend == "torch_ref"
-    monkeypatch.setenv("SPECINFER_CPU_ATTENTION", "nope")
-    with pytest.raises(ValueError, match="SPECINFER_CPU_ATTENTION"):
-        resolve_platform("cpu")
+    assert CpuPlatform().choose_attention_backend("torch_ref") == "torch_ref"
 
 
-def test_greedy_generation_through_the_engine_equals_torch_ref(tiny_dir, monkeypatch):
+def test_greedy_generation_through_the_engine_equals_torch_ref(tiny_dir):
     """Speculative ngram k=3 (verification runs), tiny blocks and a small token budget (chunked
     prefill mixed with decodes) over 12 prompts: token for token what torch_ref gives."""
     target, _ = tiny_dir("llama", False)
@@ -145,8 +141,8 @@ def test_greedy_generation_through_the_engine_equals_torch_ref(tiny_dir, monkeyp
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
     outs = {}
     for backend in ("torch_ref", "cpu_native"):
-        monkeypatch.setenv("SPECINFER_CPU_ATTENTION", backend)
-        gen = Generator(str(target), max_model_len=256, block_size=4, max_num_batched_tokens=48, speculative=spec)
+        gen = Generator(str(target), max_model_len=256, block_size=4, max_num_batched_tokens=48, speculative=spec,
+                        attention_backend=backend)
         assert type(gen.engine.runner.backend).__name__ == {"torch_ref": "TorchRefBackend",
                                                              "cpu_native": "CpuNativeBackend"}[backend]
         outs[backend] = [o.token_ids for o in gen.generate(prompts, params, use_tqdm=False)]

@@ -7,6 +7,7 @@ import torch
 from specinfer.attention import AttentionMetadata, get_backend
 from specinfer.attention.hpu_backend import HpuFlatBackend
 from specinfer.kernels.hpu import BucketConfig, BucketPlanner, bucket_range, build_flat_metadata
+from specinfer.kernels.hpu.buckets import geometric_range
 
 from paged_batch import MIXED, dense_oracle, make_batch, run_backend
 
@@ -98,13 +99,17 @@ def test_cold_shape_is_recorded_not_fatal():
 def test_bucket_range_and_pad():
     assert bucket_range(1, 32, 128) == (1, 2, 4, 8, 16, 32, 64, 96, 128)
     assert bucket_range(16, 128, 300) == (16, 32, 64, 128, 256, 300)
+    assert geometric_range(8, 100) == (8, 16, 32, 64, 100)
+    assert geometric_range(8, 100, per_octave=2) == (8, 11, 16, 23, 32, 45, 64, 91, 100)
+    assert geometric_range(5, 5) == (5,)
     planner = BucketPlanner(BucketConfig(batch_buckets=(1, 2, 4, 8), spec_lengths=(0, 2, 4),
                                          prefill_query_buckets=(16, 64)))
     assert [planner.pad(n, "batch") for n in (1, 3, 5, 8)] == [1, 4, 8, 8]
     assert planner.config.query_buckets == (1, 3, 5, 16, 64)  # 1 + k for every warmed k, then prefill
     assert planner.pad(2, "query") == 3 and planner.pad(4, "query") == 5
+    assert planner.pad(9, "tokens") == 16  # the token axis the packer pads (default ramp from 8)
     with pytest.raises(ValueError, match="axis"):
-        planner.pad(1, "tokens")
+        planner.pad(1, "seqs")
 
 
 def test_speculation_length_never_picks_an_unwarmed_k():
@@ -136,16 +141,17 @@ def test_bucket_config_validation_names_the_field(bad, field):
 
 
 def test_device_wrappers_import_habana_lazily():
-    """graphs.py imports anywhere; its calls need habana_frameworks (absent here)."""
-    from specinfer.kernels.hpu import graphs
+    """device.py imports anywhere; its calls need habana_frameworks (absent here)."""
+    from specinfer.kernels.hpu import device
 
-    cache = graphs.HpuGraphCache(lambda x: x)
+    cache = device.HpuGraphCache(lambda x: x)
     assert len(cache) == 0
     try:
         import habana_frameworks  # noqa: F401
     except ImportError:
+        assert not device.hpu_available()
         with pytest.raises(ImportError):
-            graphs.mark_step()
+            device.mark_step()
 
 
 def test_registry_and_platform_choose_hpu_flat():
@@ -208,3 +214,45 @@ def test_hpu_flat_on_gaudi():  # pragma: no cover - needs a Gaudi device
     out = run_backend(HpuFlatBackend(), meta_dev, cache.to(dev), q.to(dev), k.to(dev), v.to(dev), 64 ** -0.5)
     want = dense_oracle(q, fk, fv, MIXED, meta.query_start_loc.tolist(), 64 ** -0.5)
     torch.testing.assert_close(out.cpu().float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_all_flat_layout_with_packer_padding_matches_reference(block_size):
+    """multi_token_path="flat": every query token (prefill chunks and verification runs too) is a
+    row of the flat path; token rows the packer padded (no sequence, null-block slots) come out as
+    zeros and write nothing but the null block."""
+    H, hkv, D = 4, 2, 8
+    meta, cache, q, k, v, fk, fv = make_batch(MIXED, block_size, H, hkv, D)
+    ref = run_backend(get_backend("torch_ref"), meta, cache.clone(), q, k, v, D ** -0.5)
+    T = q.shape[0]
+    pad = 128 - T  # the packer pads T up to the token bucket 128
+    null = cache.shape[1]  # one block past the batch's blocks
+    big = torch.cat([cache, torch.zeros_like(cache[:, :1])], dim=1)
+    slots = torch.cat([meta.slot_mapping, null * block_size + torch.arange(pad) % block_size])
+    padded = AttentionMetadata(slots, meta.query_start_loc, meta.seq_lens, meta.block_table, block_size,
+                               meta.max_query_len, meta.max_seq_len)
+    qp, kp, vp = (torch.cat([x, torch.randn(pad, *x.shape[1:])]) for x in (q, k, v))
+    planner = BucketPlanner(BucketConfig(token_buckets=(8, 64, 128), block_buckets=(16, 256, 1024, 4096)))
+    backend = HpuFlatBackend(planner, "flat")
+    prepared = backend.prepare(padded)
+    assert prepared.multi is None and prepared.decode[0].batch_size == T + pad
+    out = backend.forward(qp, kp, vp, big, prepared, D ** -0.5)
+    torch.testing.assert_close(out[:T], ref, atol=1e-5, rtol=1e-5)
+    assert out[T:].abs().max() == 0
+    torch.testing.assert_close(big[:, :null], run_cache_after(meta, cache, k, v), atol=0, rtol=0)
+    # the warm-up plan holds this forward's shape, and its dummy metadata has the same signature
+    plan = backend.shape_plan()
+    sig = backend.signature(prepared)
+    dummies = {backend.signature(backend.dummy_prepared(t, f, d, torch.zeros(t, dtype=torch.int64), block_size,
+                                                        "cpu")) for t, f, d in plan}
+    assert sig in dummies and not planner.cold_shapes
+
+
+def run_cache_after(meta, cache, k, v):
+    """The cache after torch_ref's KV store of this batch (the expected real blocks)."""
+    c = cache.clone()
+    Hkv, D = k.shape[1], k.shape[2]
+    flat = c.view(2, -1, Hkv, D)
+    flat[0].index_copy_(0, meta.slot_mapping, k)
+    flat[1].index_copy_(0, meta.slot_mapping, v)
+    return c

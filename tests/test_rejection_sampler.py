@@ -11,14 +11,20 @@ seeds; a token emitted where the target has probability 0 fails outright.
 The same harness must reject deliberately broken samplers (residual drawn from p, from q,
 always accept, uniform fixed at 0, `<=` instead of `<`); they are made by monkeypatching the
 module's small internal functions, never by flags in product code.
+
+Randomness is counter-based: each simulated request has its own seed and every draw is keyed
+on (seed, output position, purpose), so the harness passes each request's current output
+position as its stream position.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from specinfer.sample import SamplingMetadata, probs_from_logits, rejection_sample
+from specinfer.sample import RandomStreams, SamplingMetadata, probs_from_logits, rejection_sample
 from specinfer.sample import rejection_sampler as rs
+from specinfer.sample.random_streams import ACCEPT
 
 ALPHA = 1e-3
 NUM_SAMPLES = 120_000
@@ -49,17 +55,26 @@ def product_law(p: torch.Tensor, n_check: int) -> torch.Tensor:  # [T, V] -> [V 
     return law
 
 
+def streams(num: int, seed: int, positions=None) -> RandomStreams:
+    """num requests with distinct seeds derived from ``seed``, at the given output positions."""
+    seeds = np.arange(num, dtype=np.uint64) + np.uint64(seed) * np.uint64(1_000_003)
+    pos = np.zeros(num, np.int64) if positions is None else np.asarray(positions, np.int64)
+    return RandomStreams.build(seeds, pos)
+
+
 def generate_prefixes(p, q, k, n_check, seed, fixed_drafts=None, vary_k=False,
-                      num_samples=NUM_SAMPLES):
+                      num_samples=NUM_SAMPLES, vary_split=False):
     """Counts of the first ``n_check`` tokens over ``num_samples`` speculative decodes.
 
-    p, q: float64[T, V] per absolute position (T >= n_check + k). Drafts are sampled from
+    p, q: float[T, V] per absolute position (T >= n_check + k). Drafts are sampled from
     q, or are ``fixed_drafts[t]`` with ``draft_probs=None`` (model-free proposer). With
-    ``vary_k`` each request proposes a random number of drafts in 0..k at every step.
+    ``vary_k`` each request proposes a random number of drafts in 0..k at every step. With
+    ``vary_split`` a random half of the requests has no bonus row (a proposal split by the
+    token budget: when all drafts are accepted nothing else is emitted).
     """
     vocab = p.shape[1]
     g_draft = torch.Generator().manual_seed(seed)
-    g_verify = torch.Generator().manual_seed(seed + 1)
+    all_seeds = np.arange(num_samples, dtype=np.uint64) + np.uint64(seed) * np.uint64(1_000_003)
     seq = torch.full((num_samples, n_check), -1, dtype=torch.int64)
     length = torch.zeros(num_samples, dtype=torch.int64)
     cols = torch.arange(k + 1)
@@ -82,11 +97,15 @@ def generate_prefixes(p, q, k, n_check, seed, fixed_drafts=None, vary_k=False,
             draft_probs = qrows[draft_mask]
         else:
             drafts, draft_probs = fixed_drafts[pos[:, :k]][draft_mask], None
-        target_probs = p[pos][cols.unsqueeze(0) <= num_draft.unsqueeze(1)]
+        has_bonus = torch.ones(num, dtype=torch.bool)
+        if vary_split:
+            has_bonus = (torch.rand(num, generator=g_draft) < 0.5) | (num_draft == 0)
+        rows = cols.unsqueeze(0) < (num_draft + has_bonus).unsqueeze(1)
+        target_probs = p[pos][rows]
         cu = torch.nn.functional.pad(num_draft.cumsum(0), (1, 0))
+        st = RandomStreams.build(all_seeds[active.numpy()], start.numpy())
         out, num_emitted = rejection_sample(
-            drafts, cu, draft_probs, target_probs, torch.zeros(num, dtype=torch.bool),
-            [None] * num, g_verify)
+            drafts, cu, draft_probs, target_probs, torch.zeros(num, dtype=torch.bool), st, has_bonus)
         assert bool((num_emitted >= 1).all()) and bool((num_emitted <= num_draft + 1).all())
         for j in range(k + 1):
             m = (j < num_emitted) & (start + j < n_check)
@@ -131,6 +150,20 @@ def test_joint_law_matches_target(case, k):
     assert chi_square_pvalue(counts, product_law(p, n_check)) > ALPHA
 
 
+def test_joint_law_float32():
+    """Production runs float32: the same law with float32 target and draft probabilities."""
+    p, q = make_distributions("top_k_top_p", 3, 3, seed=4)
+    counts = generate_prefixes(p.float(), q.float(), 3, 3, seed=31)
+    assert chi_square_pvalue(counts, product_law(p, 3)) > ALPHA
+
+
+def test_joint_law_with_split_proposals():
+    """Requests without a bonus row (proposals split by the token budget) keep the law."""
+    p, q = make_distributions("plain", 3, 3, seed=5)
+    counts = generate_prefixes(p, q, 3, 3, seed=17, vary_k=True, vary_split=True)
+    assert chi_square_pvalue(counts, product_law(p, 3)) > ALPHA
+
+
 def test_joint_law_variable_proposal_lengths():
     p, q = make_distributions("plain", 3, 3, seed=1)
     counts = generate_prefixes(p, q, 3, 3, seed=7, vary_k=True)
@@ -152,8 +185,8 @@ BROKEN = {
     "residual_from_q": ("_residual", lambda target, draft: draft),
     "always_accept": ("_accept", lambda u, tp, dp: torch.ones_like(u, dtype=torch.bool)),
     "uniform_fixed_at_0": ("_draw_uniform",
-                           lambda counts, gens, default, width, dtype, device:
-                           torch.zeros(len(counts), width, dtype=dtype, device=device)),
+                           lambda st, width, device:
+                           torch.zeros(len(st), width, dtype=torch.float64, device=device)),
 }
 
 
@@ -177,9 +210,8 @@ DYADIC_Q = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
 DYADIC_P = torch.tensor([0.25, 0.25, 0.0, 0.5], dtype=torch.float64)  # p/q = 1/2, 1, 0, 4
 
 
-def _grid_uniform(counts, generators, default_generator, width, dtype, device):
-    u = torch.randint(0, GRID, (len(counts), width), generator=default_generator) / GRID
-    return u.to(dtype=dtype, device=device)
+def _grid_uniform(st, width, device):
+    return torch.floor(st.uniform(ACCEPT, width, device) * GRID) / GRID
 
 
 @pytest.mark.parametrize("comparison,should_pass", [
@@ -203,7 +235,7 @@ def test_strict_comparison_rejects_zero_target_prob_at_u_zero(monkeypatch):
     draft = torch.stack([DYADIC_Q, DYADIC_Q])
     out, num_emitted = rejection_sample(
         torch.tensor([2, 0]), torch.tensor([0, 1, 2]), draft, target,
-        torch.tensor([False, False]), [None, None])
+        torch.tensor([False, False]), streams(2, 0))
     assert num_emitted.tolist() == [1, 2]
     assert out[0, 0].item() != 2 and out[1, 0].item() == 0
 
@@ -225,7 +257,7 @@ def test_p_equal_q_accepts_everything_and_bonus_is_p():
     num, k = 50_000, 3
     drafts, cu, draft, target = _flat_batch(num, k, p, p, seed=0)
     out, num_emitted = rejection_sample(drafts, cu, draft, target, torch.zeros(num, dtype=torch.bool),
-                                        [None] * num, torch.Generator().manual_seed(1))
+                                        streams(num, 1))
     assert bool((num_emitted == k + 1).all())
     assert torch.equal(out[:, :k], drafts.reshape(num, k))
     assert chi_square_pvalue(torch.bincount(out[:, k], minlength=5), p) > ALPHA
@@ -237,7 +269,7 @@ def test_draft_mass_where_target_has_none_is_always_rejected():
     num = 20_000
     drafts, cu, draft, target = _flat_batch(num, 1, p, q, seed=3)
     out, num_emitted = rejection_sample(drafts, cu, draft, target, torch.zeros(num, dtype=torch.bool),
-                                        [None] * num, torch.Generator().manual_seed(4))
+                                        streams(num, 4))
     bad = (drafts == 1) | (drafts == 4)
     assert bad.sum() > 10_000
     assert bool((num_emitted[bad] == 1).all())
@@ -251,7 +283,7 @@ def test_one_hot_target_emits_only_its_argmax():
     num, k = 20_000, 3
     drafts, cu, draft, target = _flat_batch(num, k, p, q, seed=5)
     out, num_emitted = rejection_sample(drafts, cu, draft, target, torch.zeros(num, dtype=torch.bool),
-                                        [None] * num, torch.Generator().manual_seed(6))
+                                        streams(num, 6))
     leading = (drafts.reshape(num, k) == 2).long().cumprod(1).sum(1)
     assert torch.equal(num_emitted.long(), leading + 1)
     cols = torch.arange(k + 1)
@@ -267,7 +299,7 @@ def test_zero_residual_falls_back_to_p_without_nan(monkeypatch):
     num = 40_000
     drafts, cu, draft, target = _flat_batch(num, 2, p, p, seed=7)
     out, num_emitted = rejection_sample(drafts, cu, draft, target, torch.zeros(num, dtype=torch.bool),
-                                        [None] * num, torch.Generator().manual_seed(8))
+                                        streams(num, 8))
     assert bool((num_emitted == 1).all())
     assert chi_square_pvalue(torch.bincount(out[:, 0], minlength=4), p) > ALPHA
 
@@ -277,8 +309,7 @@ def test_zero_drafts_sample_the_bonus_row():
     num = NUM_SAMPLES
     out, num_emitted = rejection_sample(
         torch.zeros(0, dtype=torch.int64), torch.zeros(num + 1, dtype=torch.int64), None,
-        p.expand(num, -1), torch.zeros(num, dtype=torch.bool), [None] * num,
-        torch.Generator().manual_seed(9))
+        p.expand(num, -1), torch.zeros(num, dtype=torch.bool), streams(num, 9))
     assert out.shape == (num, 1) and bool((num_emitted == 1).all())
     assert chi_square_pvalue(torch.bincount(out[:, 0], minlength=5), p) > ALPHA
 
@@ -290,18 +321,23 @@ def test_greedy_exact_match_path():
     drafts = torch.tensor([1, 2, 3, 4, 2, 4])
     cu = torch.tensor([0, 3, 5, 5, 6])
     out, num_emitted = rejection_sample(drafts, cu, None, target, torch.ones(4, dtype=torch.bool),
-                                        [None] * 4)
+                                        streams(4, 0))
     assert num_emitted.tolist() == [4, 2, 1, 1]
     assert out.tolist() == [[1, 2, 3, 4], [4, 1, -1, -1], [3, -1, -1, -1], [2, -1, -1, -1]]
 
 
-def test_greedy_requests_draw_no_randomness():
+def test_greedy_requests_ignore_their_streams():
     target = torch.softmax(torch.randn(6, 5, dtype=torch.float64), -1)
-    g = torch.Generator().manual_seed(0)
-    before = g.get_state()
-    rejection_sample(torch.tensor([0, 1, 2, 3]), torch.tensor([0, 2, 4]), None, target,
-                     torch.ones(2, dtype=torch.bool), [g, None], g)
-    assert torch.equal(before, g.get_state())
+    outs = {tuple(rejection_sample(torch.tensor([0, 1, 2, 3]), torch.tensor([0, 2, 4]), None, target,
+                                   torch.ones(2, dtype=torch.bool), streams(2, s, [s, 3 * s]))[0].flatten().tolist())
+            for s in range(10)}
+    assert len(outs) == 1
+
+
+def _one(drafts, draft, target, seed, position, has_bonus=True):
+    k = len(drafts)
+    return rejection_sample(drafts, torch.tensor([0, k]), draft, target, torch.tensor([False]),
+                            RandomStreams.build([seed], [position]), torch.tensor([has_bonus]))
 
 
 def test_seeded_request_same_alone_and_in_batch():
@@ -310,14 +346,9 @@ def test_seeded_request_same_alone_and_in_batch():
     target = torch.softmax(torch.randn(k + 1, vocab, generator=g, dtype=torch.float64), -1)
     draft = torch.softmax(torch.randn(k, vocab, generator=g, dtype=torch.float64), -1)
     drafts = torch.tensor([1, 4, 6])
-
-    def seeded():
-        return torch.Generator().manual_seed(1234)
-
-    alone = [rejection_sample(drafts, torch.tensor([0, k]), draft, target,
-                              torch.tensor([False]), [seeded()]) for _ in range(2)]
+    alone = [_one(drafts, draft, target, 1234, 7) for _ in range(2)]
     assert torch.equal(alone[0][0], alone[1][0])
-    # Batch: an unseeded request (2 drafts), a greedy one (1), ours, another seeded one (0).
+    # Batch: another random request (2 drafts), a greedy one (1), ours, another seeded one (0).
     others_t = torch.softmax(torch.randn(6, vocab, generator=g, dtype=torch.float64), -1)
     others_q = torch.softmax(torch.randn(3, vocab, generator=g, dtype=torch.float64), -1)
     batch_target = torch.cat([others_t[:3], others_t[3:5], target, others_t[5:]])
@@ -325,23 +356,43 @@ def test_seeded_request_same_alone_and_in_batch():
     batch_drafts = torch.cat([torch.tensor([0, 2, 5]), drafts])
     cu = torch.tensor([0, 2, 3, 6, 6])
     for seed in range(5):
+        st = RandomStreams.build([seed, seed + 1, 1234, seed + 2], [seed, 0, 7, 3])
         out, num_emitted = rejection_sample(
             batch_drafts, cu, batch_draft, batch_target,
-            torch.tensor([False, True, False, False]),
-            [None, None, seeded(), torch.Generator().manual_seed(seed)],
-            torch.Generator().manual_seed(seed))
+            torch.tensor([False, True, False, False]), st)
         assert torch.equal(out[2], alone[0][0][0]) and num_emitted[2] == alone[0][1][0]
 
 
-def test_seeded_requests_differ_across_seeds():
-    """Guards the test above: with different seeds the output does vary."""
+def test_seeded_requests_differ_across_seeds_and_positions():
+    """Guards the test above: with other seeds or output positions the output does vary."""
     target = torch.full((4, 6), 1 / 6, dtype=torch.float64)
     draft = torch.softmax(torch.arange(18, dtype=torch.float64).reshape(3, 6), -1)
-    outs = {tuple(rejection_sample(torch.tensor([5, 5, 5]), torch.tensor([0, 3]), draft, target,
-                                   torch.tensor([False]),
-                                   [torch.Generator().manual_seed(s)])[0][0].tolist())
-            for s in range(20)}
-    assert len(outs) > 3
+    by_seed = {tuple(_one(torch.tensor([5, 5, 5]), draft, target, s, 0)[0][0].tolist()) for s in range(20)}
+    by_pos = {tuple(_one(torch.tensor([5, 5, 5]), draft, target, 3, t)[0][0].tolist()) for t in range(20)}
+    assert len(by_seed) > 3 and len(by_pos) > 3
+
+
+def test_split_verification_emits_what_one_verification_would():
+    """The core splits a proposal when the budget cuts it: verifying drafts 0..1 without a
+    bonus row, then (if both were accepted) drafts 2..3 at output position P + 2, emits exactly
+    what verifying all four at once emits, for every seed."""
+    vocab, k, P = 6, 4, 11
+    g = torch.Generator().manual_seed(3)
+    target = torch.softmax(torch.randn(k + 1, vocab, generator=g, dtype=torch.float64) * 2.0, -1)
+    draft = torch.softmax(torch.randn(k, vocab, generator=g, dtype=torch.float64) * 2.0, -1)
+    splits_completed = 0
+    for seed in range(300):
+        drafts = torch.multinomial(draft, 1, generator=g).squeeze(1)  # [k], each from its q
+        out, n = _one(drafts, draft, target, seed, P)
+        whole = out[0, :n[0]].tolist()
+        o1, n1 = _one(drafts[:2], draft[:2], target[:2], seed, P, has_bonus=False)
+        first = o1[0, :n1[0]].tolist()
+        if first == drafts[:2].tolist():  # both accepted: the rest is verified next step
+            splits_completed += 1
+            o2, n2 = _one(drafts[2:], draft[2:], target[2:], seed, P + 2)
+            first += o2[0, :n2[0]].tolist()
+        assert first == whole, seed
+    assert 20 < splits_completed < 280  # both branches were exercised
 
 
 @pytest.mark.parametrize("bad,field", [
@@ -349,13 +400,13 @@ def test_seeded_requests_differ_across_seeds():
     (dict(target_probs=torch.full((3, 5), 0.2)), "target_probs"),
     (dict(draft_probs=torch.full((2, 4), 0.25)), "draft_probs"),
     (dict(is_greedy=torch.tensor([False])), "is_greedy"),
-    (dict(generators=[None]), "generators"),
+    (dict(streams=streams(1, 0)), "streams"),
     (dict(cu_num_draft=torch.tensor([0, 2, 1])), "cu_num_draft"),
 ])
 def test_bad_input_names_the_field(bad, field):
     args = dict(draft_token_ids=torch.tensor([1, 2]), cu_num_draft=torch.tensor([0, 1, 2]),
                 draft_probs=torch.full((2, 5), 0.2), target_probs=torch.full((4, 5), 0.2),
-                is_greedy=torch.tensor([False, False]), generators=[None, None])
+                is_greedy=torch.tensor([False, False]), streams=streams(2, 0))
     args.update(bad)
     if field == "cu_num_draft":
         args["target_probs"] = torch.full((3, 5), 0.2)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from specinfer.sample import (Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p,
+from specinfer.sample import (RandomStreams, Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p,
                               probs_from_logits, process_logits)
 
 ALPHA = 1e-3
@@ -33,6 +34,12 @@ def kept(logits: torch.Tensor) -> list[list[int]]:  # [L, V] -> surviving token 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
 
 
+def streams(n: int, seed: int = 0, positions=None) -> RandomStreams:
+    """n rows with distinct seeds derived from ``seed``."""
+    seeds = np.arange(n, dtype=np.uint64) + np.uint64(seed) * np.uint64(1_000_003)
+    return RandomStreams.build(seeds, np.zeros(n, np.int64) if positions is None else positions)
+
+
 # --- metadata -----------------------------------------------------------------------------
 
 def test_metadata_flags():
@@ -54,21 +61,20 @@ def test_metadata_flags():
     (dict(temperature=[1.0], top_p=[1.5]), "top_p"),
     (dict(temperature=[1.0], min_p=[2.0]), "min_p"),
     (dict(temperature=[1.0, 1.0], top_k=[1]), "top_k"),
-    (dict(temperature=[1.0], generators=[None, None]), "generators"),
-    (dict(temperature=[1.0], max_num_logprobs=-1), "max_num_logprobs"),
+    (dict(temperature=[1.0], streams=RandomStreams.build([1, 2], [0, 0])), "streams"),
 ])
 def test_metadata_bad_input_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingMetadata.build(**kwargs)
 
 
-def test_metadata_expand_repeats_rows_and_generators():
-    g = torch.Generator()
-    meta = SamplingMetadata.build([0.0, 0.7], top_k=[0, 3], generators=[None, g])
+def test_metadata_expand_repeats_rows_and_advances_positions():
+    meta = SamplingMetadata.build([0.0, 0.7], top_k=[0, 3], streams=RandomStreams.build([5, 9], [4, 10]))
     wide = meta.expand([1, 3])
     assert wide.temperature.tolist() == pytest.approx([0.0, 0.7, 0.7, 0.7])
     assert wide.top_k.tolist() == [0, 3, 3, 3]
-    assert wide.generators == [None, g, g, g]
+    assert wide.streams.seeds.tolist() == [5, 9, 9, 9]
+    assert wide.streams.positions.tolist() == [4, 10, 11, 12]  # row j decides position P + j
 
 
 # --- logits processing, exact on hand-built rows ----------------------------------------------
@@ -133,7 +139,7 @@ def test_probs_from_logits_rows():
 def test_greedy_rows_are_argmax():
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
     temperature = [0.0 if i % 2 == 0 else 1.0 for i in range(64)]
-    out = Sampler(torch.Generator().manual_seed(1))(logits, SamplingMetadata.build(temperature))
+    out = Sampler()(logits, SamplingMetadata.build(temperature, streams=streams(64, 1)))
     assert torch.equal(out.token_ids[::2], logits.argmax(-1)[::2])
     all_greedy = Sampler()(logits, SamplingMetadata.build([0.0] * 64))
     assert torch.equal(all_greedy.token_ids, logits.argmax(-1))
@@ -142,8 +148,8 @@ def test_greedy_rows_are_argmax():
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_temperature_sampling_matches_softmax(temperature):
     logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], dtype=torch.float64)
-    meta = SamplingMetadata.build([temperature] * NUM_SAMPLES)
-    out = Sampler(torch.Generator().manual_seed(3))(logits.expand(NUM_SAMPLES, -1), meta)
+    meta = SamplingMetadata.build([temperature] * NUM_SAMPLES, streams=streams(NUM_SAMPLES, 3))
+    out = Sampler()(logits.expand(NUM_SAMPLES, -1), meta)
     counts = torch.bincount(out.token_ids, minlength=6)
     assert chi_square_pvalue(counts, torch.softmax(logits / temperature, 0)) > ALPHA
     # the same test is not blind: a wrong temperature fails it
@@ -153,58 +159,89 @@ def test_temperature_sampling_matches_softmax(temperature):
 def test_filtered_sampling_matches_renormalized_distribution():
     logits = PROBS.log()
     meta = SamplingMetadata.build([1.0] * NUM_SAMPLES, top_k=[3] * NUM_SAMPLES,
-                                  top_p=[0.7] * NUM_SAMPLES)
-    out = Sampler(torch.Generator().manual_seed(4))(logits.expand(NUM_SAMPLES, -1), meta)
+                                  top_p=[0.7] * NUM_SAMPLES, streams=streams(NUM_SAMPLES, 4))
+    out = Sampler()(logits.expand(NUM_SAMPLES, -1), meta)
     expected = torch.tensor([0.5, 0.3, 0.0, 0.0], dtype=torch.float64) / 0.8
     assert chi_square_pvalue(torch.bincount(out.token_ids, minlength=4), expected) > ALPHA
+
+
+def test_one_stream_over_positions_matches_the_distribution():
+    """One seed, successive output positions (a request decoding): the draws are i.i.d."""
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], dtype=torch.float64)
+    n = 60_000
+    meta = SamplingMetadata.build([1.0] * n, streams=RandomStreams.build([12345] * n, np.arange(n)))
+    counts = torch.bincount(Sampler()(logits.expand(n, -1), meta).token_ids, minlength=6)
+    assert chi_square_pvalue(counts, torch.softmax(logits, 0)) > ALPHA
+
+
+def test_float32_sampling_matches_softmax():
+    logits = torch.tensor([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], dtype=torch.float32)
+    meta = SamplingMetadata.build([0.8] * NUM_SAMPLES, streams=streams(NUM_SAMPLES, 8))
+    counts = torch.bincount(Sampler()(logits.expand(NUM_SAMPLES, -1), meta).token_ids, minlength=6)
+    assert chi_square_pvalue(counts, torch.softmax(logits.double() / 0.8, 0)) > ALPHA
 
 
 def test_seeded_row_same_alone_and_in_batch():
     vocab = 1000
     g = torch.Generator().manual_seed(0)
     row = torch.randn(1, vocab, generator=g)
-    def seeded():
-        return torch.Generator().manual_seed(77)
-    # draw a few tokens in sequence to compare generator streams, not a single lucky token
-    gen = seeded()
-    alone = [Sampler()(row, SamplingMetadata.build([0.9], top_p=[0.95], generators=[gen]))
-             .token_ids[0].item() for _ in range(8)]
+    alone = [Sampler()(row, SamplingMetadata.build([0.9], top_p=[0.95],
+                                                  streams=RandomStreams.build([77], [step])))
+             .token_ids[0].item() for step in range(8)]
     for position in (0, 2, 5):
-        gen = seeded()
         tokens = []
         for step in range(8):
             others = torch.randn(6, vocab, generator=g)
             logits = torch.cat([others[:position], row, others[position:]])
-            gens = [torch.Generator().manual_seed(step), None, None, torch.Generator(), None, None]
-            gens.insert(position, gen)
+            seeds = [step, 3, 4, 5, 6, 7]
+            seeds.insert(position, 77)
+            positions = [0, 1, 2, 3, 4, 5]
+            positions.insert(position, step)
             temps = [1.0, 0.0, 0.7, 1.3, 1.0, 0.0]
             temps.insert(position, 0.9)
             top_p = [1.0] * 7
             top_p[position] = 0.95
-            meta = SamplingMetadata.build(temps, top_p=top_p, generators=gens)
-            tokens.append(Sampler(torch.Generator().manual_seed(step))(logits, meta)
-                          .token_ids[position].item())
+            meta = SamplingMetadata.build(temps, top_p=top_p, streams=RandomStreams.build(seeds, positions))
+            tokens.append(Sampler()(logits, meta).token_ids[position].item())
         assert tokens == alone
     assert len(set(alone)) > 1  # the stream moves: the comparison is not trivially equal
 
 
+def test_sampling_without_streams_is_refused():
+    with pytest.raises(ValueError, match="streams"):
+        Sampler()(torch.zeros(2, 4), SamplingMetadata.build([1.0, 0.0]))
+
+
+def test_inverse_cdf_never_picks_a_zero_weight():
+    from specinfer.sample import sample_from_weights
+    w = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]], dtype=torch.float32).expand(5, -1)
+    u = torch.tensor([1e-12, 0.5 - 1e-12, 0.5, 0.5 + 1e-12, 1 - 1e-12], dtype=torch.float64)
+    assert sample_from_weights(w, u).tolist() == [1, 1, 3, 3, 3]
+
+
 def test_logprobs_are_raw_log_softmax():
+    """compute_logprobs is what the engine reports (StepSampler._logprobs calls it)."""
+    from specinfer.sample import compute_logprobs
+
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(5))
-    meta = SamplingMetadata.build([0.0, 0.5, 1.0, 2.0, 1.0], top_k=[0, 3, 0, 0, 2],
-                                  max_num_logprobs=4)
-    out = Sampler(torch.Generator().manual_seed(6))(logits, meta)
-    lp = out.logprobs
+    meta = SamplingMetadata.build([0.0, 0.5, 1.0, 2.0, 1.0], top_k=[0, 3, 0, 0, 2], streams=streams(5, 6))
+    tokens = Sampler()(logits, meta).token_ids
+    lp = compute_logprobs(logits, tokens, 4)
     raw = torch.log_softmax(logits, -1)
     assert lp.token_ids.shape == (5, 5) and lp.logprobs.shape == (5, 5)
-    assert torch.equal(lp.token_ids[:, 0], out.token_ids)
+    assert torch.equal(lp.token_ids[:, 0], tokens)
     torch.testing.assert_close(lp.logprobs, raw.gather(1, lp.token_ids))
     assert torch.equal(lp.token_ids[:, 1:], raw.topk(4, -1).indices)
-    expected_rank = (raw > raw.gather(1, out.token_ids[:, None])).sum(1) + 1
+    expected_rank = (raw > raw.gather(1, tokens[:, None])).sum(1) + 1
     assert torch.equal(lp.sampled_token_ranks, expected_rank)
     assert lp.sampled_token_ranks[0] == 1  # greedy row samples the top token
-    assert Sampler()(logits, SamplingMetadata.build([1.0] * 5)).logprobs is None
-    zero = Sampler()(logits, SamplingMetadata.build([1.0] * 5, max_num_logprobs=0)).logprobs
-    assert zero.token_ids.shape == (5, 1)
+    entries = lp.entries(2)
+    for j, e in enumerate(entries):
+        top2 = raw[j].topk(2).indices.tolist()
+        assert set(e) == {int(tokens[j]), *top2}
+        assert all(abs(e[t] - raw[j, t].item()) < 1e-6 for t in e)
+    assert compute_logprobs(logits, tokens, 0).entries(0) == [{int(t): raw[j, t].item()}
+                                                              for j, t in enumerate(tokens)]
 
 
 def test_sampler_rejects_mismatched_rows():

@@ -92,11 +92,12 @@ def test_registry_is_lazy_and_platform_picks_triton_on_cuda(monkeypatch):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
     from specinfer import platform
+    from specinfer.platform import cuda
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
     assert platform.resolve_platform("cuda").attention_backend == "triton"
-    monkeypatch.setattr(platform, "_triton_available", lambda: False)
+    monkeypatch.setattr(cuda, "triton_available", lambda: False)
     assert platform.resolve_platform("cuda").attention_backend == "torch_ref"
 
 

@@ -20,7 +20,7 @@ def _tokenizer(vocab_size: int) -> Tokenizer:
 
 def build_tiny_model(path: Path, arch: str = "llama", *, tied: bool = False, seed: int = 0, layers: int = 2,
                      hidden: int = 64, heads: int = 4, kv_heads: int = 2, scale: float = 1.0,
-                     perturb: float = 0.0, base: Path | None = None):
+                     perturb: float = 0.0, base: Path | None = None, vocab: int = VOCAB):
     """Save a random `arch` model (llama | mistral | qwen2) with a word-level tokenizer to `path`.
 
     `scale` multiplies every weight matrix's init so logits are well separated (no argmax ties).
@@ -29,7 +29,7 @@ def build_tiny_model(path: Path, arch: str = "llama", *, tied: bool = False, see
     """
     import transformers as tf
 
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
                   tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6)
     if arch == "llama":
@@ -55,6 +55,6 @@ def build_tiny_model(path: Path, arch: str = "llama", *, tied: bool = False, see
                 p.normal_(0.0, 0.1)
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
-    _tokenizer(VOCAB).save(str(path / "tokenizer.json"))
+    _tokenizer(vocab).save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False, "eos_token": "t2"}))
     return model

@@ -1,6 +1,6 @@
 """The Gaudi (HPU) attention path in plain torch: flat block-list paged attention for decodes
 (and batch-expanded verification), a bucketed dense path for multi-token queries, shape buckets
-with bucket-aware speculation length. Runs on CPU; only `graphs` needs habana_frameworks, and it
+with bucket-aware speculation length. Runs on CPU; only `device` needs habana_frameworks, and it
 imports it lazily.
 """
 from specinfer.kernels.hpu.buckets import BucketConfig, BucketPlanner, bucket_range

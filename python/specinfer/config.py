@@ -9,8 +9,9 @@ class CacheConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: sized from the memory budget
     kv_cache_memory_fraction: float = 0.25  # of available memory, when num_kv_blocks is None
-    kv_cache_max_bytes: int = 4 << 30
+    kv_cache_max_bytes: int = 4 << 30  # host platforms only
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the device's total memory the engine may use
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -19,6 +20,9 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be an integer >= 1 or None (got {self.num_kv_blocks!r})")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1] (got {self.kv_cache_memory_fraction!r})")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1] (got {u!r})")
 
 
 @dataclass(frozen=True)

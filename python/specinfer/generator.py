@@ -1,6 +1,16 @@
-"""The user-facing API: `Generator(model).generate(prompts, params)`."""
+"""The user-facing API: `Generator(model).generate(prompts, params)`.
+
+A Generator may be shared by threads: steps are serialized by the engine's lock, every step's
+outputs are routed to the mailbox of the call that owns each request, and each call takes only
+its own requests' outputs (one thread's generate() never swallows another's results). A call
+waiting for its outputs either steps the engine itself or, while another thread steps, blocks on
+the lock; it never spins. If a step fails, the call that ran it aborts its own requests and
+re-raises; the other calls' requests go on (the step was cancelled, see LLMEngine).
+"""
 from __future__ import annotations
 
+import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 
 from specinfer.engine.llm_engine import LLMEngine
@@ -14,25 +24,35 @@ class Generator:
     `model` is an HF directory, a `.gguf` file, or a model-pack name such as "smollm2-135m".
     `speculative` is a SpeculativeConfig or a dict of its fields, e.g.
     {"method": "ngram", "num_speculative_tokens": 4}.
+    `device` is "auto", "cpu", "cuda[:N]", "hpu", "hpu-emulated" (the Gaudi path on CPU) or a
+    specinfer.platform.Platform. `attention_backend` overrides the platform's choice: "cpu_native"
+    (the Rust kernel, CPU default), "torch_ref", "triton" (CUDA; on CPU only with TRITON_INTERPRET=1)
+    or "hpu_flat". `gpu_memory_utilization` (CUDA only) is the share of the device's total memory
+    the engine may fill, weights included.
+    `max_logprobs` caps SamplingParams.logprobs (vLLM's default, 20); a larger request is refused.
     `quantization="int8"` keeps GEMM weights int8 (CPU; GGUF Q8_0 as stored, other weights
     quantized per 32 inputs) and runs them through the int8 kernel.
     """
 
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None, quantization=None):
+                 enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
+                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None):
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=speculative,
-            quantization=quantization)
+            max_logprobs=max_logprobs, attention_backend=attention_backend,
+            gpu_memory_utilization=gpu_memory_utilization, quantization=quantization)
         self._counter = 0
+        self._mailboxes: dict[str, deque[RequestOutput]] = {}  # request name -> undelivered outputs
+        self._mail_lock = threading.Lock()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def _add_all(self, prompts, sampling_params) -> list[str]:
+    def _add_all(self, prompts, sampling_params, stream: bool) -> list[str]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -47,57 +67,101 @@ class Generator:
         # validate everything before any work starts: one bad prompt refuses the whole call
         token_ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]
         names = []
-        for p, sp, ids in zip(prompts, params, token_ids):
-            name = f"req-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(name, p, sp, prompt_token_ids=ids)
-            names.append(name)
+        with self.engine.lock:
+            try:
+                for p, sp, ids in zip(prompts, params, token_ids):
+                    name = f"req-{self._counter}"
+                    self._counter += 1
+                    with self._mail_lock:
+                        self._mailboxes[name] = deque()
+                    names.append(name)
+                    self.engine.add_request(name, p, sp, prompt_token_ids=ids, stream=stream)
+            except BaseException:
+                self._abort(names)
+                raise
         return names
+
+    def _abort(self, names) -> None:
+        for n in names:
+            self.engine.abort(n)
+            with self._mail_lock:
+                self._mailboxes.pop(n, None)
+
+    def _next_outputs(self, name_set: set[str]) -> list[RequestOutput]:
+        """Outputs of the caller's requests: from its mailboxes, else by stepping the engine
+        (or waiting, blocked, while another thread steps it)."""
+        while True:
+            mine = self._collect(name_set)
+            if mine:
+                return mine
+            with self.engine.lock:
+                mine = self._collect(name_set)  # delivered while we waited for the lock
+                if mine:
+                    return mine
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError("the engine stopped with requests unfinished")
+                outputs = self.engine.step(final_only=True)
+                with self._mail_lock:
+                    for out in outputs:
+                        box = self._mailboxes.get(out.request_id)
+                        if box is not None:
+                            box.append(out)
+
+    def _collect(self, name_set: set[str]) -> list[RequestOutput]:
+        with self._mail_lock:
+            got = []
+            for n in name_set:
+                box = self._mailboxes.get(n)
+                while box:
+                    got.append(box.popleft())
+            return got
 
     def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order."""
-        names = self._add_all(prompts, sampling_params)
+        names = self._add_all(prompts, sampling_params, stream=False)
         order = {n: i for i, n in enumerate(names)}
         results: list[RequestOutput | None] = [None] * len(names)
+        pending = set(names)
         bar = None
         if use_tqdm and len(names) > 1:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(names), desc="generating", unit="req", leave=False)
         try:
-            while any(r is None for r in results):
-                if not self.engine.has_unfinished_requests():
-                    raise RuntimeError("the engine stopped with requests unfinished")
-                for out in self.engine.step(final_only=True):
-                    if out.finished and out.request_id in order:
+            while pending:
+                for out in self._next_outputs(pending):
+                    if out.finished:
                         results[order[out.request_id]] = out
+                        pending.discard(out.request_id)
                         if bar is not None:
                             bar.update(1)
         except BaseException:
-            for n, r in zip(names, results):
-                if r is None:
-                    self.engine.abort(n)
+            self._abort(pending)
             raise
         finally:
+            with self._mail_lock:
+                for n in names:
+                    self._mailboxes.pop(n, None)
             if bar is not None:
                 bar.close()
         return results
 
     def stream(self, prompts: str | Sequence, sampling_params=None) -> Iterator[RequestOutput]:
         """Yield incremental outputs (new_token_ids / new_text set) as steps complete."""
-        names = self._add_all(prompts, sampling_params)
+        names = self._add_all(prompts, sampling_params, stream=True)
         pending = set(names)
         try:
             while pending:
-                for out in self.engine.step():
-                    if out.request_id in pending:
-                        if out.finished:
-                            pending.discard(out.request_id)
-                        yield out
+                for out in self._next_outputs(pending):
+                    if out.finished:
+                        pending.discard(out.request_id)
+                    yield out
         finally:
-            for n in pending:
-                self.engine.abort(n)
+            self._abort(pending)
+            with self._mail_lock:
+                for n in names:
+                    self._mailboxes.pop(n, None)
 
     def spec_metrics(self) -> dict:
         return self.engine.spec_metrics()

@@ -10,14 +10,16 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int]  # all output tokens so far
-    text: str  # detokenized output so far (stop string excluded)
+    # detokenized output so far (stop string excluded). While the request runs, the last
+    # len(longest stop string) - 1 characters are held back: they may still start a stop string
+    text: str
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     # one dict per output token: {token_id: logprob} with the chosen token and the top-N
     logprobs: list[dict[int, float]] | None = None
     new_token_ids: list[int] = field(default_factory=list)  # tokens added by the latest step
-    new_text: str = ""  # text added by the latest step
+    new_text: str = ""  # text added since this request's previous output: the pieces add up to `text`
     # speculation accounting for this request
     num_drafts: int = 0  # verification steps that carried at least one draft token
     num_draft_tokens: int = 0

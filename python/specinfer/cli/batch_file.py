@@ -83,14 +83,28 @@ def parse_line(text: str, line: int) -> BatchItem:
             isinstance(obj["prompt_token_ids"], list) and obj["prompt_token_ids"]
             and all(isinstance(t, int) and not isinstance(t, bool) for t in obj["prompt_token_ids"])):
         item.error = "prompt_token_ids must be a non-empty list of integers"
-    elif "messages" in obj and not (isinstance(obj["messages"], list) and obj["messages"]):
-        item.error = "messages must be a non-empty list of {\"role\", \"content\"} objects"
+    elif "messages" in obj and (why := _bad_messages(obj["messages"])):
+        item.error = why
     else:
         item.prompt = obj.get("prompt")
         item.prompt_token_ids = obj.get("prompt_token_ids")
         item.messages = obj.get("messages")
         item.overrides = {k: obj[k] for k in SAMPLING_KEYS if k in obj}
     return item
+
+
+def _bad_messages(messages) -> str | None:
+    """Why `messages` is not a chat ({"role": str, "content": str} objects), or None."""
+    if not isinstance(messages, list) or not messages:
+        return "messages must be a non-empty list of {\"role\", \"content\"} objects"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"messages[{i}] must be an object with \"role\" and \"content\" (got {type(m).__name__})"
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                got = "missing" if key not in m else f"got {type(m[key]).__name__}"
+                return f"messages[{i}].{key} must be a string ({got})"
+    return None
 
 
 def read_batch(path: str) -> list[BatchItem]:

@@ -25,7 +25,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "fp32 on CPU)")
     g.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="int8: weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored; default: none)")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or hpu (default: auto)")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
+                   "CPU) (default: auto)")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "cpu_native", "torch_ref", "triton", "hpu_flat"],
+                   help="attention kernels (default: the device's own: cpu_native (Rust) on CPU, triton on CUDA, "
+                   "hpu_flat on Gaudi; triton on CPU needs TRITON_INTERPRET=1)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="CUDA: share of the GPU's total memory the engine may use, weights included (default: 0.9)")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch (default: "
                    "torch's own choice)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -41,7 +48,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
 
-    g = p.add_argument_group("speculative decoding (off unless --method, --draft or -k is given)")
+    g = p.add_argument_group("speculative decoding (off unless --speculative-config, --method, --draft or -k is "
+                             "given)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='the whole SpeculativeConfig as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        "(instead of the flags below)")
     g.add_argument("--method", choices=[*proposer_names(), "none"], default=None,
                    help="proposer (default: draft_model with --draft, else ngram with -k, else none)")
     g.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model "
@@ -84,6 +95,8 @@ def check_model(name: str | None, what: str = "model") -> None:
 
 def speculative_config(args):
     """The SpeculativeConfig the flags ask for, or None; validated now."""
+    if getattr(args, "speculative_config", None) is not None:
+        return _speculative_config_json(args)
     method = args.method
     if method is None:
         method = "draft_model" if args.draft else ("ngram" if args.num_speculative_tokens is not None else "none")
@@ -106,6 +119,29 @@ def speculative_config(args):
         posterior_alpha=args.posterior_alpha, scorer=args.scorer)
 
 
+def _speculative_config_json(args):
+    import json
+
+    from specinfer.spec_decode.config import SpeculativeConfig
+
+    clashing = [flag for flag, value in (("--method", args.method), ("--draft", args.draft),
+                                         ("-k", args.num_speculative_tokens)) if value is not None]
+    if clashing:
+        raise CliError(f"--speculative-config cannot be combined with {', '.join(clashing)}")
+    try:
+        value = json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise CliError(f"--speculative-config is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CliError("--speculative-config must be a JSON object")
+    try:
+        spec = SpeculativeConfig.from_any(value)
+    except (TypeError, ValueError) as e:
+        raise CliError(f"--speculative-config: {' '.join(str(e).split())}") from None
+    check_model(spec.model, "draft model")
+    return spec
+
+
 def sampling_params(args, **overrides):
     from specinfer.sampling_params import SamplingParams
 
@@ -122,11 +158,15 @@ def engine_kwargs(args) -> dict:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise CliError(f"--gpu-memory-utilization must be in (0, 1] (got {args.gpu_memory_utilization})")
     quant = getattr(args, "quantization", "none")
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
                 quantization=None if quant == "none" else quant,
                 num_kv_blocks=args.num_kv_blocks,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
+                gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def load_generator(args, spec):

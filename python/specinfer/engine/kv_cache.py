@@ -44,3 +44,13 @@ def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype, device) -
     """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
     shape = model.kv_cache_shape(num_blocks, block_size)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+
+
+def activation_bytes(configs, max_num_batched_tokens: int, max_logits_rows: int, dtype: torch.dtype) -> int:
+    """A generous estimate of the forward's peak temporaries, kept out of a device KV budget:
+    per token the MLP's gate/up/act (3 x intermediate) and the attention's q/k/v/out (4 x hidden),
+    and per logits row the fp32 logits, probabilities and one working copy (3 x vocab)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = max(3 * c.intermediate_size + 4 * c.hidden_size + 4 * c.num_heads * c.head_dim for c in configs)
+    vocab = max(c.vocab_size for c in configs)
+    return max_num_batched_tokens * per_token * elem + max_logits_rows * vocab * 4 * 3

@@ -1,8 +1,19 @@
 """The engine: one step = schedule (Rust) -> target forward -> sample/verify -> update (Rust)
--> propose drafts for the next step. Streaming and serving drive it through add_request/step."""
+-> propose drafts for the next step. Streaming and serving drive it through add_request/step.
+
+A step is a transaction: any exception (BaseException: Ctrl-C too) between schedule() and
+update() cancels the step in the core (core.cancel_step) and is re-raised; every request then
+stands where it stood before the step, so a retry replays it exactly (randomness is
+counter-based, see specinfer.sample.random_streams). Once update() has committed, the Python
+states take the same tokens with Ctrl-C held back (engine/interrupts.py); if the proposer
+fails afterwards, the step's outputs are kept for the next step() call and the proposer forgets
+the step's requests (it rebuilds its state from their confirmed tokens). The engine is one
+thread's at a time: step(), add_request() and abort() take one lock.
+"""
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -11,19 +22,19 @@ import numpy as np
 import torch
 
 from specinfer._core import SchedulerCore
-from specinfer.attention import get_backend
 from specinfer.config import CacheConfig, SchedulerConfig
 from specinfer.engine.batch import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
-from specinfer.engine.kv_cache import allocate_kv_caches, budget_blocks, bytes_per_block, choose_num_blocks
+from specinfer.engine.interrupts import deferred_keyboard_interrupt
+from specinfer.engine.kv_cache import (activation_bytes, allocate_kv_caches, budget_blocks, bytes_per_block,
+                                      choose_num_blocks)
 from specinfer.engine.model_loading import load_any
-from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
 from specinfer.models.int8_linear import check_quantization
 from specinfer.outputs import RequestOutput
-from specinfer.platform import resolve_dtype, resolve_platform
-from specinfer.sampling_params import SamplingParams
+from specinfer.platform import EngineLimits, resolve_dtype, resolve_platform
+from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.proposer import ProposalInput
@@ -36,23 +47,33 @@ class ProposerContext:
     load_model: object  # callable(path_or_pack) -> LoadedModel with the engine's dtype/device
     block_size: int
     device: torch.device
-    default_generator: torch.Generator
+    max_num_batched_tokens: int  # the most tokens a proposer's catch-up forward may take per step
+    make_runner: object  # callable(model, kv_caches, backend) -> ModelRunner: the platform's runner
 
 
 class LLMEngine:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None, quantization=None):
+                 enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
+                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None):
+        if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
+            raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
+        if not is_int(max_logprobs) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0 (got {max_logprobs!r})")
+        self.max_logprobs = int(max_logprobs)  # SamplingParams.logprobs above this is refused (vLLM: 20)
         cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                enable_prefix_caching=enable_prefix_caching)
+                                enable_prefix_caching=enable_prefix_caching,
+                                gpu_memory_utilization=gpu_memory_utilization)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len)
         self.spec = SpeculativeConfig.from_any(speculative)
         self.platform = resolve_platform(device)
+        attention_backend = self.platform.choose_attention_backend(attention_backend)  # before any load
         self.dtype = resolve_dtype(dtype, self.platform)
         self.quantization = check_quantization(quantization)  # weights of target and draft; KV stays dtype
         self.device = self.platform.device
-        self.default_generator = torch.Generator(device="cpu").manual_seed(int(seed))
+        # seeds for requests without one: drawn in add order from the engine's seed
+        self._seed_source = np.random.Generator(np.random.PCG64(int(seed)))
 
         def load(path):
             return load_any(path, dtype=self.dtype, device=self.device, platform=self.platform,
@@ -63,20 +84,28 @@ class LLMEngine:
         self.vocab_size = self.loaded.config.vocab_size
         self.proposer = None
         if self.spec is not None:
-            ctx = ProposerContext(self.loaded, load, cache_cfg.block_size, self.device, self.default_generator)
+            ctx = ProposerContext(self.loaded, load, cache_cfg.block_size, self.device,
+                                  sched_cfg.max_num_batched_tokens,
+                                  lambda m, kv, be: self.platform.make_runner(m, kv, be, self._limits))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size
+        k = self.spec.num_speculative_tokens if self.spec else 0
+        reserve = activation_bytes([m.config for m in kv_models], sched_cfg.max_num_batched_tokens,
+                                   sched_cfg.max_num_seqs * (1 + k), self.dtype)
         budget = dict(block_bytes=bytes_per_block(kv_models, self.block_size, self.dtype),
-                      available_bytes=self.platform.available_memory_bytes(),
-                      memory_fraction=cache_cfg.kv_cache_memory_fraction, max_bytes=cache_cfg.kv_cache_max_bytes)
+                      **self.platform.memory_budget(cache_cfg, reserve).as_kwargs())
         self.max_model_len = self._max_model_len(sched_cfg.max_model_len, kv_models, cache_cfg, budget)
         self.num_kv_blocks = choose_num_blocks(
             cache_cfg.num_kv_blocks, block_size=self.block_size, max_model_len=self.max_model_len, **budget)
-        backend = get_backend(self.platform.attention_backend)
-        caches = [allocate_kv_caches(m, self.num_kv_blocks, self.block_size, self.dtype, self.device)
+        self._limits = limits = EngineLimits(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
+                                             self.max_model_len, self.block_size, k,
+                                             self.spec.scorer if self.spec else "mqa")
+        backend = self.platform.make_attention_backend(attention_backend, limits)
+        num_cache_blocks = self.num_kv_blocks + self.platform.num_null_blocks  # null block: padded rows' K/V
+        caches = [allocate_kv_caches(m, num_cache_blocks, self.block_size, self.dtype, self.device)
                   for m in kv_models]
-        self.runner = ModelRunner(self.loaded.model, caches[0], backend)
+        self.runner = self.platform.make_runner(self.loaded.model, caches[0], backend, limits)
         lookahead = 0
         if self.proposer is not None:
             self.proposer.bind_kv_caches(caches[1:], backend)
@@ -85,15 +114,22 @@ class LLMEngine:
             self.num_kv_blocks, self.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
             self.max_model_len, cache_cfg.enable_prefix_caching, lookahead,
             self.spec is not None and self.spec.scorer == "batch_expansion")
+        token_buckets = self.platform.token_buckets(limits)
+        if token_buckets is not None:  # static shapes: the packer pads every batch to a bucket
+            self.core.set_token_padding(list(token_buckets), self.num_kv_blocks)
+        self.platform.warmup()  # every runner it made: compile / capture the planned shapes
         if hasattr(self.proposer, "bind_core"):
             self.proposer.bind_core(self.core)
-        self.step_sampler = StepSampler(self.spec, self.default_generator, self.loaded.eos_token_ids)
+        self.step_sampler = StepSampler(self.spec, self.loaded.eos_token_ids)
         self.metrics = SpecMetrics(self.spec.num_speculative_tokens if self.spec else 0)
         self.num_mixed_steps = 0  # steps where prefill chunks and verification runs shared a forward
         self._requests: dict[int, RequestState] = {}
         self._by_name: dict[str, int] = {}
-        self._draft_probs: dict[int, torch.Tensor] = {}
+        self._draft_probs: dict[int, torch.Tensor] = {}  # core id -> q of its pending proposal
         self._ids = itertools.count()
+        self._lock = threading.RLock()  # one thread at a time: step, add_request, abort
+        self._undelivered: list[RequestOutput] = []  # outputs of a committed step that then failed
+        self.last_failed_request_ids: list[str] = []  # requests of the last step that raised
 
     # ------------------------------------------------------------------ requests
     def _max_model_len(self, requested, kv_models, cache_cfg, budget) -> int:
@@ -114,61 +150,115 @@ class LLMEngine:
 
     def validate(self, prompt, params: SamplingParams) -> list[int]:
         """Tokenize and check one request; raises ValueError naming the field. No side effects."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
+        self._check_params(params)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
             ids = self.encode(prompt)
+            self._check_token_ids(ids, "prompt (tokenized)")
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(t) for t in prompt]
-            if any(t < 0 or t >= self.vocab_size for t in ids):
-                bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
-                raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+            ids = self._check_token_ids(prompt, "prompt")
         else:
             raise ValueError(f"prompt must be a str or a list of token ids (got {type(prompt).__name__})")
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
-                             "to generate")
+        return ids
+
+    def _check_params(self, params) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
         if params.stop_token_ids and any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids holds ids outside the vocabulary [0, {self.vocab_size})")
+            bad = next(t for t in params.stop_token_ids if t >= self.vocab_size)
+            raise ValueError(f"SamplingParams.stop_token_ids holds {bad}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > min(self.max_logprobs, self.vocab_size):
+            raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the engine's max_logprobs="
+                             f"{self.max_logprobs}" + (f" (vocabulary size {self.vocab_size})"
+                                                      if self.vocab_size < self.max_logprobs else "") +
+                             "; raise max_logprobs when building the engine")
+
+    def _check_token_ids(self, ids, what: str) -> list[int]:
+        """ids -> list[int] in [0, vocab) with room to generate under max_model_len, or ValueError."""
+        if isinstance(ids, np.ndarray) and ids.ndim != 1:
+            raise ValueError(f"{what} token ids must be a flat list (got an array of shape {ids.shape})")
+        ids = list(ids)
+        bad = next((t for t in ids if not is_int(t)), None)
+        if bad is not None:
+            raise ValueError(f"{what} token ids must be integers (got {bad!r} of type {type(bad).__name__})")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"{what} is empty (no tokens)")
+        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{what} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
+                             "to generate")
         return ids
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids  # the loader makes encode add BOS iff the model wants it
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
-        params = params or SamplingParams()
-        if request_id in self._by_name:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
-        core_id = next(self._ids)
-        eos = self.loaded.eos_token_ids
-        stop_ids = list(params.stop_token_ids or ()) + list(eos[1:])
-        self.core.add_request(core_id, np.asarray(ids, dtype=np.int64), params.max_tokens, params.min_tokens,
-                              eos[0] if eos else -1, params.ignore_eos, stop_ids)
-        gen = torch.Generator(device="cpu").manual_seed(params.seed) if params.seed is not None else None
-        st = RequestState(request_id, core_id, prompt if isinstance(prompt, str) else None, list(ids), params,
-                          IncrementalDetokenizer(self.tokenizer, params.stop), gen,
-                          logprobs=[] if params.logprobs is not None else None)
-        self._requests[core_id] = st
-        self._by_name[request_id] = core_id
+                    prompt_token_ids: list[int] | None = None, stream: bool = False) -> None:
+        """Validate and queue one request. `prompt_token_ids`, when given, is what runs (`prompt` is
+        then only echoed back); it is validated like a token-id prompt. Raises ValueError naming the
+        field; on any error nothing of the request is left behind. With stream=True,
+        step(final_only=True) still returns its intermediate outputs (deltas since its last one)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str (got {type(request_id).__name__})")
+        with self._lock:
+            if request_id in self._by_name:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            if prompt_token_ids is not None:
+                self._check_params(params)
+                ids = self._check_token_ids(prompt_token_ids, "prompt_token_ids")
+            else:
+                ids = self.validate(prompt, params)
+            core_id = next(self._ids)
+            seed = params.seed if params.seed is not None else int(
+                self._seed_source.integers(0, 2**64, dtype=np.uint64))
+            # the Python state exists before the core learns of the request: a step never meets a
+            # request it cannot map, and a refusal by the core leaves nothing behind
+            st = RequestState(request_id, core_id, prompt if isinstance(prompt, str) else None, ids, params,
+                              IncrementalDetokenizer(self.tokenizer, params.stop), seed,
+                              logprobs=[] if params.logprobs is not None else None, stream=stream)
+            self._requests[core_id] = st
+            self._by_name[request_id] = core_id
+            eos = list(self.loaded.eos_token_ids)
+            # ignore_eos ignores every EOS id of the model; otherwise the first is the core's EOS and
+            # the others stop like stop_token_ids do
+            stop_ids = list(params.stop_token_ids or ()) + ([] if params.ignore_eos else eos[1:])
+            # max_tokens beyond max_model_len is clamped, as vLLM does: the core also stops a request
+            # ("length") when prompt + output reach max_model_len
+            max_tokens = min(params.max_tokens, self.max_model_len)
+            min_tokens = min(params.min_tokens, max_tokens)
+            try:
+                self.core.add_request(core_id, np.asarray(ids, dtype=np.int64), max_tokens, min_tokens,
+                                      eos[0] if eos and not params.ignore_eos else -1, params.ignore_eos, stop_ids)
+            except BaseException:
+                del self._requests[core_id]
+                del self._by_name[request_id]
+                raise
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        core_id = self._by_name.pop(request_id, None)
-        if core_id is None:
-            return None
-        self.core.abort_request(core_id)
-        st = self._requests.pop(core_id)
-        st.finish("abort")
-        self._forget([core_id])
-        return st.to_output()
+        with self._lock:
+            core_id = self._by_name.pop(request_id, None)
+            if core_id is None:
+                return None
+            self.core.abort_request(core_id)
+            st = self._requests.pop(core_id)
+            st.finish("abort")
+            self._forget([core_id])
+            return st.to_output()
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by step(), add_request() and abort(); hold it to run several calls as one."""
+        return self._lock
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        """Requests still running or waiting, or outputs of a failed step not yet delivered."""
+        return bool(self._requests or self._undelivered)
 
     def spec_metrics(self) -> dict:
         return self.metrics.as_dict()
@@ -182,43 +272,72 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one step; return outputs of the requests it touched (only finished ones when
         final_only, which spares building cumulative outputs for every running request)."""
-        t0 = time.perf_counter()
-        sched = self.core.schedule()
-        if len(sched.preempted_req_ids):
-            self._forget(sched.preempted_req_ids.tolist(), keep_states=True)
-        R = len(sched.req_ids)
-        if R == 0:
-            return []
-        states = [self._requests[i] for i in sched.req_ids.tolist()]
+        with self._lock:
+            outputs, self._undelivered = self._undelivered, []
+            t0 = time.perf_counter()
+            try:
+                sched = self.core.schedule()
+            except BaseException:
+                self.core.cancel_step()  # the step is pending if only its packing failed
+                raise
+            if len(sched.preempted_req_ids):
+                if self.proposer is not None:  # their proposal stays; the proposer's KV does not
+                    self.proposer.forget(sched.preempted_req_ids.tolist())
+            if len(sched.req_ids) == 0:
+                return outputs
+            states = [self._requests[i] for i in sched.req_ids.tolist()]
+            committed = False
+            try:
+                hidden, emitted, t1, t2 = self._score_and_verify(sched, states)
+                with deferred_keyboard_interrupt():
+                    upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
+                    committed = True
+                    self.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
+                    self._record_spec(states, emitted)
+                    outputs += self._apply_update(sched, states, emitted, upd, final_only)
+            except BaseException:
+                if committed:  # outputs of the committed step wait for the next step() call
+                    self._undelivered = outputs + self._undelivered
+                else:
+                    self.core.cancel_step()
+                    self.last_failed_request_ids = [st.request_id for st in states]
+                raise
+            t3 = time.perf_counter()
+            if self.proposer is not None:
+                try:
+                    self._propose(sched, states, emitted, hidden)
+                except BaseException:
+                    self._undelivered = outputs
+                    self.proposer.forget([st.core_id for st in states])
+                    raise
+            self._record_times(t0, t1, t2, t3, time.perf_counter())
+            return outputs
+
+    def _score_and_verify(self, sched, states):
+        """The target forward over the mixed batch, then sampling / verification (no state
+        changes: a failure here leaves nothing to undo but the core's pending step)."""
         for st, cached in zip(states, sched.num_cached_tokens.tolist()):
             st.num_cached_tokens = max(st.num_cached_tokens, cached)
-        if sched.num_verify_requests and sched.num_prefill_requests:
-            self.num_mixed_steps += 1
         batch = model_batch_from_schedule(sched, self.block_size, self.device)
         hidden, _ = self.runner.forward(batch.input_ids, batch.positions, batch.attn)
         logits = self.runner.logits(hidden[batch.logits_indices])
         t1 = time.perf_counter()
         emitted = self.step_sampler(logits, sched, states, self._draft_probs)
-        t2 = time.perf_counter()
-        self._record_spec(sched, states, emitted)
-        upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
-        outputs = self._apply_update(sched, states, emitted, upd, final_only)
-        t3 = time.perf_counter()
-        if self.proposer is not None:
-            self._propose(sched, states, emitted, hidden)
-        t4 = time.perf_counter()
+        return hidden, emitted, t1, time.perf_counter()
+
+    def _record_times(self, t0, t1, t2, t3, t4) -> None:
         m = self.metrics
         m.score_s += t1 - t0
         m.verify_s += t2 - t1
         m.propose_s += t4 - t3
         m.total_s += t4 - t0
         m.num_steps += 1
-        return outputs
 
-    def _record_spec(self, sched, states, emitted) -> None:
+    def _record_spec(self, states, emitted) -> None:
         if not emitted.num_draft_tokens.any():
             return
-        self.metrics.record(emitted.num_draft_tokens, emitted.num_accepted)
+        self.metrics.record(emitted.num_draft_tokens, emitted.num_accepted,
+                            np.diff(emitted.cu_num_emitted), emitted.num_rows)
         for st, d, a in zip(states, emitted.num_draft_tokens.tolist(), emitted.num_accepted.tolist()):
             if d:
                 st.num_drafts += 1
@@ -226,19 +345,31 @@ class LLMEngine:
                 st.num_accepted_tokens += a
 
     def _apply_update(self, sched, states, emitted, upd, final_only) -> list[RequestOutput]:
+        """Give the Python states the tokens the core committed. A request whose own state
+        update fails (say, its detokenizer) is finished with reason "error"; the others go on,
+        and the first such error is raised once every state is whole."""
         row_of = {cid: r for r, cid in enumerate(sched.req_ids.tolist())}
         touched = []
         cu = upd.cu_num_new
         new = upd.new_token_ids
+        error = None
         for j, cid in enumerate(upd.req_ids.tolist()):
-            st = self._requests[cid]
+            st = self._requests.get(cid)
+            if st is None:
+                continue
             toks = new[cu[j]:cu[j + 1]].tolist()
-            lps = emitted.logprobs[row_of[cid]]
-            if st.append(toks, lps):  # a stop string matched
+            try:
+                if st.append(toks, emitted.logprobs[row_of[cid]]):  # a stop string matched
+                    self.core.finish_request(cid)
+            except Exception as e:  # noqa: BLE001 - contained to this request, re-raised below
+                error = error or e
                 self.core.finish_request(cid)
+                st.finish("error", repr(e))
             touched.append(cid)
         for cid, reason, tok in zip(upd.finished_req_ids.tolist(), upd.finish_reasons, upd.stop_token.tolist()):
-            st = self._requests[cid]
+            st = self._requests.get(cid)
+            if st is None:
+                continue
             if not st.finished:
                 st.finish(reason, tok if tok >= 0 else None)
             if cid not in touched:
@@ -249,40 +380,60 @@ class LLMEngine:
             st = self._requests[cid]
             if st.finished:
                 done.append(cid)
-            if st.finished or not final_only:
+            if st.finished or not final_only or st.stream:
                 outputs.append(st.to_output())
         for cid in done:
             st = self._requests.pop(cid)
             self._by_name.pop(st.request_id, None)
         if done:
             self._forget(done)
+        if error is not None:
+            self._undelivered = outputs
+            raise error
         return outputs
 
-    def _forget(self, core_ids, keep_states: bool = False) -> None:
+    def _forget(self, core_ids) -> None:
+        """Requests that finished or were aborted: drop their proposal state."""
         for cid in core_ids:
             self._draft_probs.pop(cid, None)
         if self.proposer is not None:
             self.proposer.forget(core_ids)
 
+    def _spend_verified_drafts(self, states, emitted) -> np.ndarray:
+        """Drop the draft probabilities of proposals verified this step; a split proposal whose
+        verified drafts were all accepted keeps the rest (the core kept its tokens).
+        Returns bool[R]: the request still has a pending proposal."""
+        d = emitted.num_draft_tokens
+        kept = (emitted.num_rows == d) & (d > 0) & (emitted.num_accepted == d)
+        for r, st in enumerate(states):
+            if emitted.num_rows[r] == 0:
+                continue  # a prefill chunk verified nothing; a kept proposal waits
+            q = self._draft_probs.pop(st.core_id, None)
+            if kept[r] and q is not None:
+                self._draft_probs[st.core_id] = q[int(d[r]):]
+        return kept
+
     def _propose(self, sched, states, emitted, hidden) -> None:
         R = len(states)
+        kept = self._spend_verified_drafts(states, emitted)
         alive = np.array([not st.finished for st in states])
         sampled = (np.diff(emitted.cu_num_emitted) > 0) & alive
         disabled = (self.spec.disable_by_batch_size is not None
                     and self.core.num_running() >= self.spec.disable_by_batch_size)
-        for st in states:  # drafts verified this step are spent; unscheduled requests keep theirs
-            self._draft_probs.pop(st.core_id, None)
-        if disabled:
+        # a seeded request's tokens must not depend on the load: it is never disabled
+        wants = np.array([st.params.speculate and (not disabled or st.params.seed is not None)
+                          for st in states], dtype=bool)
+        if not wants.any():
             return
-        k = self.spec.num_speculative_tokens
+        k = self.platform.speculation_length(self.spec.num_speculative_tokens, len(states), self.spec.scorer)
         max_drafts = np.zeros(R, dtype=np.int64)
         for r, st in enumerate(states):
             out_left = st.params.max_tokens - len(st.output_token_ids) - 1
             len_left = self.max_model_len - st.num_tokens - 1
             max_drafts[r] = max(0, min(k, out_left, len_left))
-        speculate = sampled & np.array([st.params.speculate for st in states]) & (max_drafts > 0)
+        speculate = sampled & wants & ~kept & (max_drafts > 0)
         rows = _request_block_rows(sched)
-        inp = ProposalInput(sched, states, sampled, speculate, max_drafts, rows, hidden)
+        inp = ProposalInput(sched, states, sampled, speculate, max_drafts, rows, hidden, wants & alive)
         prop = self.proposer.propose(inp)
         if len(prop.core_ids) == 0:
             return

@@ -1,9 +1,7 @@
-"""Python-side state of one request: what the user sees (text, logprobs) and per-request RNG."""
+"""Python-side state of one request: what the user sees (text, logprobs) and its random seed."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.outputs import RequestOutput
@@ -18,7 +16,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    generator: torch.Generator | None  # seeded requests only
+    seed: int  # its random streams' seed: SamplingParams.seed, or drawn from the engine's seed
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     finished: bool = False
@@ -28,9 +26,10 @@ class RequestState:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # the latest step's delta, for streaming
+    stream: bool = False  # intermediate outputs wanted (deltas since the last output)
+    # the delta since the last output, for streaming
     new_token_ids: list[int] = field(default_factory=list)
-    new_text: str = ""
+    num_text_sent: int = 0  # characters of text already handed out in outputs
 
     @property
     def num_tokens(self) -> int:
@@ -50,7 +49,6 @@ class RequestState:
 
     def append(self, tokens: list[int], logprobs: list[dict[int, float]] | None) -> bool:
         """Append tokens the core accepted; returns True when a stop string ended the request."""
-        text_before = len(self.detokenizer.text)
         for i, t in enumerate(tokens):
             self.output_token_ids.append(t)
             self.new_token_ids.append(t)
@@ -60,7 +58,6 @@ class RequestState:
             if hit is not None:
                 self.finish("stop", hit)
                 break
-        self.new_text += self.detokenizer.text[text_before:]
         return self.finished
 
     def finish(self, reason: str, stop_reason=None) -> None:
@@ -69,13 +66,18 @@ class RequestState:
         self.stop_reason = stop_reason
 
     def to_output(self) -> RequestOutput:
+        """The cumulative output with the delta since the previous one. While running, `text` holds
+        back the characters that may still start a stop string; `new_text` pieces add up to `text`."""
+        text = self.detokenizer.stream_text(self.finished)
+        new_text = text[self.num_text_sent:]
+        self.num_text_sent = max(self.num_text_sent, len(text))
         out = RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_token_ids),
-            token_ids=list(self.output_token_ids), text=self.detokenizer.text, finished=self.finished,
+            token_ids=list(self.output_token_ids), text=text, finished=self.finished,
             finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
-            new_token_ids=self.new_token_ids, new_text=self.new_text, num_drafts=self.num_drafts,
+            new_token_ids=self.new_token_ids, new_text=new_text, num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
             num_cached_tokens=self.num_cached_tokens)
-        self.new_token_ids, self.new_text = [], ""
+        self.new_token_ids = []
         return out

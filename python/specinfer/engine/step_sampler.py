@@ -2,8 +2,11 @@
 
 Rows: request r owns logits rows cu_num_logits[r] .. cu_num_logits[r+1]. A plain decode (or a
 final prefill chunk) owns one row; a verification of k drafts owns 1 + k rows (one per draft
-position plus the bonus row). Emitted tokens per request = accepted drafts + one recovered or
-bonus token. Logprobs always come from the target's raw logits.
+position plus the bonus row), or k rows when the token budget split its proposal (no bonus
+row: the core verifies one draft past the query, scored by the last row). Emitted tokens per
+request = accepted drafts + one recovered or bonus token (none after a fully accepted split).
+Logprobs always come from the target's raw logits. Randomness comes from each request's
+counter-based streams (seed, output position), see specinfer.sample.random_streams.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from specinfer.sample import Sampler, SamplingMetadata, probs_from_logits, rejection_sample
+from specinfer.sample import (LogprobsTensors, RandomStreams, Sampler, SamplingMetadata, compute_logprobs,
+                              probs_from_logits, rejection_sample)
 from specinfer.sample.typical_acceptance import typical_acceptance_sample
 
 
@@ -23,15 +27,20 @@ class Emitted:
     cu_num_emitted: np.ndarray  # int32[R + 1] over every scheduled request (0 for prefill chunks)
     num_draft_tokens: np.ndarray  # int32[R] drafts verified per request
     num_accepted: np.ndarray  # int32[R] accepted drafts per request
+    num_rows: np.ndarray  # int32[R] logits rows per request (a split proposal has no bonus row)
     logprobs: list  # per scheduled request: list[dict[int, float]] aligned with its tokens, or None
 
 
-def sampling_metadata(states, rows_per_request=None, device=None) -> SamplingMetadata:
-    """One row per state (or rows_per_request[i] rows for state i) with its request's parameters."""
+def sampling_metadata(states, rows_per_request=None, device=None, positions=None) -> SamplingMetadata:
+    """One row per state (or rows_per_request[i] rows for state i) with its request's parameters;
+    row i decides output position positions[i] (default: the request's next output token)."""
     p = [s.params for s in states]
+    if positions is None:
+        positions = [len(s.output_token_ids) for s in states]
+    streams = RandomStreams.build([s.seed for s in states], positions)
     meta = SamplingMetadata.build(
         [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p],
-        [s.generator for s in states], device=device)
+        streams, device=device)
     if rows_per_request is not None and any(n != 1 for n in rows_per_request):
         meta = meta.expand(rows_per_request)
     return meta
@@ -64,10 +73,9 @@ def mask_min_tokens(logits: torch.Tensor, cu_logits, sampling, states, eos_token
 
 
 class StepSampler:
-    def __init__(self, spec, default_generator: torch.Generator, eos_token_ids=()):
+    def __init__(self, spec, eos_token_ids=()):
         self.eos_token_ids = tuple(eos_token_ids)
-        self.default_generator = default_generator
-        self.sampler = Sampler(default_generator)
+        self.sampler = Sampler()
         self.disable_logprobs = bool(spec and spec.disable_logprobs)
         if spec is None or spec.acceptance_method == "rejection_sampler":
             self.verify = rejection_sample
@@ -84,8 +92,9 @@ class StepSampler:
         cu = np.zeros(R + 1, dtype=np.int32)
         accepted = np.zeros(R, dtype=np.int32)
         logprobs = [None] * R
+        rows_i32 = n_rows.astype(np.int32)
         if len(sampling) == 0:
-            return Emitted(np.zeros(0, np.int64), cu, num_draft, accepted, logprobs)
+            return Emitted(np.zeros(0, np.int64), cu, num_draft, accepted, rows_i32, logprobs)
         s_states = [states[i] for i in sampling]
         raw_logits = logits  # logprobs are reported from the model's raw distribution
         logits = mask_min_tokens(logits, cu_logits, sampling, states, self.eos_token_ids)
@@ -97,25 +106,22 @@ class StepSampler:
             counts = np.ones(len(sampling), dtype=np.int32)
             flat = tokens.cpu().numpy()
         else:
-            flat, counts = self._verify(logits, sched, s_states, sampling, n_rows, num_draft, draft_probs)
-            accepted[sampling] = np.where(num_draft[sampling] > 0, counts - 1, 0)
+            flat, counts, acc = self._verify(logits, sched, s_states, sampling, n_rows, num_draft, draft_probs)
+            accepted[sampling] = acc
         cu[1:] = np.cumsum(np.bincount(sampling, weights=counts, minlength=R).astype(np.int32))
         want = [i for i in sampling if states[i].params.logprobs is not None]
         if want and not (self.disable_logprobs and num_draft.sum() > 0):
             self._logprobs(raw_logits, cu_logits, cu, flat, want, states, logprobs)
-        return Emitted(flat.astype(np.int64), cu, num_draft, accepted, logprobs)
+        return Emitted(flat.astype(np.int64), cu, num_draft, accepted, rows_i32, logprobs)
 
     def _verify(self, logits, sched, s_states, sampling, n_rows, num_draft, draft_probs):
         rows = n_rows[sampling]
+        d = num_draft[sampling]
         meta = sampling_metadata(s_states, rows.tolist(), device=logits.device)
         target_probs = probs_from_logits(logits, meta)  # [L, V]
-        # draft tokens are the query tokens after the first of each verification run
-        li = np.asarray(sched.logits_indices)
-        first = np.repeat(np.asarray(sched.cu_num_logits[:-1])[sampling], rows)
-        is_draft_row = np.arange(len(li)) != first
-        draft_ids = torch.from_numpy(np.asarray(sched.input_ids)[li[is_draft_row]])
-        d = num_draft[sampling]
+        draft_ids = torch.from_numpy(np.asarray(sched.draft_token_ids, dtype=np.int64))
         cu_draft = torch.from_numpy(np.concatenate([[0], np.cumsum(d)]).astype(np.int64))
+        has_bonus = torch.from_numpy(rows > d)  # a split proposal has no bonus row
         q = None
         if draft_probs:
             V = target_probs.shape[1]
@@ -129,30 +135,45 @@ class StepSampler:
                     raise RuntimeError(f"request {st.request_id!r} verifies drafts without their draft probabilities")
                 start += k
         greedy = torch.tensor([s.params.temperature == 0.0 for s in s_states])
-        out, n_emit = self.verify(draft_ids, cu_draft, q, target_probs, greedy,
-                                  [s.generator for s in s_states], self.default_generator)
+        streams = RandomStreams.build([s.seed for s in s_states], [len(s.output_token_ids) for s in s_states])
+        out, n_emit = self.verify(draft_ids, cu_draft, q, target_probs, greedy, streams, has_bonus)
         out = out.cpu().numpy()
         n_emit = n_emit.cpu().numpy().astype(np.int32)
         flat = out[np.arange(out.shape[1])[None, :] < n_emit[:, None]]
-        return flat, n_emit
+        return flat, n_emit, _num_accepted(out, n_emit, d, np.asarray(sched.draft_token_ids))
 
     @staticmethod
     def _logprobs(logits, cu_logits, cu, flat, want, states, logprobs):
+        """Raw logprobs of every emitted token of the requests in `want` (one batched call)."""
+        rows, toks, spans = [], [], []
         for i in want:
-            n = int(cu[i + 1] - cu[i])
-            if n == 0:
-                continue
-            rows = logits[cu_logits[i]: cu_logits[i] + n].float().log_softmax(-1)  # [n, V]
-            toks = torch.from_numpy(flat[cu[i]: cu[i + 1]].astype(np.int64))
-            chosen = rows.gather(1, toks.unsqueeze(1)).squeeze(1).tolist()
-            top_n = states[i].params.logprobs
-            entries = []
-            if top_n:
-                vals, ids = rows.topk(top_n, dim=-1)
-                for j in range(n):
-                    e = dict(zip(ids[j].tolist(), vals[j].tolist()))
-                    e[int(toks[j])] = chosen[j]
-                    entries.append(e)
-            else:
-                entries = [{int(t): c} for t, c in zip(toks.tolist(), chosen)]
-            logprobs[i] = entries
+            n = int(cu[i + 1] - cu[i])  # emitted tokens = the first n of the request's logits rows
+            if n:
+                spans.append((i, len(toks), n))
+                rows.extend(range(int(cu_logits[i]), int(cu_logits[i]) + n))
+                toks.extend(flat[cu[i]: cu[i + 1]].tolist())
+        if not spans:
+            return
+        top_n = max(states[i].params.logprobs for i, _, _ in spans)
+        lp = compute_logprobs(logits[torch.tensor(rows, device=logits.device)],
+                              torch.tensor(toks, dtype=torch.int64), top_n)  # [T, top_n + 1]
+        for i, start, n in spans:
+            part = LogprobsTensors(lp.token_ids[start:start + n], lp.logprobs[start:start + n],
+                                   lp.sampled_token_ranks[start:start + n])
+            logprobs[i] = part.entries(states[i].params.logprobs)
+
+
+def _num_accepted(out: np.ndarray, n_emit: np.ndarray, d: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+    """Accepted drafts per request: the leading emitted tokens equal to its drafts (a recovered
+    token never equals the draft it replaces, so this is exact; the core applies the same rule
+    to decide whether a split proposal's rest is kept).
+
+    out int64[R, W] padded -1, n_emit int32[R], d int32[R] drafts verified, drafts int64[sum d]."""
+    R = len(d)
+    width = int(d.max(initial=0))
+    grid = np.full((R, width), -2, dtype=np.int64)
+    cols = np.arange(width)[None, :]
+    valid = cols < d[:, None]
+    grid[valid] = drafts
+    same = (out[:, :width] == grid) & valid & (cols < n_emit[:, None])
+    return np.cumprod(same, axis=1).sum(axis=1).astype(np.int32)

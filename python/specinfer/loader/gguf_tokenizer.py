@@ -79,9 +79,17 @@ def build_gguf_tokenizer(meta: dict, source: str) -> tuple[tokenizers.Tokenizer,
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"{source}: unsupported GGUF pre-tokenizer {pre!r}; supported: {sorted(PRE_TOKENIZERS)}")
     make_pre, nfc, ignore_merges = PRE_TOKENIZERS[pre]
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{source}: missing or empty GGUF tokenizer array tokenizer.ggml.tokens")
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    if not isinstance(types, list) or len(types) != len(tokens):
+        got = len(types) if isinstance(types, list) else repr(types)
+        raise ValueError(f"{source}: GGUF tokenizer.ggml.token_type has {got} entries for {len(tokens)} tokens")
+    raw_merges = meta.get("tokenizer.ggml.merges", [])
+    if not isinstance(raw_merges, list) or any(not isinstance(m, str) or " " not in m for m in raw_merges):
+        raise ValueError(f"{source}: GGUF tokenizer.ggml.merges must be a list of \"left right\" strings")
+    merges = [tuple(m.split(" ", 1)) for m in raw_merges]
 
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
@@ -111,6 +119,9 @@ def build_gguf_tokenizer(meta: dict, source: str) -> tuple[tokenizers.Tokenizer,
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     steps = [processors.ByteLevel(trim_offsets=False)]
+    if bos_id is not None and not (isinstance(bos_id, int) and 0 <= bos_id < len(tokens)):
+        raise ValueError(f"{source}: GGUF tokenizer.ggml.bos_token_id = {bos_id!r} is outside the vocabulary "
+                         f"[0, {len(tokens)})")
     if add_bos and bos_id is not None:
         bos = tokens[bos_id]
         steps.append(processors.TemplateProcessing(

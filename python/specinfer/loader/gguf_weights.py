@@ -105,23 +105,54 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
             raise ValueError(f"{path}: missing GGUF metadata {arch}.{key}")
         return value
 
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    def positive(key, value):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{path}: GGUF metadata {arch}.{key} must be a positive integer (got {value!r})")
+        return int(value)
+
+    hidden = positive("embedding_length", get("embedding_length"))
+    heads = positive("attention.head_count", get("attention.head_count"))
+    kv_heads = positive("attention.head_count_kv", meta.get(f"{arch}.attention.head_count_kv", heads))
+    if f"{arch}.attention.key_length" in meta:
+        head_dim = positive("attention.key_length", meta[f"{arch}.attention.key_length"])
+    elif hidden % heads:
+        raise ValueError(f"{path}: GGUF metadata {arch}.attention.head_count ({heads}) does not divide "
+                         f"{arch}.embedding_length ({hidden})")
+    else:
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        raise ValueError(f"{path}: GGUF metadata {arch}.attention.head_count_kv ({kv_heads}) does not divide "
+                         f"{arch}.attention.head_count ({heads})")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"{path}: missing or empty GGUF tokenizer array tokenizer.ggml.tokens")
+    vocab_size = positive("vocab_size", meta.get(f"{arch}.vocab_size") or len(tokens))
+    if len(tokens) > vocab_size:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} tokens, more than "
+                         f"{arch}.vocab_size ({vocab_size})")
     rot = meta.get(f"{arch}.rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings (rope.dimension_count {rot} != head_dim {head_dim})")
-    eos = [meta[f"tokenizer.ggml.{k}_token_id"] for k in ("eos", "eot", "eom") if f"tokenizer.ggml.{k}_token_id" in meta]
-    eos = list(dict.fromkeys(int(i) for i in eos))
-    bos = meta.get("tokenizer.ggml.bos_token_id")
+    special = {}
+    for k in ("bos", "eos", "eot", "eom"):
+        key = f"tokenizer.ggml.{k}_token_id"
+        if key in meta:
+            i = meta[key]
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(tokens):
+                raise ValueError(f"{path}: GGUF metadata {key} = {i!r} is outside the vocabulary "
+                                 f"[0, {len(tokens)})")
+            special[k] = int(i)
+    eos = list(dict.fromkeys(special[k] for k in ("eos", "eot", "eom") if k in special))
+    bos = special.get("bos")
     has_bias = "blk.0.attn_q.bias" in tensor_names
     return ModelConfig(
         architecture=arch,
-        vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),
         num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
@@ -131,7 +162,7 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
         attention_bias=has_bias,
         attention_output_bias="blk.0.attn_output.bias" in tensor_names,
         sliding_window=None,
-        bos_token_id=None if bos is None else int(bos),
+        bos_token_id=bos,
         eos_token_ids=tuple(eos),
     )
 

@@ -26,21 +26,34 @@ def _read_json(path: str, *, required: bool) -> dict | None:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            obj = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object (got {type(obj).__name__})")
+    return obj
 
 
 def _shard_files(model_dir: str) -> list[str]:
-    index = _read_json(os.path.join(model_dir, "model.safetensors.index.json"), required=False)
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    index = _read_json(index_path, required=False)
     if index is not None:
-        names = sorted(set(index.get("weight_map", {}).values()))
-        if not names:
-            raise ValueError(f"{model_dir}/model.safetensors.index.json: empty weight_map")
-        files = [os.path.join(model_dir, n) for n in names]
-        for f in files:
-            if not os.path.exists(f):
-                raise FileNotFoundError(f"missing safetensors shard listed in the index: {f}")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path}: weight_map must be a non-empty object of tensor name -> shard file")
+        bad = next((n for n in weight_map.values() if not isinstance(n, str) or not n), None)
+        if bad is not None or any(not isinstance(n, str) for n in weight_map.values()):
+            raise ValueError(f"{index_path}: weight_map shard names must be file names (got {bad!r})")
+        root = os.path.realpath(model_dir)
+        files = []
+        for name in sorted(set(weight_map.values())):
+            f = os.path.realpath(os.path.join(root, name))
+            if os.path.isabs(name) or os.path.commonpath([root, f]) != root or f == root:
+                raise ValueError(f"{index_path}: weight_map shard {name!r} resolves outside the model directory")
+            if not os.path.isfile(f):
+                raise FileNotFoundError(
+                    f"missing safetensors shard listed in the index: {os.path.join(model_dir, name)}")
+            files.append(f)
         return files
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
@@ -64,10 +77,21 @@ def _token_id(tokenizer: tokenizers.Tokenizer, token) -> int | None:
     return tokenizer.token_to_id(token) if isinstance(token, str) else None
 
 
-def _ids(value) -> list[int]:
+def _ids(value, where: str) -> list[int]:
+    """A token id or a list of them (HF writes both) -> list[int]; anything else names `where`."""
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+        raise ValueError(f"{where} must be a token id or a list of token ids (got {value!r})")
+    return values
+
+
+def check_special_ids(ids, vocab_size: int, where: str) -> None:
+    """Every id in [0, vocab_size), or ValueError naming where it came from."""
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"{where} = {i} is outside the vocabulary [0, {vocab_size})")
 
 
 def ensure_bos(tokenizer: tokenizers.Tokenizer, bos_token_id: int | None, wanted: bool) -> bool:
@@ -93,7 +117,7 @@ def load_hf_dir(model_dir: str, *, dtype: torch.dtype, device, quantization: str
         cfg = ModelConfig.from_hf_config(hf_config)
     except KeyError as e:
         raise ValueError(f"{model_dir}/config.json: missing field {e}") from e
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
         raise ValueError(f"{model_dir}/config.json: {e}") from e
     gen_config = _read_json(os.path.join(model_dir, "generation_config.json"), required=False) or {}
     tok_config = _read_json(os.path.join(model_dir, "tokenizer_config.json"), required=False) or {}
@@ -106,23 +130,36 @@ def load_hf_dir(model_dir: str, *, dtype: torch.dtype, device, quantization: str
     except Exception as e:
         raise ValueError(f"{tok_path}: unreadable tokenizer ({e})") from e
 
-    model = LlamaForCausalLM(cfg, dtype=dtype, device=device, quantization=quantization)
-    # int8: tensors arrive in float32 and are quantized one by one (never a whole float copy)
-    model.load_weights(_safetensors_weights(_shard_files(model_dir), torch.float32 if model.quantization else dtype),
-                       source=model_dir)
-    model.eval()
-
+    config_json = os.path.join(model_dir, "config.json")
+    gen_json = os.path.join(model_dir, "generation_config.json")
+    V = cfg.vocab_size
+    check_special_ids([] if cfg.bos_token_id is None else [cfg.bos_token_id], V, f"{config_json}: bos_token_id")
+    check_special_ids(cfg.eos_token_ids, V, f"{config_json}: eos_token_id")
+    gen_bos = _ids(gen_config.get("bos_token_id"), f"{gen_json}: bos_token_id")
+    gen_eos = _ids(gen_config.get("eos_token_id"), f"{gen_json}: eos_token_id")
+    check_special_ids(gen_bos, V, f"{gen_json}: bos_token_id")
+    check_special_ids(gen_eos, V, f"{gen_json}: eos_token_id")
     bos = cfg.bos_token_id
     if bos is None:
-        bos = (_ids(gen_config.get("bos_token_id")) or [None])[0]
+        bos = (gen_bos or [None])[0]
     if bos is None:
         bos = _token_id(tokenizer, tok_config.get("bos_token"))
     eos: list[int] = []
-    for i in list(cfg.eos_token_ids) + _ids(gen_config.get("eos_token_id")):
+    for i in list(cfg.eos_token_ids) + gen_eos:
         if i not in eos:
             eos.append(i)
     if not eos and (tok_eos := _token_id(tokenizer, tok_config.get("eos_token"))) is not None:
         eos.append(tok_eos)
+    tok_json = os.path.join(model_dir, "tokenizer_config.json")
+    check_special_ids(eos, V, f"{tok_json}: eos_token")
+    check_special_ids([] if bos is None else [bos], V, f"{tok_json}: bos_token")
+
+    shards = _shard_files(model_dir)
+    model = LlamaForCausalLM(cfg, dtype=dtype, device=device, quantization=quantization)
+    # int8: tensors arrive in float32 and are quantized one by one (never a whole float copy)
+    model.load_weights(_safetensors_weights(shards, torch.float32 if model.quantization else dtype), source=model_dir)
+    model.eval()
+
     add_bos = ensure_bos(tokenizer, bos, bool(tok_config.get("add_bos_token", False)))
 
     chat_template = tok_config.get("chat_template")

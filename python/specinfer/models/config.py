@@ -20,12 +20,34 @@ _ROPE_REQUIRED_KEYS = {
 }
 
 
-def _int_tuple(value: Any) -> tuple[int, ...]:
+_REQUIRED = object()
+
+
+def _hf_int(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> Any:
+    """config.json's `key` as a positive int (or `default` when absent); errors name the key."""
+    value = hf.get(key)
     if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+        if default is _REQUIRED:
+            raise ValueError(f"missing field {key!r}")
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"field {key!r} must be a positive integer (got {value!r})")
+    return value
+
+
+def _hf_float(hf: Mapping[str, Any], key: str, default: float | None = None) -> float:
+    value = hf.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"field {key!r} must be a positive number (got {value!r})")
+    return float(value)
+
+
+def _hf_ids(hf: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = hf.get(key)
+    values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+        raise ValueError(f"field {key!r} must be a token id or a list of token ids (got {value!r})")
+    return tuple(values)
 
 
 @dataclass(frozen=True)
@@ -107,13 +129,26 @@ class ModelConfig:
             raise ValueError("unsupported config: mlp_bias=True")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported config: hidden_act {hf.get('hidden_act')!r} (only 'silu')")
-        num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        num_heads = _hf_int(hf, "num_attention_heads")
+        hidden = _hf_int(hf, "hidden_size")
+        head_dim = _hf_int(hf, "head_dim", None)
+        if head_dim is None:
+            if hidden % num_heads:
+                raise ValueError(f"num_attention_heads ({num_heads}) does not divide hidden_size ({hidden}) "
+                                 "and there is no head_dim")
+            head_dim = hidden // num_heads
+        num_kv_heads = _hf_int(hf, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) does not divide num_attention_heads "
+                             f"({num_heads})")
         # 5.x: rope_parameters = {"rope_type", "rope_theta", ...}; 4.x: rope_theta + rope_scaling.
+        for key in ("rope_parameters", "rope_scaling"):
+            if hf.get(key) is not None and not isinstance(hf.get(key), Mapping):
+                raise ValueError(f"field {key!r} must be an object (got {hf.get(key)!r})")
         rope = dict(hf.get("rope_parameters") or {})
         legacy = hf.get("rope_scaling") or {}
         rope = {**legacy, **rope}
-        rope_theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+        rope_theta = _hf_float({"rope_theta": rope.pop("rope_theta", hf.get("rope_theta", 10000.0))}, "rope_theta")
         rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
         rope.pop("type", None)
         rope_scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
@@ -125,27 +160,25 @@ class ModelConfig:
         else:
             qkv_bias = o_bias = bool(hf.get("attention_bias", False))
             use_sw = True
-        sliding_window = hf.get("sliding_window") if use_sw else None
-        bos = hf.get("bos_token_id")
-        if isinstance(bos, list):
-            bos = bos[0] if bos else None
+        sliding_window = _hf_int(hf, "sliding_window", None) if use_sw else None
+        bos = (_hf_ids(hf, "bos_token_id") or (None,))[0]
         return cls(
             architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=_hf_int(hf, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_hf_int(hf, "intermediate_size"),
+            num_layers=_hf_int(hf, "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_hf_float(hf, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            max_position_embeddings=_hf_int(hf, "max_position_embeddings", 4096),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_output_bias=o_bias,
             sliding_window=sliding_window,
             bos_token_id=bos,
-            eos_token_ids=_int_tuple(hf.get("eos_token_id")),
+            eos_token_ids=_hf_ids(hf, "eos_token_id"),
         )

@@ -1,20 +1,25 @@
 """Sampling and verification: turn logits rows into tokens.
 
-- :class:`SamplingMetadata`: per-row temperature / top-k / top-p / min-p / generators.
+- :class:`SamplingMetadata`: per-row temperature / top-k / top-p / min-p / random streams.
+- :class:`RandomStreams`: counter-based draws keyed on (seed, output position, purpose).
 - :func:`probs_from_logits`: the processed distribution (shared by target and draft).
-- :class:`Sampler`: one token per row (+ raw logprobs).
+- :class:`Sampler`: one token per row.
+- :func:`compute_logprobs`: raw logprobs of emitted tokens (the engine's one implementation).
 - :func:`rejection_sample`: lossless verification of drafts.
 - :func:`typical_acceptance_sample`: Medusa-style verification; NOT distribution-preserving.
 """
 from .logits_processor import (apply_min_p, apply_temperature, apply_top_k_top_p,
                                probs_from_logits, process_logits)
 from .metadata import GREEDY_TEMPERATURE, SamplingMetadata
+from .random_streams import RandomStreams, sample_from_weights
 from .rejection_sampler import rejection_sample
-from .sampler import LogprobsTensors, Sampler, SamplerOutput, compute_logprobs
+from .logprobs import LogprobsTensors, compute_logprobs
+from .sampler import Sampler, SamplerOutput
 from .typical_acceptance import typical_acceptance_sample
 
 __all__ = [
-    "GREEDY_TEMPERATURE", "LogprobsTensors", "Sampler", "SamplerOutput", "SamplingMetadata",
+    "GREEDY_TEMPERATURE", "LogprobsTensors", "RandomStreams", "Sampler", "SamplerOutput",
+    "SamplingMetadata", "sample_from_weights",
     "apply_min_p", "apply_temperature", "apply_top_k_top_p", "compute_logprobs",
     "probs_from_logits", "process_logits", "rejection_sample", "typical_acceptance_sample",
 ]

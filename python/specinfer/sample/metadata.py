@@ -8,8 +8,8 @@ Conventions (the same as vLLM / HF):
 - ``temperature`` below ``GREEDY_TEMPERATURE`` (1e-5; 0 is the canonical value) means greedy:
   the row takes the argmax of the raw logits and consumes no randomness.
 - ``top_k`` 0 or -1 means off; ``top_p`` 1.0 means off; ``min_p`` 0.0 means off.
-- ``generators[i]`` is the row's own ``torch.Generator`` when its request is seeded, else
-  ``None`` (the row draws from the sampler's default generator, batched with other rows).
+- ``streams`` holds each row's random stream (its request's seed and the output position the
+  row decides; see :mod:`.random_streams`); ``None`` when no row samples randomly.
 """
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from .random_streams import RandomStreams
 
 GREEDY_TEMPERATURE = 1e-5
 
@@ -45,13 +47,12 @@ class SamplingMetadata:
     top_k: torch.Tensor  # int64[L]; 0 or -1 = off
     top_p: torch.Tensor  # float32[L]; in (0, 1], 1 = off
     min_p: torch.Tensor  # float32[L]; in [0, 1], 0 = off
-    generators: list[torch.Generator | None]  # len L; None = use the default generator
+    streams: RandomStreams | None  # L rows; None = no randomness (only processing, or greedy)
     all_greedy: bool  # every row greedy: no processing, no randomness
     all_random: bool  # no row greedy
     no_top_k: bool  # no random row uses top-k
     no_top_p: bool  # no random row uses top-p
     no_min_p: bool  # no random row uses min-p
-    max_num_logprobs: int | None = None  # top-N logprobs to return; None = no logprobs
 
     @property
     def num_rows(self) -> int:
@@ -68,8 +69,7 @@ class SamplingMetadata:
         top_k: Sequence[int] | torch.Tensor | None = None,
         top_p: Sequence[float] | torch.Tensor | None = None,
         min_p: Sequence[float] | torch.Tensor | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
-        max_num_logprobs: int | None = None,
+        streams: RandomStreams | None = None,
         device: torch.device | str | None = None,
     ) -> "SamplingMetadata":
         """Validate per-row parameters (errors name the field and row) and set the flags."""
@@ -78,38 +78,38 @@ class SamplingMetadata:
         k = _as_tensor("top_k", [0] * n if top_k is None else top_k, torch.int64, n, device)
         p = _as_tensor("top_p", [1.0] * n if top_p is None else top_p, torch.float32, n, device)
         m = _as_tensor("min_p", [0.0] * n if min_p is None else min_p, torch.float32, n, device)
-        gens = [None] * n if generators is None else list(generators)
-        if len(gens) != n:
-            raise ValueError(f"generators has {len(gens)} rows, temperature has {n}")
+        if streams is not None and len(streams) != n:
+            raise ValueError(f"streams has {len(streams)} rows, temperature has {n}")
         _check("temperature", temp >= 0, temp, ">= 0 (0 = greedy)")  # NaN fails too
         _check("top_k", k >= -1, k, ">= -1 (0 or -1 = off)")
         _check("top_p", (p > 0) & (p <= 1), p, "in (0, 1]")
         _check("min_p", (m >= 0) & (m <= 1), m, "in [0, 1]")
-        if max_num_logprobs is not None and max_num_logprobs < 0:
-            raise ValueError(f"max_num_logprobs = {max_num_logprobs} must be >= 0 or None")
         random = temp >= GREEDY_TEMPERATURE
         return cls(
-            temperature=temp, top_k=k, top_p=p, min_p=m, generators=gens,
+            temperature=temp, top_k=k, top_p=p, min_p=m, streams=streams,
             all_greedy=not bool(random.any()),
             all_random=bool(random.all()),
             no_top_k=not bool((random & (k > 0)).any()),
             no_top_p=not bool((random & (p < 1)).any()),
             no_min_p=not bool((random & (m > 0)).any()),
-            max_num_logprobs=max_num_logprobs,
         )
 
     def expand(self, num_rows_per_request: Sequence[int]) -> "SamplingMetadata":
-        """Repeat row i ``num_rows_per_request[i]`` times (e.g. ``1 + k`` verification rows).
-
-        Generators are shared by reference: the rows of one request draw from one generator.
-        """
+        """Repeat row i ``num_rows_per_request[i]`` times (e.g. ``1 + k`` verification rows);
+        the j-th copy decides output position ``positions[i] + j``."""
         counts = list(num_rows_per_request)
         if len(counts) != self.num_rows:
             raise ValueError(
                 f"num_rows_per_request has {len(counts)} entries, metadata has {self.num_rows} rows")
         rep = torch.as_tensor(counts, dtype=torch.int64, device=self.temperature.device)
-        gens = [g for g, c in zip(self.generators, counts) for _ in range(c)]
+        streams = None if self.streams is None else self.streams.expand(counts)
         return SamplingMetadata.build(
             self.temperature.repeat_interleave(rep), self.top_k.repeat_interleave(rep),
-            self.top_p.repeat_interleave(rep), self.min_p.repeat_interleave(rep), gens,
-            self.max_num_logprobs)
+            self.top_p.repeat_interleave(rep), self.min_p.repeat_interleave(rep), streams)
+
+    def take(self, rows: Sequence[int]) -> "SamplingMetadata":
+        """The metadata of a subset of rows, in the given order."""
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.temperature.device)
+        streams = None if self.streams is None else self.streams.take(list(rows))
+        return SamplingMetadata.build(self.temperature[idx], self.top_k[idx], self.top_p[idx],
+                                      self.min_p[idx], streams)

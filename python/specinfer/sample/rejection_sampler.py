@@ -23,33 +23,33 @@ accept while x_j == argmax p_j, then emit argmax of the next target row; they dr
 randomness. If the residual is all zero (p == q on the rejected row, probability 0 in exact
 arithmetic, reachable only through rounding) the recovered token is sampled from p instead.
 
-Randomness: per request, k_i uniforms then V Exp(1) draws (for the recovered/bonus token via
-the exponential race), from the request's generator when it has one, so a seeded request
-gives the same output alone or in any batch. The hot path is vectorized over the batch; the
-only Python loops are over seeded requests' draws (see :mod:`.noise`).
+Randomness: counter-based (see :mod:`.random_streams`). Request i's draft at output position
+``P_i + j`` is tested against ``U(seed_i, P_i + j, ACCEPT)``; its recovered or bonus token at
+``P_i + m`` is drawn by inverse CDF with ``U(seed_i, P_i + m, SAMPLE)``. No state is consumed,
+so a request's outcome does not depend on the batch, and a cancelled step replays exactly.
+Greedy requests use no randomness.
+
+A request whose proposal was split by the token budget has no bonus row (``has_bonus``
+False): when all its verified drafts are accepted it emits just those, and the rest of its
+proposal is verified next step with the same draws it would have met now.
 
 The accept test, the uniform draw and the residual are separate small functions so the
 statistical tests can replace each with a known-broken variant and watch the test fail.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from .draft_layout import DraftLayout
-from .noise import draw_exponential, draw_uniform, exponential_race
+from .random_streams import ACCEPT, SAMPLE, RandomStreams, sample_from_weights
 
 
 def _draw_uniform(
-    counts: Sequence[int],  # R; k_i for random requests, 0 for greedy ones
-    generators: Sequence[torch.Generator | None],
-    default_generator: torch.Generator | None,
+    streams: RandomStreams,  # R rows
     width: int,  # max_k
-    dtype: torch.dtype,
     device: torch.device,
-) -> torch.Tensor:  # [R, max_k], U[0, 1); row i valid in [:counts[i]]
-    return draw_uniform(counts, generators, default_generator, width, dtype, device)
+) -> torch.Tensor:  # float64[R, width], U(seed_i, P_i + j, ACCEPT)
+    return streams.uniform(ACCEPT, width, device)
 
 
 def _accept(
@@ -78,44 +78,43 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,  # int64[N]
     cu_num_draft: torch.Tensor,  # int32/int64[R + 1]
     draft_probs: torch.Tensor | None,  # float[N, V]; None = model-free proposer (one-hot q)
-    target_probs: torch.Tensor,  # float[N + R, V]; k_i draft rows + 1 bonus row per request
+    target_probs: torch.Tensor,  # float[N + B, V]; k_i draft rows (+ 1 bonus row) per request
     is_greedy: torch.Tensor,  # bool[R]
-    generators: Sequence[torch.Generator | None],  # R; None = draw from default_generator
-    default_generator: torch.Generator | None = None,  # None = torch's global generator
+    streams: RandomStreams,  # R rows: seed and output position of the first draft
+    has_bonus: torch.Tensor | None = None,  # bool[R]; None = every request has a bonus row
 ) -> tuple[torch.Tensor, torch.Tensor]:  # int64[R, max_k + 1] padded -1, int32[R]
     """Verify the drafts of R requests; returns (output_token_ids, num_emitted).
 
     ``output_token_ids[i, :num_emitted[i]]`` are request i's emitted tokens: its accepted
-    drafts followed by one recovered or bonus token; the rest is -1.
+    drafts followed by one recovered or bonus token (none when a request without a bonus row
+    accepted all its drafts); the rest is -1.
     """
     layout = DraftLayout.build(draft_token_ids, cu_num_draft, draft_probs, target_probs,
-                               is_greedy, generators)
-    num_requests, vocab_size = len(layout.num_draft), target_probs.shape[1]
-    device, dtype = target_probs.device, target_probs.dtype
+                               is_greedy, len(streams), has_bonus)
+    vocab_size = target_probs.shape[1]
+    device = target_probs.device
     is_greedy = is_greedy.to(device)
-    greedy_host = is_greedy.tolist()
-    target_argmax = target_probs.argmax(dim=-1)  # [N + R]
+    all_greedy = bool(is_greedy.all())
+    target_argmax = target_probs.argmax(dim=-1)  # [N + B]
 
     # Acceptance, greedy requests: exact match with the target argmax.
     accept = layout.draft_tokens == target_argmax[layout.target_index]  # [R, max_k]
-    if not all(greedy_host):
+    if not all_greedy:
         target_prob = target_probs[layout.target_index, layout.draft_tokens]  # [R, max_k]
         if draft_probs is None:
             draft_prob = torch.ones_like(target_prob)
         else:
             draft_prob = draft_probs[layout.draft_index, layout.draft_tokens]
         draft_prob = torch.where(layout.valid, draft_prob, 1.0)
-        counts = [0 if g else k for g, k in zip(greedy_host, layout.num_draft)]
-        uniform = _draw_uniform(counts, generators, default_generator, layout.max_k, dtype,
-                                device)
+        uniform = _draw_uniform(streams, layout.max_k, device)
         accept = torch.where(is_greedy.unsqueeze(1), accept,
                              _accept(uniform, target_prob, draft_prob))
     num_accepted = layout.count_accepted(accept)  # [R]
 
     # The recovered or bonus token comes from target row first_target + num_accepted.
-    final_row = layout.first_target + num_accepted  # [R]
+    final_row = layout.final_row(num_accepted)  # [R]
     final_token = target_argmax[final_row]
-    if not all(greedy_host):
+    if not all_greedy:
         p = target_probs[final_row]  # [R, V]
         rejected = num_accepted < layout.num_draft_t  # [R]; False = bonus
         rejected_draft = (layout.first_draft + num_accepted).clamp(
@@ -124,11 +123,11 @@ def rejection_sample(
             q = draft_probs[rejected_draft]
         elif draft_token_ids.shape[0] > 0:
             q = torch.nn.functional.one_hot(
-                draft_token_ids.to(device)[rejected_draft], vocab_size).to(dtype)
+                draft_token_ids.to(device)[rejected_draft], vocab_size).to(p.dtype)
         else:
             q = torch.zeros_like(p)
         weights = torch.where(rejected.unsqueeze(1), _residual(p, q), p)
-        noise = draw_exponential([not g for g in greedy_host], vocab_size, generators,
-                                 default_generator, dtype, device)
-        final_token = torch.where(is_greedy, final_token, exponential_race(weights, noise))
+        u = streams.uniform(SAMPLE, layout.max_k + 1, device).gather(
+            1, num_accepted.unsqueeze(1)).squeeze(1)  # [R], at output position P_i + m
+        final_token = torch.where(is_greedy, final_token, sample_from_weights(weights, u))
     return layout.emit(num_accepted, final_token)

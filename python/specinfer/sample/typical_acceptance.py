@@ -13,17 +13,16 @@ as target-only sampling; use it when the proposer has no useful draft probabilit
 heads) and speed matters more than exactness. ``draft_probs`` is accepted for interface
 parity with ``rejection_sample`` and ignored.
 
-Randomness: only the bonus token, V Exp(1) draws per non-greedy request, from the request's
-generator when it has one (same determinism contract as :mod:`.noise`).
+Randomness: only the bonus token of a non-greedy request, drawn by inverse CDF with
+``U(seed, P + k, SAMPLE)`` (counter-based, :mod:`.random_streams`); rows that take no bonus
+token draw nothing.
 """
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 
 from .draft_layout import DraftLayout
-from .noise import draw_exponential, exponential_race
+from .random_streams import SAMPLE, RandomStreams, sample_from_weights
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:  # float[M, V] -> float[M], nats, 0 log 0 = 0
@@ -34,16 +33,16 @@ def typical_acceptance_sample(
     draft_token_ids: torch.Tensor,  # int64[N]
     cu_num_draft: torch.Tensor,  # int32/int64[R + 1]
     draft_probs: torch.Tensor | None,  # float[N, V]; ignored
-    target_probs: torch.Tensor,  # float[N + R, V]; k_i draft rows + 1 bonus row per request
+    target_probs: torch.Tensor,  # float[N + B, V]; k_i draft rows (+ 1 bonus row) per request
     is_greedy: torch.Tensor,  # bool[R]
-    generators: Sequence[torch.Generator | None],  # R
-    default_generator: torch.Generator | None = None,
+    streams: RandomStreams,  # R rows
+    has_bonus: torch.Tensor | None = None,  # bool[R]; None = every request has a bonus row
     posterior_threshold: float = 0.09,
     posterior_alpha: float = 0.3,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # int64[R, max_k + 1] padded -1, int32[R]
     """Verify drafts by typical acceptance; returns (output_token_ids, num_emitted)."""
     layout = DraftLayout.build(draft_token_ids, cu_num_draft, draft_probs, target_probs,
-                               is_greedy, generators)
+                               is_greedy, len(streams), has_bonus)
     device = target_probs.device
     is_greedy = is_greedy.to(device)
     target_argmax = target_probs.argmax(dim=-1)  # [N + R]
@@ -55,12 +54,13 @@ def typical_acceptance_sample(
     exact = layout.draft_tokens == target_argmax[layout.target_index]
     num_accepted = layout.count_accepted(torch.where(is_greedy.unsqueeze(1), exact, typical))
 
-    final_row = layout.first_target + num_accepted  # [R]
+    final_row = layout.final_row(num_accepted)  # [R]
     final_token = target_argmax[final_row]  # rejected: greedy fallback
-    bonus = (num_accepted == layout.num_draft_t) & ~is_greedy  # [R]
-    if bool(bonus.any()):
-        noise = draw_exponential((~is_greedy).tolist(), target_probs.shape[1], generators,
-                                 default_generator, target_probs.dtype, device)
-        sampled = exponential_race(target_probs[final_row], noise)
-        final_token = torch.where(bonus, sampled, final_token)
+    bonus = (num_accepted == layout.num_draft_t) & layout.has_bonus & ~is_greedy  # [R]
+    rows = bonus.nonzero().squeeze(1)
+    if rows.numel():
+        sub = streams.take(rows.cpu().numpy())
+        u = sub.uniform(SAMPLE, layout.max_k + 1, device).gather(
+            1, num_accepted[rows].unsqueeze(1)).squeeze(1)
+        final_token[rows] = sample_from_weights(target_probs[final_row[rows]], u)
     return layout.emit(num_accepted, final_token)

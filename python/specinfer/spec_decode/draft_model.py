@@ -6,6 +6,13 @@ Each step it first catches up on every token the target confirmed that it has no
 after a pause), in one batched forward whose last rows give the first draft; then k - 1
 batched single-token forwards give the rest. Positions it writes past the confirmed tokens sit
 in the lookahead slots the core reserved; rejected ones are simply overwritten later.
+
+The catch-up takes at most the engine's token budget (plus one token per sampled request) per
+step: in steady state that is exactly what the target confirmed, while a long history after a
+pause is caught up over several steps (a request drafts once it is level). On a
+request's first sight, prefix-cache blocks are reused only where this draft wrote their KV for
+the same prefix (DraftKvRecords). Draft tokens are sampled from q by inverse CDF with the
+request's counter-based draw ``U(seed, output position, DRAFT)``.
 """
 from __future__ import annotations
 
@@ -16,7 +23,8 @@ from specinfer.engine.batch import attention_metadata_for_runs
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.step_sampler import sampling_metadata
 from specinfer.sample import probs_from_logits
-from specinfer.sample.noise import draw_exponential, exponential_race
+from specinfer.sample.random_streams import DRAFT, sample_from_weights
+from specinfer.spec_decode.draft_kv_records import DraftKvRecords
 from specinfer.spec_decode.proposer import Proposal, ProposalInput
 
 
@@ -29,67 +37,92 @@ class DraftModelProposer:
         self.num_lookahead_tokens = self.k
         self.block_size = ctx.block_size
         self.device = ctx.device
-        self.default_generator = ctx.default_generator
+        self.max_catch_up_tokens = ctx.max_num_batched_tokens
+        self.make_runner = ctx.make_runner
         self.runner: ModelRunner | None = None
         self.num_seen: dict[int, int] = {}  # core id -> tokens whose draft KV is written
+        self.records = DraftKvRecords(ctx.block_size)
 
     def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
-        self.runner = ModelRunner(self.loaded.model, kv_caches_per_model[0], backend)
+        self.runner = self.make_runner(self.loaded.model, kv_caches_per_model[0], backend)
 
     def forget(self, core_ids) -> None:
         for i in core_ids:
             self.num_seen.pop(int(i), None)
+            self.records.forget(int(i))
 
     def propose(self, inp: ProposalInput) -> Proposal:
         sched = inp.sched
         R = len(inp.states)
         num_computed = np.asarray(sched.num_computed_tokens, dtype=np.int64)
         scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
-        starts = np.empty(R, np.int64)
-        ends = np.empty(R, np.int64)
+        follow = np.ones(R, dtype=bool) if inp.catch_up is None else inp.catch_up
+        starts = np.zeros(R, np.int64)
+        ends = np.zeros(R, np.int64)
+        level = np.zeros(R, dtype=bool)  # caught up with every confirmed token
+        # The target's scheduled tokens plus each sampled request's new token: in steady state
+        # that is exactly what the draft must see, so only a catch-up after a pause is spread.
+        budget = self.max_catch_up_tokens + int(inp.sampled.sum())
         for r, st in enumerate(inp.states):
-            if st.finished:
-                starts[r] = ends[r] = 0
+            if st.finished or not follow[r]:
                 continue
-            starts[r] = self.num_seen.get(st.core_id, num_computed[r])
             # confirmed tokens: through the new token when sampled, else the prefill chunk
-            ends[r] = st.num_tokens if inp.sampled[r] else num_computed[r] + scheduled[r]
+            confirmed = st.num_tokens if inp.sampled[r] else num_computed[r] + scheduled[r]
+            start = self.num_seen.get(st.core_id)
+            if start is None:  # first sight: reuse only blocks whose draft KV this draft wrote
+                start = self.records.reusable_tokens(st, inp.block_rows[r], int(num_computed[r]))
+            end = min(confirmed, start + budget)
+            budget -= end - start
+            starts[r], ends[r] = start, end
+            self.num_seen[st.core_id] = int(end)
+            level[r] = end == confirmed
         live = np.flatnonzero(ends > starts)
-        if len(live) == 0:
-            return _empty()
-        tokens = np.fromiter((t for r in live for t in inp.states[r].tokens_slice(starts[r], ends[r])),
-                             dtype=np.int64)
-        attn, positions = attention_metadata_for_runs(inp.block_rows[live], starts[live], ends[live] - starts[live],
-                                                      self.block_size, self.device)
-        hidden, _ = self.runner.forward(torch.from_numpy(tokens).to(self.device),
-                                        torch.from_numpy(positions).to(self.device), attn)
-        for r in live:
-            self.num_seen[inp.states[r].core_id] = int(ends[r])
-        drafting = inp.speculate[live] & (inp.max_drafts[live] > 0)
+        hidden = None
+        if len(live):
+            for r in live:
+                self.records.will_write(inp.block_rows[r], int(starts[r]), int(ends[r]))
+            tokens = np.fromiter((t for r in live for t in inp.states[r].tokens_slice(starts[r], ends[r])),
+                                 dtype=np.int64)
+            attn, positions = attention_metadata_for_runs(inp.block_rows[live], starts[live],
+                                                          ends[live] - starts[live], self.block_size, self.device)
+            hidden, _ = self.runner.forward(torch.from_numpy(tokens).to(self.device),
+                                            torch.from_numpy(positions).to(self.device), attn)
+            for r in live:
+                self.records.wrote_confirmed(inp.states[r], inp.block_rows[r], int(starts[r]), int(ends[r]))
+        # a request drafts when it is level and its last confirmed token went through this forward
+        ran = np.zeros(R, dtype=bool)
+        ran[live] = True
+        drafting = inp.speculate & level & ran & (inp.max_drafts > 0)
         if not drafting.any():
             return _empty()
-        last_rows = (np.cumsum(ends[live] - starts[live]) - 1)[drafting]
-        rows = live[drafting]
+        last_row_of = np.cumsum(ends[live] - starts[live]) - 1  # per live request
+        row_in_live = {int(r): j for j, r in enumerate(live)}
+        rows = np.flatnonzero(drafting)
+        last_rows = np.array([last_row_of[row_in_live[int(r)]] for r in rows], dtype=np.int64)
         logits = self.runner.logits(hidden[torch.from_numpy(last_rows).to(self.device)])
         return self._draft(inp, rows, ends[rows], logits)
 
     def _draft(self, inp, rows, next_pos, logits) -> Proposal:
         states = [inp.states[r] for r in rows]
         limit = inp.max_drafts[rows]
-        meta = sampling_metadata(states, device=self.device)
+        # draft i decides output position len(output) + i of its request
+        first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)
+        meta = sampling_metadata(states, device=self.device, positions=first_out)
         want_probs = not meta.all_greedy
         steps = int(limit.max())
         drafted = np.zeros((len(rows), steps), dtype=np.int64)
         probs_out = []
         active = np.arange(len(rows))
         for i in range(steps):
-            tok, probs = self._sample(logits, meta, active, want_probs)
+            tok, probs = self._sample(logits, meta, active, i, want_probs)
             drafted[active, i] = tok.cpu().numpy()
             probs_out.append((active, probs))
             active = active[limit[active] > i + 1]
             if i + 1 == steps or len(active) == 0:
                 break
             positions = next_pos[active] + i
+            for j in active:
+                self.records.will_write(inp.block_rows[rows[j]], int(next_pos[j] + i), int(next_pos[j] + i + 1))
             attn, _ = attention_metadata_for_runs(inp.block_rows[rows[active]], positions,
                                                   np.ones(len(active), np.int64), self.block_size, self.device)
             pos_t = torch.from_numpy(positions).to(self.device)
@@ -105,23 +138,15 @@ class DraftModelProposer:
             q = _gather_probs(probs_out, len(rows), counts)
         return Proposal(np.asarray([s.core_id for s in states], np.uint64), cu, flat, q)
 
-    def _sample(self, logits, meta, active, want_probs):
-        sub = _take_rows(meta, active)
+    def _sample(self, logits, meta, active, i, want_probs):
+        """Draft i of the active rows: argmax for greedy rows, else a sample from q."""
         if not want_probs:
             return logits.argmax(-1), None
+        sub = meta.take(active.tolist())
         probs = probs_from_logits(logits, sub)  # [A, V], the draft's q for each row
-        noise = draw_exponential((~sub.is_greedy).tolist(), probs.shape[1], sub.generators,
-                                 self.default_generator, probs.dtype, probs.device)
-        tok = torch.where(sub.is_greedy, logits.argmax(-1), exponential_race(probs, noise))
+        u = sub.streams.uniform(DRAFT, i + 1, probs.device)[:, i]  # output position P + i
+        tok = torch.where(sub.is_greedy, logits.argmax(-1), sample_from_weights(probs, u))
         return tok, probs
-
-
-def _take_rows(meta, idx):
-    if len(idx) == meta.num_rows:
-        return meta
-    t = torch.from_numpy(idx)
-    return type(meta).build(meta.temperature[t], meta.top_k[t], meta.top_p[t], meta.min_p[t],
-                            [meta.generators[i] for i in idx])
 
 
 def _gather_probs(probs_out, n, counts):

@@ -17,17 +17,21 @@ class SpecMetrics:
         self.propose_s = self.score_s = self.verify_s = self.total_s = 0.0
         self.num_steps = 0
 
-    def record(self, num_draft: np.ndarray, num_accepted: np.ndarray) -> None:
-        """num_draft / num_accepted int[R] for the requests verified in one step."""
+    def record(self, num_draft: np.ndarray, num_accepted: np.ndarray,
+               num_emitted: np.ndarray | None = None, num_rows: np.ndarray | None = None) -> None:
+        """int[R] for the requests of one step: drafts verified, accepted, tokens emitted and
+        logits rows (a proposal split by the token budget has no bonus row: rows == drafts)."""
         has = num_draft > 0
         if not has.any():
             return
         d, a = num_draft[has], num_accepted[has]
+        e = a + 1 if num_emitted is None else num_emitted[has]
+        rows = d + 1 if num_rows is None else num_rows[has]
         self.num_drafts += int(has.sum())
         self.num_draft_tokens += int(d.sum())
         self.num_accepted_tokens += int(a.sum())
-        self.num_emitted_tokens += int(a.sum() + len(a))
-        self.max_emittable_tokens += int(d.sum() + len(d))
+        self.num_emitted_tokens += int(e.sum())
+        self.max_emittable_tokens += int(np.maximum(rows, d).sum())
         pos = np.arange(self.k)
         self.drafts_at += (pos[None, :] < d[:, None]).sum(0)
         self.accepted_at += (pos[None, :] < a[:, None]).sum(0)

@@ -19,6 +19,8 @@ class ProposalInput:
     max_drafts: np.ndarray  # int64[R] most drafts useful for each request (k, clamped by its limits)
     block_rows: np.ndarray  # int32[R, W] each request's block table row
     target_hidden: torch.Tensor | None  # [T, hidden] target's final hidden states of this step
+    catch_up: np.ndarray | None = None  # bool[R] requests whose proposer state must follow their
+    # confirmed tokens this step (speculating, alive); None = every alive request
 
 
 @dataclass

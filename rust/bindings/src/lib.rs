@@ -116,6 +116,8 @@ fn recycled_array2<'py>(
 struct SchedulerCore {
     inner: Scheduler,
     spare_block_tables: BufferPool,
+    /// Static-shape platforms: every scheduled batch's token axis is padded to a bucket.
+    token_padding: Option<core::TokenPadding>,
 }
 
 #[pymethods]
@@ -147,6 +149,7 @@ impl SchedulerCore {
         Ok(SchedulerCore {
             inner: Scheduler::new(config).map_err(to_py)?,
             spare_block_tables: BufferPool::default(),
+            token_padding: None,
         })
     }
 
@@ -280,8 +283,44 @@ impl SchedulerCore {
             .and_then(|mut p| p.pop())
             .unwrap_or_default();
         let inner = &mut self.inner;
-        let out = py.detach(|| inner.schedule_reusing(buf)).map_err(to_py)?;
+        let padding = self.token_padding.as_ref();
+        let out = py
+            .detach(|| {
+                let mut out = inner.schedule_reusing(buf)?;
+                if let Some(p) = padding {
+                    p.pad(&mut out, inner.config().block_size);
+                }
+                Ok(out)
+            })
+            .map_err(to_py)?;
         SchedulerOutput::new(py, out, &self.spare_block_tables)
+    }
+
+    /// Pad every scheduled batch's token axis up to the smallest of `token_buckets` (static-shape
+    /// platforms). Padded tokens belong to no sequence and write their K/V only into
+    /// `null_block`, a block id outside the pool (>= num_blocks). `None` turns padding off.
+    #[pyo3(signature = (token_buckets, null_block = 0))]
+    fn set_token_padding(
+        &mut self,
+        token_buckets: Option<Vec<i64>>,
+        null_block: i64,
+    ) -> PyResult<()> {
+        self.token_padding = match token_buckets {
+            None => None,
+            Some(b) => {
+                let buckets = b
+                    .into_iter()
+                    .map(|x| non_negative("token_buckets", x))
+                    .collect::<PyResult<Vec<usize>>>()?;
+                let null =
+                    u32::try_from(null_block).map_err(|_| invalid("null_block", "out of range"))?;
+                Some(
+                    core::TokenPadding::new(buckets, null, self.inner.num_total_blocks())
+                        .map_err(to_py)?,
+                )
+            }
+        };
+        Ok(())
     }
 
     fn update(
@@ -295,6 +334,12 @@ impl SchedulerCore {
         let inner = &mut self.inner;
         let out = py.detach(|| inner.update(&tokens, &cu)).map_err(to_py)?;
         Ok(UpdateOutput::new(py, out))
+    }
+
+    /// Undoes the pending step as if schedule() had not run (a failure between
+    /// schedule() and update()); False when no step was pending.
+    fn cancel_step(&mut self) -> bool {
+        self.inner.cancel_step()
     }
 
     fn num_free_blocks(&self) -> usize {
@@ -332,6 +377,7 @@ struct SchedulerOutput {
     num_scheduled_tokens: Py<PyArray1<i32>>,
     num_computed_tokens: Py<PyArray1<i32>>,
     num_draft_tokens: Py<PyArray1<i32>>,
+    draft_token_ids: Py<PyArray1<i64>>,
     cu_num_logits: Py<PyArray1<i32>>,
     logits_indices: Py<PyArray1<i64>>,
     input_ids: Py<PyArray1<i64>>,
@@ -361,6 +407,7 @@ impl SchedulerOutput {
             num_scheduled_tokens: o.num_scheduled_tokens.into_pyarray(py).unbind(),
             num_computed_tokens: o.num_computed_tokens.into_pyarray(py).unbind(),
             num_draft_tokens: o.num_draft_tokens.into_pyarray(py).unbind(),
+            draft_token_ids: o.draft_token_ids.into_pyarray(py).unbind(),
             cu_num_logits: o.cu_num_logits.into_pyarray(py).unbind(),
             logits_indices: o.logits_indices.into_pyarray(py).unbind(),
             input_ids: o.input_ids.into_pyarray(py).unbind(),

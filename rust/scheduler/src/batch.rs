@@ -15,14 +15,22 @@ pub struct ScheduledRun {
     /// Context already in the KV cache before this step (after any prefix-cache hit).
     pub num_computed_tokens: u32,
     pub num_scheduled_tokens: u32,
-    /// Drafts verified by this run (0 for a prefill chunk or plain decode).
+    /// Drafts inside this run's query (0 for a prefill chunk or plain decode); the
+    /// run's logits rows are `1 + num_draft_tokens` when sampled.
     pub num_draft_tokens: u32,
+    /// Drafts this run verifies: `num_draft_tokens`, or one more when the budget
+    /// split the proposal (then the last row scores a draft, not a bonus token).
+    pub num_verified_drafts: u32,
     /// The run reaches the end of the known tokens: its logits are sampled.
     pub sampled: bool,
     /// The run is a prompt chunk (see `Request::is_prefilling`).
     pub is_prefill: bool,
     /// Prefix-cache hit tokens found on this admission, else 0.
     pub num_cached_tokens: u32,
+    /// Admitted from the waiting queue by this step (undone by `cancel_step`).
+    pub newly_admitted: bool,
+    /// Blocks the request held before this step allocated (undone by `cancel_step`).
+    pub num_blocks_before: u32,
 }
 
 /// Everything one forward pass needs; built once per step, handed over without copies.
@@ -31,7 +39,8 @@ pub struct SchedulerOutput {
     pub req_ids: Vec<u64>,              // [R]
     pub num_scheduled_tokens: Vec<i32>, // [R]
     pub num_computed_tokens: Vec<i32>,  // [R]
-    pub num_draft_tokens: Vec<i32>,     // [R]
+    pub num_draft_tokens: Vec<i32>,     // [R] drafts verified (rows - 1, or rows when split)
+    pub draft_token_ids: Vec<i64>,      // [sum num_draft_tokens] the verified drafts
     pub cu_num_logits: Vec<i32>,        // [R + 1]
     pub logits_indices: Vec<i64>,       // [L] rows of the token batch, request order
     pub input_ids: Vec<i64>,            // [T]
@@ -108,6 +117,9 @@ pub fn pack(
         num_scheduled_tokens: Vec::with_capacity(r),
         num_computed_tokens: Vec::with_capacity(r),
         num_draft_tokens: Vec::with_capacity(r),
+        draft_token_ids: Vec::with_capacity(
+            runs.iter().map(|x| x.num_verified_drafts as usize).sum(),
+        ),
         cu_num_logits: Vec::with_capacity(r + 1),
         logits_indices: Vec::with_capacity(
             runs.iter()
@@ -150,7 +162,12 @@ pub fn pack(
         out.req_ids.push(run.req_id);
         out.num_scheduled_tokens.push(n as i32);
         out.num_computed_tokens.push(c as i32);
-        out.num_draft_tokens.push(run.num_draft_tokens as i32);
+        out.num_draft_tokens.push(run.num_verified_drafts as i32);
+        out.draft_token_ids.extend(
+            rq.draft_token_ids[..run.num_verified_drafts as usize]
+                .iter()
+                .map(|&t| t as i64),
+        );
         out.num_cached_tokens.push(run.num_cached_tokens as i32);
         for pos in c..c + n {
             out.input_ids.push(rq.token_with_spec(pos) as i64);
@@ -170,7 +187,7 @@ pub fn pack(
             out.num_prefill_tokens += n;
             out.num_prefill_requests += 1;
         }
-        if run.num_draft_tokens > 0 {
+        if run.num_verified_drafts > 0 {
             out.num_verify_requests += 1;
         }
         out.max_query_len = out.max_query_len.max(n);

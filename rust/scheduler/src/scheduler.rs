@@ -5,7 +5,10 @@
 //! part of that gap. A prefill chunk, a decode (1 token) and a verification (1 + k)
 //! are all runs.
 //! 1. Running requests, FCFS: each gets its whole gap, capped by the remaining
-//!    token budget (a cut verification drops the drafts past the cut). If its KV
+//!    token budget. A budget cut splits a verification: the run verifies the drafts
+//!    in its query plus the next one (scored by its last row), and the rest of the
+//!    proposal waits for the next step, so a cut never changes what is emitted
+//!    (the same drafts meet the same verification, only later). If its KV
 //!    slots cannot be allocated, the most recently admitted running request is
 //!    preempted (recompute) until the allocation succeeds or the request itself
 //!    was the one preempted.
@@ -281,11 +284,13 @@ impl Scheduler {
                 continue;
             }
             let end = req.num_computed_tokens + n;
-            // A cut verification keeps only the drafts inside the run.
-            req.draft_token_ids
-                .truncate(end.saturating_sub(req.num_tokens()));
             let sampled = end >= req.num_tokens();
             let reserve = if sampled { lookahead } else { 0 };
+            let num_blocks_before = self.requests[slot as usize]
+                .as_ref()
+                .expect("running slot is live")
+                .block_ids
+                .len() as u32;
             let mut self_preempted = false;
             loop {
                 let req = self.requests[slot as usize]
@@ -312,10 +317,13 @@ impl Scheduler {
                 req_id: req.id,
                 num_computed_tokens: req.num_computed_tokens as u32,
                 num_scheduled_tokens: n as u32,
-                num_draft_tokens: req.draft_token_ids.len() as u32,
+                num_draft_tokens: end.saturating_sub(req.num_tokens()) as u32,
+                num_verified_drafts: verified_drafts(req, end, sampled),
                 sampled,
                 is_prefill: req.is_prefilling(),
                 num_cached_tokens: 0,
+                newly_admitted: false,
+                num_blocks_before,
             });
             req.num_computed_tokens += n;
             req.last_scheduled_step = step;
@@ -376,9 +384,12 @@ impl Scheduler {
                 num_computed_tokens: req.num_computed_tokens as u32,
                 num_scheduled_tokens: n as u32,
                 num_draft_tokens: 0,
+                num_verified_drafts: verified_drafts(req, cached + n, sampled),
                 sampled,
                 is_prefill: req.is_prefilling(),
                 num_cached_tokens: cached as u32,
+                newly_admitted: true,
+                num_blocks_before: 0,
             });
             req.num_computed_tokens += n;
             req.last_scheduled_step = step;
@@ -386,19 +397,73 @@ impl Scheduler {
         }
     }
 
-    /// Recompute preemption: free the blocks, forget the KV and the drafts, go to the
-    /// front of the waiting queue (output so far is kept and recomputed).
+    /// Recompute preemption: free the blocks, forget the KV, go to the front of the
+    /// waiting queue (output so far is kept and recomputed; the proposal is kept
+    /// and verified once the recompute reaches its end).
     fn preempt(&mut self, slot: u32, preempted: &mut Vec<RequestId>) {
         let req = self.requests[slot as usize]
             .as_mut()
             .expect("preempted slot is live");
         self.kv.free(req);
         req.num_computed_tokens = 0;
-        req.draft_token_ids.clear();
         req.status = RequestStatus::Waiting;
         self.waiting.push_front(slot);
         self.stats.num_preemptions += 1;
         preempted.push(req.id);
+    }
+
+    /// Undoes the pending step as if `schedule()` had not run (the step is a
+    /// transaction: the forward, sampling or anything between `schedule` and
+    /// `update` may fail). Each scheduled request gets back its computed-token
+    /// count (its proposal was never touched); blocks allocated by the step are released;
+    /// requests admitted by the step return to the front of the waiting queue in
+    /// their order. Preemptions done by the step stand (a preempted request is in a
+    /// consistent state: it recomputes). Requests aborted or finished since
+    /// `schedule` are skipped. Returns false when no step was pending.
+    pub fn cancel_step(&mut self) -> bool {
+        if !self.pending_update {
+            return false;
+        }
+        self.pending_update = false;
+        let step = self.stats.num_steps - 1;
+        let mut readmit = Vec::new();
+        for run in self.runs.iter() {
+            let Some(req) = self.requests[run.slot as usize].as_mut() else {
+                continue;
+            };
+            if req.id != run.req_id || req.last_scheduled_step != step {
+                continue; // aborted (and maybe replaced) since schedule()
+            }
+            if run.newly_admitted {
+                self.kv.free(req);
+                req.num_computed_tokens = 0;
+                req.status = RequestStatus::Waiting;
+                self.stats.prefix_cache_queries -= req.num_tokens() as u64;
+                self.stats.prefix_cache_hits -= u64::from(run.num_cached_tokens);
+                readmit.push(run.slot);
+            } else {
+                // Blocks the step added are fresh (never cached): release newest first.
+                let keep = run.num_blocks_before as usize;
+                for &b in req.block_ids[keep..].iter().rev() {
+                    self.kv.pool.free(b);
+                }
+                req.block_ids.truncate(keep);
+                req.num_computed_tokens = run.num_computed_tokens as usize;
+            }
+        }
+        if !readmit.is_empty() {
+            let requests = &self.requests;
+            self.running.retain(|&s| {
+                requests[s as usize]
+                    .as_ref()
+                    .is_some_and(|r| r.status == RequestStatus::Running)
+            });
+            for &slot in readmit.iter().rev() {
+                self.waiting.push_front(slot);
+            }
+        }
+        self.runs.clear();
+        true
     }
 
     /// Applies the emitted tokens of the pending step (see the module doc).
@@ -456,8 +521,18 @@ impl Scheduler {
             if run.sampled {
                 let rejected = run.num_draft_tokens as usize + 1 - tokens.len();
                 self.kv.rollback(req, rejected);
+                // Verified drafts are spent. The unverified rest of a split proposal
+                // stays only if every verified draft was accepted (no recovered token).
+                let v = run.num_verified_drafts as usize;
+                let split_and_all_accepted = v > run.num_draft_tokens as usize
+                    && tokens.len() == v
+                    && tokens == &req.draft_token_ids[..v];
+                if split_and_all_accepted {
+                    req.draft_token_ids.drain(..v);
+                } else {
+                    req.draft_token_ids.clear();
+                }
             }
-            req.draft_token_ids.clear();
             let mut finish = None;
             let mut num_new = 0;
             for &t in tokens {
@@ -493,4 +568,15 @@ impl Scheduler {
         }
         Ok(out)
     }
+}
+
+/// Drafts a run ending at `end` verifies: a sampled run has `1 + d` logits rows for
+/// the `d` drafts inside its query, so it verifies those plus, when the budget split
+/// the proposal, the first draft after them (the last row scores it); otherwise none.
+fn verified_drafts(req: &Request, end: usize, sampled: bool) -> u32 {
+    if !sampled {
+        return 0;
+    }
+    let in_query = end.saturating_sub(req.num_tokens());
+    req.draft_token_ids.len().min(in_query + 1) as u32
 }

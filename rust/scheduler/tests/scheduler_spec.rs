@@ -106,7 +106,7 @@ fn verification_rolls_back_rejected_drafts() {
 }
 
 #[test]
-fn budget_cut_truncates_drafts() {
+fn budget_cut_splits_a_proposal_and_keeps_its_rest() {
     let mut s = Scheduler::new(config(16, 4, 8)).unwrap();
     s.add_request(1, prompt(5, 0), stop(20)).unwrap();
     s.add_request(2, prompt(6, 0), stop(20)).unwrap();
@@ -118,9 +118,70 @@ fn budget_cut_truncates_drafts() {
         .unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.num_scheduled_tokens, vec![5, 3]);
-    assert_eq!(out.num_draft_tokens, vec![4, 2]);
+    // request 2's run holds 2 drafts; its last row scores the third: 3 verified, no bonus
+    assert_eq!(out.num_draft_tokens, vec![4, 3]);
+    assert_eq!(out.draft_token_ids, vec![1, 2, 3, 4, 5, 6, 7]);
     assert_eq!(out.cu_num_logits, vec![0, 5, 8]);
-    assert_eq!(s.request(2).unwrap().draft_token_ids, vec![5, 6]);
+    assert_eq!(s.request(2).unwrap().draft_token_ids, vec![5, 6, 7, 8]);
+    // every verified draft accepted: the rest of the proposal waits for the next step
+    s.update(&[1, 2, 3, 4, 10, 5, 6, 7], &[0, 5, 8]).unwrap();
+    let r2 = s.request(2).unwrap();
+    assert_eq!(r2.draft_token_ids, vec![8]);
+    assert_eq!(r2.num_computed_tokens + 1, r2.num_tokens());
+    let out = s.schedule().unwrap();
+    assert_eq!(out.req_ids, vec![1, 2]);
+    assert_eq!(out.num_draft_tokens, vec![0, 1]);
+    assert_eq!(out.draft_token_ids, vec![8]);
+    assert_eq!(&out.input_ids[1..], &[7, 8]);
+    s.update(&[11, 8, 12], &[0, 1, 3]).unwrap();
+    assert!(s.request(2).unwrap().draft_token_ids.is_empty());
+}
+
+#[test]
+fn a_rejection_inside_a_split_proposal_drops_its_rest() {
+    let mut s = Scheduler::new(config(16, 4, 4)).unwrap();
+    s.add_request(1, prompt(4, 0), stop(20)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[9], &[0, 1]).unwrap();
+    s.set_draft_tokens(&[1], &[0, 5], &[1, 2, 3, 4, 5]).unwrap();
+    let out = s.schedule().unwrap(); // 1 + 3 drafts fit, the 4th is scored by the last row
+    assert_eq!(out.num_draft_tokens, vec![4]);
+    s.update(&[1, 2, 7], &[0, 3]).unwrap(); // third draft rejected, 7 recovered
+    let r = s.request(1).unwrap();
+    assert!(r.draft_token_ids.is_empty());
+    assert_eq!(r.num_computed_tokens + 1, r.num_tokens());
+    assert_eq!(&r.token_ids[4..], &[9, 1, 2, 7]);
+}
+
+#[test]
+fn preemption_keeps_the_proposal_for_after_the_recompute() {
+    let mut cfg = config(4, 4, 100);
+    cfg.max_model_len = 16;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request(1, prompt(7, 0), stop(10)).unwrap();
+    s.add_request(2, prompt(7, 50), stop(10)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[8, 9], &[0, 1, 2]).unwrap();
+    s.set_draft_tokens(&[2], &[0, 1], &[33]).unwrap();
+    let out = s.schedule().unwrap(); // request 1 needs a new block: request 2 is preempted
+    assert_eq!(out.preempted_req_ids, vec![2]);
+    assert_eq!(s.request(2).unwrap().draft_token_ids, vec![33]);
+    s.update(&[8], &[0, 1]).unwrap();
+    assert!(s.abort_request(1));
+    // the recompute's last row scores the kept draft
+    let out = s.schedule().unwrap();
+    assert_eq!(out.req_ids, vec![2]);
+    assert_eq!(out.num_computed_tokens[0] + out.num_scheduled_tokens[0], 8); // a prefix hit may cover the head
+    assert_eq!(
+        (out.num_draft_tokens.clone(), out.draft_token_ids.clone()),
+        (vec![1], vec![33])
+    );
+    assert_eq!(out.cu_num_logits, vec![0, 1]);
+    s.update(&[33], &[0, 1]).unwrap();
+    let r = s.request(2).unwrap();
+    assert_eq!((r.num_computed_tokens, r.num_tokens()), (8, 9));
+    assert!(r.draft_token_ids.is_empty());
+    s.check_invariants().unwrap();
 }
 
 #[test]

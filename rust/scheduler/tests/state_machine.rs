@@ -2,6 +2,9 @@
 //! partial acceptance, random stops) / abort / finish on small pools (forcing
 //! preemption) with shared prompt prefixes (hitting the prefix cache). After every
 //! step the bookkeeping invariants hold; after draining, every block is free.
+//! Failures are injected between schedule and update (`cancel_step`, sometimes
+//! with an abort in between): every request not preempted is back where it was,
+//! and when nothing was preempted the next schedule equals the cancelled one.
 //! Also: the O(len) n-gram proposer equals a naive reference.
 
 use proptest::prelude::*;
@@ -26,6 +29,9 @@ enum Op {
     Step {
         seed: u64,
     },
+    FailedStep {
+        abort_pick: Option<usize>,
+    },
     Abort {
         pick: usize,
     },
@@ -41,6 +47,7 @@ fn op() -> impl Strategy<Value = Op> {
         ),
         2 => any::<u64>().prop_map(|seed| Op::SetDrafts { seed }),
         6 => any::<u64>().prop_map(|seed| Op::Step { seed }),
+        2 => prop::option::weighted(0.3, any::<usize>()).prop_map(|abort_pick| Op::FailedStep { abort_pick }),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
         1 => any::<usize>().prop_map(|pick| Op::Finish { pick }),
     ]
@@ -137,10 +144,28 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
         assert_eq!(req.num_computed_tokens, end);
         assert!(end <= req.num_tokens_with_spec());
         let logits = out.cu_num_logits[r + 1] - out.cu_num_logits[r];
+        let verified = out.num_draft_tokens[r];
+        let d0: i32 = out.num_draft_tokens[..r].iter().sum();
+        assert_eq!(
+            &out.draft_token_ids[d0 as usize..(d0 + verified) as usize],
+            req.draft_token_ids[..verified as usize]
+                .iter()
+                .map(|&t| t as i64)
+                .collect::<Vec<_>>(),
+            "the verified drafts are the proposal's first ones"
+        );
         if logits > 0 {
-            // the sampled rows are the run's last 1 + k tokens, and exactly the drafts kept
-            assert_eq!(logits, 1 + out.num_draft_tokens[r]);
-            assert_eq!(req.draft_token_ids.len(), out.num_draft_tokens[r] as usize);
+            // the sampled rows are the run's last 1 + d tokens (d drafts in the query);
+            // they verify d drafts plus a bonus row, or d + 1 drafts when split
+            let in_query = logits - 1;
+            assert!(
+                verified == in_query
+                    || (verified == in_query + 1 && req.draft_token_ids.len() > in_query as usize)
+            );
+            assert_eq!(
+                verified as usize,
+                req.draft_token_ids.len().min(in_query as usize + 1)
+            );
             let seq_end = out
                 .seq_req_indices
                 .iter()
@@ -155,13 +180,13 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
             );
             assert_eq!(
                 end,
-                req.num_tokens_with_spec(),
-                "a sampled run reaches the end of its tokens"
+                req.num_tokens() + in_query as usize,
+                "a sampled run reaches the last token and holds d drafts"
             );
             let want = (end + cfg.num_lookahead_tokens).min(cfg.max_model_len);
             assert!(req.block_ids.len() * bs >= want, "lookahead not reserved");
         } else {
-            assert_eq!(out.num_draft_tokens[r], 0);
+            assert_eq!(verified, 0);
         }
     }
 }
@@ -184,6 +209,105 @@ fn set_random_drafts(s: &mut Scheduler, live: &[u64], rng: &mut Rng) {
     }
 }
 
+/// What a request looks like to the next step.
+#[derive(Debug, PartialEq, Eq)]
+struct Snapshot {
+    token_ids: Vec<u32>,
+    num_computed_tokens: usize,
+    draft_token_ids: Vec<u32>,
+    num_blocks: usize,
+    running: bool,
+}
+
+fn snapshot(s: &Scheduler, id: u64) -> Snapshot {
+    let r = s.request(id).unwrap();
+    Snapshot {
+        token_ids: r.token_ids.clone(),
+        num_computed_tokens: r.num_computed_tokens,
+        draft_token_ids: r.draft_token_ids.clone(),
+        num_blocks: r.block_ids.len(),
+        running: r.status == specinfer_scheduler::RequestStatus::Running,
+    }
+}
+
+/// The runs of the first `n` requests of a batch as the forward sees them (id,
+/// context, query length, drafts), without the physical slots.
+fn leading_runs(out: &SchedulerOutput, n: usize) -> Vec<(u64, i32, i32, i32)> {
+    (0..n)
+        .map(|r| {
+            (
+                out.req_ids[r],
+                out.num_computed_tokens[r],
+                out.num_scheduled_tokens[r],
+                out.num_draft_tokens[r],
+            )
+        })
+        .collect()
+}
+
+/// schedule, then a failure: optionally abort one request, then cancel_step.
+fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>) {
+    let before: Vec<(u64, Snapshot)> = live.iter().map(|&id| (id, snapshot(s, id))).collect();
+    let free_before = s.num_free_blocks();
+    let was_running: Vec<u64> = before
+        .iter()
+        .filter(|(_, b)| b.running)
+        .map(|(id, _)| *id)
+        .collect();
+    let out = s.schedule().unwrap();
+    check_batch(s, &out);
+    let mut aborted = None;
+    if let Some(pick) = abort_pick.filter(|_| !live.is_empty()) {
+        let id = live.remove(pick % live.len());
+        assert!(s.abort_request(id));
+        aborted = Some(id);
+    }
+    let pending = out.num_reqs() > 0;
+    assert_eq!(s.cancel_step(), pending);
+    assert!(!s.cancel_step(), "a second cancel finds nothing pending");
+    s.check_invariants().unwrap();
+    let preempted = &out.preempted_req_ids;
+    for (id, snap) in before.into_iter().filter(|(id, _)| Some(*id) != aborted) {
+        if preempted.contains(&id) {
+            let r = s.request(id).unwrap();
+            assert_eq!(r.num_computed_tokens, 0, "a preempted request recomputes");
+            assert!(r.block_ids.is_empty());
+            assert_eq!(
+                r.draft_token_ids, snap.draft_token_ids,
+                "preemption keeps the proposal"
+            );
+        } else {
+            assert_eq!(
+                snapshot(s, id),
+                snap,
+                "request {id} not restored by cancel_step"
+            );
+        }
+    }
+    if preempted.is_empty() && aborted.is_none() {
+        assert_eq!(
+            s.num_free_blocks(),
+            free_before,
+            "cancel_step leaked or took blocks"
+        );
+        if pending {
+            // the failed step never happened: the requests that were running get the
+            // same runs again (admissions may differ: the cancelled step's allocations
+            // may have evicted prefix-cache entries, which cancel does not bring back)
+            let again = s.schedule().unwrap();
+            check_batch(s, &again);
+            let n = out
+                .req_ids
+                .iter()
+                .take_while(|id| was_running.contains(id))
+                .count();
+            assert_eq!(leading_runs(&again, n), leading_runs(&out, n));
+            assert!(s.cancel_step());
+            s.check_invariants().unwrap();
+        }
+    }
+}
+
 fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
     let mut s = Scheduler::new(cfg.clone()).unwrap();
     let mut live: Vec<u64> = vec![];
@@ -199,26 +323,40 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
         }
         let mut tokens = vec![];
         let mut cu = vec![0i32];
+        let mut expect_kept = vec![];
         for r in 0..out.num_reqs() {
-            let max = (out.cu_num_logits[r + 1] - out.cu_num_logits[r]) as u64;
-            let n = if max == 0 {
-                0
+            let rows = (out.cu_num_logits[r + 1] - out.cu_num_logits[r]) as u64;
+            let verified = out.num_draft_tokens[r] as usize;
+            let d0 = out.num_draft_tokens[..r].iter().sum::<i32>() as usize;
+            let drafts = &out.draft_token_ids[d0..d0 + verified];
+            if rows == 0 {
             } else if all_accept {
-                1
+                tokens.push(3);
             } else {
-                1 + rng.below(max)
-            };
-            for _ in 0..n {
-                tokens.push(if all_accept {
-                    3
+                // accept a random prefix of the verified drafts, then a recovered or
+                // bonus token unless every draft of a split proposal was accepted
+                let accepted = rng.below(verified as u64 + 1) as usize;
+                tokens.extend(drafts[..accepted].iter().map(|&t| t as u32));
+                let split = verified as u64 == rows;
+                if accepted < verified || !split {
+                    tokens.push(rng.below(VOCAB as u64) as u32);
                 } else {
-                    rng.below(VOCAB as u64) as u32
-                });
+                    let req = s.request(out.req_ids[r]).unwrap();
+                    expect_kept.push((out.req_ids[r], req.draft_token_ids[verified..].to_vec()));
+                }
             }
             cu.push(tokens.len() as i32);
         }
         let up = s.update(&tokens, &cu).unwrap();
         live.retain(|id| !up.finished_req_ids.contains(id));
+        for (id, rest) in expect_kept {
+            if let Some(req) = s.request(id) {
+                assert_eq!(
+                    req.draft_token_ids, rest,
+                    "a fully accepted split keeps the rest"
+                );
+            }
+        }
         if !all_accept && rng.below(3) > 0 {
             set_random_drafts(s, live, rng); // usually speculate on the next step
         }
@@ -258,6 +396,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
             }
             Op::SetDrafts { seed } => set_random_drafts(&mut s, &live, &mut Rng(seed | 1)),
             Op::Step { seed } => step(&mut s, &mut live, &mut Rng(seed | 1), false),
+            Op::FailedStep { abort_pick } => failed_step(&mut s, &mut live, abort_pick),
             Op::Abort { pick } | Op::Finish { pick } if !live.is_empty() => {
                 let id = live.remove(pick % live.len());
                 assert!(s.abort_request(id));

@@ -1,15 +1,38 @@
-"""Gaudi device wrappers: HPU graphs per bucket and lazy-mode mark_step.
+"""Everything that needs a Gaudi: availability and memory queries, HPU graphs per bucket,
+lazy-mode mark_step. The ONE module that imports `habana_frameworks`, always lazily inside a
+call, so it imports on any machine; the HPU platforms (specinfer.platform.hpu) reach the device
+only through it.
 
-These need `habana_frameworks`, imported lazily inside each call, so this module imports on any
-machine. They are NOT exercised by the CPU test suite (no Gaudi there); the bucketing and the
-attention math they wrap are plain torch and are tested on CPU (buckets.py, flat_attention.py,
-dense_attention.py).
+`GaudiDevice` is what the bucketed runner calls to execute a forward; `EmulatedDevice`
+(specinfer.platform.bucketed_runner) answers the same calls on CPU, so `device="hpu-emulated"`
+runs exactly the Gaudi path except these calls. The device calls themselves are NOT exercised by
+the CPU test suite (no Gaudi there); the bucketing and the attention math they wrap are plain
+torch and are tested on CPU (buckets.py, flat_attention.py, dense_attention.py).
 """
 from __future__ import annotations
 
 from typing import Callable, Hashable
 
 from specinfer.kernels.hpu.buckets import BucketPlanner
+
+
+def hpu_available() -> bool:
+    try:
+        import habana_frameworks.torch  # noqa: F401  lazy: Gaudi only
+    except ImportError:
+        return False
+    import torch
+
+    return bool(getattr(torch, "hpu", None)) and torch.hpu.is_available()
+
+
+def mem_get_info() -> tuple[int, int]:  # pragma: no cover - needs Gaudi
+    """(free, total) bytes of the current HPU."""
+    import habana_frameworks.torch.hpu  # noqa: F401  lazy: Gaudi only
+    import torch
+
+    free, total = torch.hpu.mem_get_info()
+    return int(free), int(total)
 
 
 def mark_step() -> None:
@@ -68,3 +91,21 @@ def warmup(planner: BucketPlanner, run_decode: Callable[[int, int], None],
         mark_step()
         count += 1
     return count
+
+
+class GaudiDevice:  # pragma: no cover - needs Gaudi
+    """Executes the bucketed runner's forwards on a Gaudi: one HPU graph per shape key (the caller
+    pads every input to a warmed bucket first), and a mark_step after each forward so lazy mode
+    compiles and launches it as one graph."""
+
+    def __init__(self):
+        self._graphs: dict[str, HpuGraphCache] = {}
+
+    def run(self, kind: str, key, fn: Callable, *args):
+        cache = self._graphs.get(kind)
+        if cache is None:
+            cache = self._graphs[kind] = HpuGraphCache(fn)
+        return cache(key, *args)
+
+    def mark_step(self) -> None:
+        mark_step()

@@ -1,0 +1,80 @@
+"""`specinfer serve`: an OpenAI-compatible HTTP server over the engine (needs `specinfer[serve]`)."""
+from __future__ import annotations
+
+import sys
+
+from specinfer.cli import options
+from specinfer.cli.errors import CliError
+
+HELP = "serve a model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)"
+DESCRIPTION = HELP + """
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), both with
+"stream": true as server-sent events; GET /v1/models, /health, /metrics (Prometheus).
+Sampling fields: max_tokens, temperature, top_p, seed, stop, logprobs (chat: logprobs +
+top_logprobs), and as extensions top_k, min_p, ignore_eos, min_tokens, stop_token_ids. Every final
+response carries "usage", with this request's speculation counts under usage.speculative.
+More than --max-num-seqs + --max-waiting-requests requests in flight: 429. SIGINT / SIGTERM: stop
+accepting, let in-flight requests finish for --shutdown-timeout seconds, abort the rest, exit 0.
+
+Examples:
+  specinfer serve smollm2-135m --method ngram -k 4 --port 8000
+  specinfer serve qwen2.5-coder-1.5b --speculative-config '{"method": "draft_model", "model": "qwen2.5-coder-0.5b"}'
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"prompt": "def fib(n):", "max_tokens": 32, "temperature": 0}'
+"""
+
+
+def add_arguments(p) -> None:
+    options.add_model_argument(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000; 0 = any free port)")
+    g.add_argument("--served-model-name", metavar="NAME", default=None,
+                   help="the model id in /v1/models and in requests (default: MODEL as given)")
+    g.add_argument("--max-waiting-requests", type=int, default=256, metavar="N",
+                   help="requests admitted beyond --max-num-seqs before new ones get 429 (default: 256)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds in-flight requests may take to finish before they are "
+                        "aborted (default: 30)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    options.add_speculative_arguments(p)
+    options.add_engine_arguments(p)
+
+
+def _check_server_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535] (got {args.port})")
+    if args.max_waiting_requests < 0:
+        raise CliError(f"--max-waiting-requests must be >= 0 (got {args.max_waiting_requests})")
+    if not args.shutdown_timeout >= 0:
+        raise CliError(f"--shutdown-timeout must be >= 0 (got {args.shutdown_timeout})")
+
+
+def run(args) -> int:
+    options.check_model(args.model)
+    spec = options.speculative_config(args)
+    options.engine_kwargs(args)
+    _check_server_args(args)
+    try:
+        from specinfer.serve import ServeConfig, build_app, make_server
+    except ModuleNotFoundError as e:
+        raise CliError(f"`specinfer serve` needs the serve extra (pip install 'specinfer[serve]'): "
+                       f"{e.name} is not installed") from None
+    gen = options.load_generator(args, spec)
+    name = args.served_model_name or args.model
+    config = ServeConfig(name, max_requests_in_flight=args.max_num_seqs + args.max_waiting_requests)
+    app = build_app(gen.engine, config)
+    server = make_server(app, host=args.host, port=args.port, graceful_timeout_s=args.shutdown_timeout,
+                         log_level=args.log_level, access_log=args.access_log)
+    spec_text = f"{spec.method}, k={spec.num_speculative_tokens}" if spec is not None else "off"
+    print(f"specinfer serve: {name} (speculation: {spec_text}; max_model_len {gen.engine.max_model_len}, "
+          f"{gen.engine.num_kv_blocks} KV blocks) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    server.run()
+    loop = app.state.serve.loop
+    print(f"specinfer serve: shut down; requests finished: {loop.num_finished}, aborted at shutdown: "
+          f"{loop.num_aborted_at_shutdown}", file=sys.stderr, flush=True)
+    if loop.fatal is not None:
+        raise RuntimeError(f"the engine loop crashed: {loop.fatal}")
+    return 0 if server.started else 1

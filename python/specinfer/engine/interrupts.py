@@ -1,0 +1,35 @@
+"""Deferring Ctrl-C across the few lines that must not be cut in half.
+
+After the Rust core's ``update()`` has committed a step, the Python request states must
+receive the same tokens; a KeyboardInterrupt landing in between would leave the two out of
+step. :func:`deferred_keyboard_interrupt` holds SIGINT for the duration of such a block and
+raises the KeyboardInterrupt right after it, once the state is whole again.
+
+Only the main thread receives signals in Python, and only there can a handler be installed;
+elsewhere (and when the program installed its own SIGINT handler) the block runs as is.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+
+@contextmanager
+def deferred_keyboard_interrupt():
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    received = []
+
+    def hold(signum, frame):
+        received.append(signum)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt

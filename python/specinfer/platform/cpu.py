@@ -1,0 +1,53 @@
+"""The CPU platform: the Rust paged-attention kernel (cpu_native), fp32, host memory, oneDNN-packed GEMMs."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specinfer.platform.base import Platform
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    default_attention_backend = "cpu_native"  # exact vs torch_ref, faster on decodes and verification
+
+    def __init__(self, device: torch.device | None = None):
+        super().__init__(device or torch.device("cpu"), torch.float32)
+
+    def available_memory_bytes(self) -> int:
+        return host_available_bytes()
+
+    def choose_attention_backend(self, override: str | None) -> str:
+        name = super().choose_attention_backend(override)
+        if name == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            raise ValueError("attention_backend='triton' on CPU runs only in Triton's interpreter: set "
+                             "TRITON_INTERPRET=1 in the environment before triton is imported")
+        return name
+
+    def prepare_model(self, model) -> None:
+        """Pre-pack GEMM weights for oneDNN (MKL's small-M sgemm is slow on non-Intel CPUs;
+        packed oneDNN keeps decode and verification GEMMs fast)."""
+        if os.environ.get("SPECINFER_PACK_WEIGHTS", "1") == "0":
+            return
+        from specinfer.models.packed_linear import (PACKABLE_DTYPES, mkldnn_packing_available, pack_weight,
+                                                    packed_linear)
+
+        if model.embed_tokens.dtype in PACKABLE_DTYPES and mkldnn_packing_available():
+            model.pack_linear_weights(pack_weight, packed_linear)
+
+
+def host_available_bytes() -> int:
+    """MemAvailable (free + reclaimable page cache), not bare free pages: the budget must not
+    swing with whatever other processes happen to have cached."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):  # pragma: no cover - non-POSIX
+        return 8 << 30

@@ -1,0 +1,196 @@
+"""The request bodies of the OpenAI API that the server accepts (pydantic, strict JSON types), and
+their translation into SamplingParams. Every refusal is an ApiError(400) naming the field.
+
+Beyond OpenAI's fields, as vLLM does: `top_k`, `min_p`, `ignore_eos`, `min_tokens`,
+`stop_token_ids` (pass them with the openai client's `extra_body`). Fields the engine does not
+implement (penalties, logit_bias, n > 1, best_of, echo, suffix, tools) are refused when set to
+anything but their neutral value, never silently ignored; unknown fields are ignored.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from specinfer.sampling_params import SamplingParams
+from specinfer.serve.errors import ApiError, from_value_error, invalid
+
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """The fields completions and chat share."""
+    model: str | None = None
+    temperature: float | None = None  # OpenAI's default: 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def _refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise invalid(f"n={self.n} is not supported (only n=1)", "n", "unsupported_value")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise invalid(f"{name} is not supported (only 0)", name, "unsupported_value")
+        if self.logit_bias:
+            raise invalid("logit_bias is not supported", "logit_bias", "unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise invalid("stream_options is only allowed with stream: true", "stream_options")
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, renames: dict[str, str],
+                        prompt_param: str) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else (tuple(self.stop) if self.stop else None)
+        fields = dict(max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+                      top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                      min_p=self.min_p or 0.0, seed=self.seed, stop=stop,
+                      stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
+                      ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs)
+        try:
+            return SamplingParams(**fields)
+        except ValueError as e:
+            raise from_value_error(e, renames, prompt_param) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None  # OpenAI's default for completions: 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self._refuse_unsupported()
+        if self.echo:
+            raise invalid("echo is not supported", "echo", "unsupported_value")
+        if self.best_of not in (None, 1):
+            raise invalid(f"best_of={self.best_of} is not supported (only 1)", "best_of", "unsupported_value")
+        if self.suffix:
+            raise invalid("suffix is not supported", "suffix", "unsupported_value")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {self.logprobs})", "logprobs")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise invalid("prompt is empty", "prompt")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One engine prompt per choice: a text or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        return self.sampling_params(max_tokens, self.logprobs, {}, "prompt")
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # default: what the context leaves after the prompt
+    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+
+    def check(self) -> None:
+        self._refuse_unsupported()
+        if not self.messages:
+            raise invalid("messages is empty", "messages")
+        if self.tools:
+            raise invalid("tools are not supported", "tools", "unsupported_value")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise invalid("tool_choice is not supported", "tool_choice", "unsupported_value")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise invalid("response_format other than text is not supported", "response_format",
+                          "unsupported_value")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise invalid(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {self.top_logprobs})",
+                              "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict]:
+        return [m.as_template_message() for m in self.messages]
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return self.sampling_params(max_tokens, logprobs, {"logprobs": "top_logprobs", "max_tokens": max_name},
+                                    "messages")
+
+
+def parse_body(model: type[_Body], raw: bytes) -> _Body:
+    """Validate a JSON body; the first problem becomes a 400 naming its field."""
+    try:
+        req = model.model_validate_json(raw)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        loc = [str(x) for x in err.get("loc", ()) if not _is_type_tag(x)]
+        if err["type"] == "json_invalid":
+            raise invalid(f"request body is not valid JSON: {err['msg']}", None, "invalid_json") from None
+        param = ".".join(loc) or None
+        where = f"{param}: " if param else "request body: "
+        raise invalid(where + err["msg"], param) from None
+    req.check()
+    return req
+
+
+def _is_type_tag(x) -> bool:
+    # pydantic names the union member it tried in loc (e.g. "str", "list[int]"): not a field
+    return isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "TextPart"))
+
+
+def check_model_name(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise ApiError(404, f"model {requested!r} does not exist; this server serves {served!r}", "model",
+                       "model_not_found")

@@ -1,0 +1,61 @@
+"""Which KV blocks hold a proposer's own KV (a draft model's, an EAGLE head's) for which tokens.
+
+The target's prefix cache shares a block between requests whose token prefixes match, but a
+proposer's KV in that block is valid only if the proposer itself wrote it for that prefix: a
+request that finished, was paused (speculation disabled) or aborted before its proposer caught
+up leaves cached blocks whose proposer KV is stale or garbage. So the proposer records, per
+block, the identity of the token prefix whose KV it fully wrote there (a chain key: a hash of
+the block's tokens and its predecessor's key, like the prefix cache's own hash chain). On a
+request's first sight it reuses only the leading blocks whose record matches the request's
+own chain keys, and catches up from the first one that does not.
+
+Every write of the proposer into a block first drops that block's record; a record is set
+again only when a catch-up completes the block with confirmed tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class DraftKvRecords:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._key_of_block: dict[int, int] = {}  # block id -> chain key of the prefix it holds
+        self._chain: dict[int, list[int]] = {}  # core id -> chain keys of its full blocks so far
+
+    def forget(self, core_id: int) -> None:
+        self._chain.pop(core_id, None)
+
+    def _chain_keys(self, state, num_blocks: int) -> list[int]:
+        keys = self._chain.setdefault(state.core_id, [])
+        bs = self.block_size
+        while len(keys) < num_blocks:
+            i = len(keys)
+            prev = keys[-1] if keys else 0
+            keys.append(hash((prev, tuple(state.tokens_slice(i * bs, (i + 1) * bs)))))
+        return keys
+
+    def reusable_tokens(self, state, block_row: np.ndarray, limit: int) -> int:
+        """Leading tokens (whole blocks, at most ``limit``) whose proposer KV is valid."""
+        n = limit // self.block_size
+        keys = self._chain_keys(state, n)
+        i = 0
+        while i < n and self._key_of_block.get(int(block_row[i])) == keys[i]:
+            i += 1
+        return i * self.block_size
+
+    def will_write(self, block_row: np.ndarray, start: int, end: int) -> None:
+        """The proposer is about to write positions [start, end) of this block-table row."""
+        if end <= start:
+            return
+        for b in block_row[start // self.block_size: (end - 1) // self.block_size + 1].tolist():
+            self._key_of_block.pop(int(b), None)
+
+    def wrote_confirmed(self, state, block_row: np.ndarray, start: int, end: int) -> None:
+        """Positions [0, end) now hold the proposer's KV of the request's confirmed tokens
+        (it wrote [start, end) and [0, start) was valid): record the blocks that became full."""
+        bs = self.block_size
+        last = end // bs
+        keys = self._chain_keys(state, last)
+        for i in range(start // bs, last):
+            self._key_of_block[int(block_row[i])] = keys[i]
