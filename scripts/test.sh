@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-cargo test -p specinfer_scheduler --release --quiet
+cargo test -p specinfer_scheduler -p specinfer_kernels --release --quiet
 python3 -m pytest -q -p no:cacheprovider "$@"

@@ -1,5 +1,5 @@
-"""The whole engine through each attention backend on CPU: the Triton kernels (TRITON_INTERPRET=1)
-and the Gaudi flat attention (hpu_flat) give exactly torch_ref's greedy tokens for plain decoding,
+"""The whole engine through each attention backend on CPU: the Rust kernel (cpu_native), the Triton
+kernels (TRITON_INTERPRET=1) and the Gaudi flat attention (hpu_flat) give exactly torch_ref's greedy tokens for plain decoding,
 chunked prefill, preemption, both proposers and both scorers, and the same seeded samples.
 
 The interpreter is slow (about 0.2 s per step on the tiny model): the default suite runs one
@@ -85,7 +85,7 @@ def _check(models, reference, backend, method, scorer, setting):
 
 
 @pytest.mark.parametrize("method,scorer,setting", CASES)
-@pytest.mark.parametrize("backend", ["triton", "hpu_flat"])
+@pytest.mark.parametrize("backend", ["cpu_native", "triton", "hpu_flat"])
 def test_greedy_equals_torch_ref(models, reference, backend, method, scorer, setting):
     gen = _check(models, reference, backend, method, scorer, setting)
     assert gen.engine.runner.backend.name == backend
@@ -95,12 +95,12 @@ def test_greedy_equals_torch_ref(models, reference, backend, method, scorer, set
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method,scorer,setting", SLOW_CASES)
-@pytest.mark.parametrize("backend", ["triton", "hpu_flat"])
+@pytest.mark.parametrize("backend", ["cpu_native", "triton", "hpu_flat"])
 def test_greedy_equals_torch_ref_full_matrix(models, reference, backend, method, scorer, setting):
     _check(models, reference, backend, method, scorer, setting)
 
 
-@pytest.mark.parametrize("backend", ["triton", "hpu_flat"])
+@pytest.mark.parametrize("backend", ["cpu_native", "triton", "hpu_flat"])
 def test_seeded_sampling_equals_torch_ref(models, backend):
     want, _ = _run(models, "torch_ref", ROOMY, "draft_model", params=SEEDED, n=3)
     got, _ = _run(models, backend, ROOMY, "draft_model", params=SEEDED, n=3)

@@ -49,7 +49,8 @@ def test_no_platform_method_branches_on_its_name():
 
 def test_attention_backend_override_is_validated():
     cpu = CpuPlatform()
-    assert cpu.choose_attention_backend(None) == "torch_ref"
+    assert cpu.choose_attention_backend(None) == "cpu_native"
+    assert CpuPlatform().choose_attention_backend("torch_ref") == "torch_ref"
     assert cpu.choose_attention_backend("hpu_flat") == "hpu_flat"
     assert CpuPlatform().choose_attention_backend("triton") == "triton"  # TRITON_INTERPRET=1 here
     with pytest.raises(ValueError, match="attention_backend='flash' is not one of"):

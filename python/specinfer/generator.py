@@ -25,22 +25,25 @@ class Generator:
     `speculative` is a SpeculativeConfig or a dict of its fields, e.g.
     {"method": "ngram", "num_speculative_tokens": 4}.
     `device` is "auto", "cpu", "cuda[:N]", "hpu", "hpu-emulated" (the Gaudi path on CPU) or a
-    specinfer.platform.Platform. `attention_backend` overrides the platform's choice: "torch_ref",
-    "triton" (CUDA; on CPU only with TRITON_INTERPRET=1) or "hpu_flat". `gpu_memory_utilization`
-    (CUDA only) is the share of the device's total memory the engine may fill, weights included.
+    specinfer.platform.Platform. `attention_backend` overrides the platform's choice: "cpu_native"
+    (the Rust kernel, CPU default), "torch_ref", "triton" (CUDA; on CPU only with TRITON_INTERPRET=1)
+    or "hpu_flat". `gpu_memory_utilization` (CUDA only) is the share of the device's total memory
+    the engine may fill, weights included.
     `max_logprobs` caps SamplingParams.logprobs (vLLM's default, 20); a larger request is refused.
+    `quantization="int8"` keeps GEMM weights int8 (CPU; GGUF Q8_0 as stored, other weights
+    quantized per 32 inputs) and runs them through the int8 kernel.
     """
 
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
-                 attention_backend=None, gpu_memory_utilization=0.9):
+                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None):
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=speculative,
             max_logprobs=max_logprobs, attention_backend=attention_backend,
-            gpu_memory_utilization=gpu_memory_utilization)
+            gpu_memory_utilization=gpu_memory_utilization, quantization=quantization)
         self._counter = 0
         self._mailboxes: dict[str, deque[RequestOutput]] = {}  # request name -> undelivered outputs
         self._mail_lock = threading.Lock()

@@ -8,6 +8,7 @@ from specinfer.attention.metadata import AttentionMetadata, ForwardContext
 # name -> "module:Class"; modules are imported only when the backend is chosen.
 _REGISTRY: dict[str, str] = {
     "torch_ref": "specinfer.attention.torch_ref:TorchRefBackend",
+    "cpu_native": "specinfer.attention.cpu_native:CpuNativeBackend",  # Rust kernel (rust/kernels); CPU default
     "triton": "specinfer.attention.triton_backend:TritonBackend",  # CUDA (CPU: TRITON_INTERPRET=1)
     "hpu_flat": "specinfer.attention.hpu_backend:HpuFlatBackend",  # Gaudi; plain torch, runs on CPU too
 }

@@ -23,11 +23,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default: auto, "
                    "fp32 on CPU)")
+    g.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="int8: weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored; default: none)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
                    "CPU) (default: auto)")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch_ref", "triton", "hpu_flat"],
-                   help="attention kernels (default: the device's own: torch_ref on CPU, triton on CUDA, hpu_flat "
-                   "on Gaudi; triton on CPU needs TRITON_INTERPRET=1)")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "cpu_native", "torch_ref", "triton", "hpu_flat"],
+                   help="attention kernels (default: the device's own: cpu_native (Rust) on CPU, triton on CUDA, "
+                   "hpu_flat on Gaudi; triton on CPU needs TRITON_INTERPRET=1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="CUDA: share of the GPU's total memory the engine may use, weights included (default: 0.9)")
     g.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch (default: "
@@ -168,7 +171,9 @@ def engine_kwargs(args) -> dict:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
         raise CliError(f"--gpu-memory-utilization must be in (0, 1] (got {args.gpu_memory_utilization})")
+    quant = getattr(args, "quantization", "none")
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
+                quantization=None if quant == "none" else quant,
                 num_kv_blocks=args.num_kv_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 attention_backend=None if args.attention_backend == "auto" else args.attention_backend,

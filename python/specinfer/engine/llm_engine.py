@@ -32,6 +32,7 @@ from specinfer.engine.model_loading import load_any
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
+from specinfer.models.int8_linear import check_quantization
 from specinfer.outputs import RequestOutput
 from specinfer.platform import EngineLimits, resolve_dtype, resolve_platform
 from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
@@ -55,7 +56,7 @@ class LLMEngine:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
-                 attention_backend=None, gpu_memory_utilization=0.9):
+                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None):
         if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
         if not is_int(max_logprobs) or max_logprobs < 0:
@@ -70,12 +71,14 @@ class LLMEngine:
         self.platform = resolve_platform(device)
         attention_backend = self.platform.choose_attention_backend(attention_backend)  # before any load
         self.dtype = resolve_dtype(dtype, self.platform)
+        self.quantization = check_quantization(quantization)  # weights of target and draft; KV stays dtype
         self.device = self.platform.device
         # seeds for requests without one: drawn in add order from the engine's seed
         self._seed_source = np.random.Generator(np.random.PCG64(int(seed)))
 
         def load(path):
-            return load_any(path, dtype=self.dtype, device=self.device, platform=self.platform)
+            return load_any(path, dtype=self.dtype, device=self.device, platform=self.platform,
+                            quantization=self.quantization)
 
         self.loaded = load(model)
         self.tokenizer = self.loaded.tokenizer

@@ -16,6 +16,7 @@ import torch
 from specinfer.loader.gguf_tokenizer import build_gguf_tokenizer
 from specinfer.loader.loaded import LoadedModel
 from specinfer.models.config import ModelConfig
+from specinfer.models.int8_linear import QuantizedTensor
 from specinfer.models.llama import LlamaForCausalLM
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
@@ -166,7 +167,24 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     )
 
 
-def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+_Q8_0_BLOCK, _Q8_0_BYTES = 32, 34  # values per block; bytes per block (float16 scale + 32 int8)
+
+
+def q8_0_blocks(data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    """A GGUF Q8_0 tensor's raw bytes [rows, blocks * 34] -> int8 [rows, cols] + float32 scales
+    [rows, blocks], exactly (no dequantization)."""
+    rows, cols = shape
+    blocks = np.ascontiguousarray(data).reshape(rows, cols // _Q8_0_BLOCK, _Q8_0_BYTES)
+    scales = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]  # [rows, blocks]
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return QuantizedTensor(torch.from_numpy(q), torch.from_numpy(scales), _Q8_0_BLOCK)
+
+
+def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
+                  quantization: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors in `dtype`; with quantization="int8", Q8_0 GEMM weights as QuantizedTensor
+    (kept int8) and every other tensor in float32 (the model quantizes GEMM weights one by one)."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     permuted = cfg.architecture == "llama"
@@ -174,11 +192,23 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str) -> It
         name = hf_name(t.name)
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
+        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if (quantization == "int8" and t.tensor_type == GGMLQuantizationType.Q8_0 and len(expected) == 2
+                and name.endswith(".weight") and "norm" not in name):
+            try:
+                qt = q8_0_blocks(t.data, expected)
+            except ValueError as e:
+                raise ValueError(f"{path}: tensor {t.name!r} Q8_0 data is truncated ({e})") from e
+            if permuted and ".attn_q." in t.name:
+                qt = QuantizedTensor(unpermute_rows(qt.q, cfg.num_heads), unpermute_rows(qt.scales, cfg.num_heads))
+            elif permuted and ".attn_k." in t.name:
+                qt = QuantizedTensor(unpermute_rows(qt.q, cfg.num_kv_heads), unpermute_rows(qt.scales, cfg.num_kv_heads))
+            yield name, qt
+            continue
         try:
             array = dequantize(t.data, t.tensor_type)  # float32 ndarray, [rows, cols] (dims reversed)
         except Exception as e:
             raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({type(e).__name__}: {e})") from e
-        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
         if array.size != int(np.prod(expected)):
             raise ValueError(f"{path}: tensor {t.name!r} data is truncated")
         array = array.reshape(expected)
@@ -189,16 +219,16 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str) -> It
             w = unpermute_rows(w, cfg.num_heads)
         elif permuted and ".attn_k." in t.name:
             w = unpermute_rows(w, cfg.num_kv_heads)
-        yield name, w.to(dtype)
+        yield name, (w if quantization else w.to(dtype))
 
 
-def load_gguf(path: str, *, dtype: torch.dtype, device) -> LoadedModel:
+def load_gguf(path: str, *, dtype: torch.dtype, device, quantization: str | None = None) -> LoadedModel:
     reader, meta = _read(path)
     tensor_names = {t.name for t in reader.tensors}
     cfg = gguf_config(meta, tensor_names, path)
     tokenizer, add_bos = build_gguf_tokenizer(meta, path)
-    model = LlamaForCausalLM(cfg, dtype=dtype, device=device)
-    model.load_weights(_gguf_weights(reader, cfg, dtype, path), source=path)
+    model = LlamaForCausalLM(cfg, dtype=dtype, device=device, quantization=quantization)
+    model.load_weights(_gguf_weights(reader, cfg, dtype, path, model.quantization), source=path)
     model.eval()
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, bos_token_id=cfg.bos_token_id,

@@ -111,7 +111,7 @@ def ensure_bos(tokenizer: tokenizers.Tokenizer, bos_token_id: int | None, wanted
     return adds()
 
 
-def load_hf_dir(model_dir: str, *, dtype: torch.dtype, device) -> LoadedModel:
+def load_hf_dir(model_dir: str, *, dtype: torch.dtype, device, quantization: str | None = None) -> LoadedModel:
     hf_config = _read_json(os.path.join(model_dir, "config.json"), required=True)
     try:
         cfg = ModelConfig.from_hf_config(hf_config)
@@ -155,8 +155,9 @@ def load_hf_dir(model_dir: str, *, dtype: torch.dtype, device) -> LoadedModel:
     check_special_ids([] if bos is None else [bos], V, f"{tok_json}: bos_token")
 
     shards = _shard_files(model_dir)
-    model = LlamaForCausalLM(cfg, dtype=dtype, device=device)
-    model.load_weights(_safetensors_weights(shards, dtype), source=model_dir)
+    model = LlamaForCausalLM(cfg, dtype=dtype, device=device, quantization=quantization)
+    # int8: tensors arrive in float32 and are quantized one by one (never a whole float copy)
+    model.load_weights(_safetensors_weights(shards, torch.float32 if model.quantization else dtype), source=model_dir)
     model.eval()
 
     add_bos = ensure_bos(tokenizer, bos, bool(tok_config.get("add_bos_token", False)))

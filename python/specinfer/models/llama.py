@@ -20,6 +20,7 @@ from torch import nn
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
+from specinfer.models.int8_linear import Int8Weight, check_quantization, int8_linear
 from specinfer.models.packed_linear import dense_linear
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
 
@@ -35,10 +36,18 @@ def _param(*shape: int, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _gemm_weight(n: int, k: int, *, dtype, device, quantization: str | None):
+    """A [n, k] GEMM weight: a dense parameter, or int8 + scales with quantization="int8"."""
+    if quantization == "int8":
+        return Int8Weight(n, k, device=device)
+    return _param(n, k, dtype=dtype, device=device)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, quantization: str | None = None):
         super().__init__()
-        self.linear = dense_linear  # swapped by LlamaForCausalLM.pack_linear_weights
+        # swapped by LlamaForCausalLM.pack_linear_weights; int8 weights have their own kernel
+        self.linear = int8_linear if quantization == "int8" else dense_linear
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -46,14 +55,15 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         h = cfg.hidden_size
+        gemm = dict(dtype=dtype, device=device, quantization=quantization)
         self.input_norm = _param(h, dtype=dtype, device=device)
-        self.qkv_weight = _param(q_size + 2 * kv_size, h, dtype=dtype, device=device)  # rows: q | k | v
+        self.qkv_weight = _gemm_weight(q_size + 2 * kv_size, h, **gemm)  # rows: q | k | v
         self.qkv_bias = _param(q_size + 2 * kv_size, dtype=dtype, device=device) if cfg.attention_bias else None
-        self.o_weight = _param(h, q_size, dtype=dtype, device=device)
+        self.o_weight = _gemm_weight(h, q_size, **gemm)
         self.o_bias = _param(h, dtype=dtype, device=device) if cfg.attention_output_bias else None
         self.post_attention_norm = _param(h, dtype=dtype, device=device)
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)  # rows: gate | up
-        self.down_weight = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_weight = _gemm_weight(2 * cfg.intermediate_size, h, **gemm)  # rows: gate | up
+        self.down_weight = _gemm_weight(h, cfg.intermediate_size, **gemm)
 
     def forward(
         self,
@@ -80,11 +90,21 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device="cpu"):
+    """`quantization="int8"`: every GEMM weight (q|k|v, o, gate|up, down, the LM head and the
+    embedding table it may be tied to) is int8 with per-32 scales (models/int8_linear.py),
+    filled straight from GGUF Q8_0 blocks or quantized tensor by tensor as it loads; norms,
+    biases and activations keep `dtype`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device="cpu",
+                 quantization: str | None = None):
         super().__init__()
         self.config = cfg
         self.num_layers = cfg.num_layers
-        self.linear = dense_linear  # swapped by pack_linear_weights
+        self.dtype = dtype
+        self.quantization = quantization = check_quantization(quantization)
+        if quantization is not None and torch.device(device).type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on CPU only (device={device!s})")
+        self.linear = int8_linear if quantization else dense_linear  # swapped by pack_linear_weights
         self.packed = False
         if cfg.sliding_window is not None and cfg.sliding_window < cfg.max_position_embeddings:
             warnings.warn(
@@ -92,13 +112,14 @@ class LlamaForCausalLM(nn.Module):
                 f"differ from the reference for contexts longer than {cfg.sliding_window} tokens",
                 stacklevel=2,
             )
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device) for i in range(cfg.num_layers))
+        gemm = dict(dtype=dtype, device=device, quantization=quantization)
+        self.embed_tokens = _gemm_weight(cfg.vocab_size, cfg.hidden_size, **gemm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, quantization) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+            self.lm_head = _gemm_weight(cfg.vocab_size, cfg.hidden_size, **gemm)
         cos, sin = rope_table(cfg, cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)  # float32[P, D/2]
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
@@ -108,6 +129,8 @@ class LlamaForCausalLM(nn.Module):
         return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # int64[T] -> [T, hidden]
+        if isinstance(self.embed_tokens, Int8Weight):
+            return self.embed_tokens.embedding(input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed_tokens)
 
     def forward(
@@ -139,7 +162,10 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linear_weights(self, pack, linear) -> None:
         """Replace every GEMM weight by pack(weight) and run GEMMs through `linear` (same contract
-        as F.linear). One-way: afterwards the model serves inference only (load_weights refuses)."""
+        as F.linear). One-way: afterwards the model serves inference only (load_weights refuses).
+        A no-op for int8 weights, which have their own kernel."""
+        if self.quantization is not None:
+            return
         names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
         for layer in self.layers:
             for name in names:
@@ -154,6 +180,20 @@ class LlamaForCausalLM(nn.Module):
         self.packed = True
 
     # ---- weights -------------------------------------------------------------------------------
+
+    def weight_bytes(self) -> int:
+        """Bytes held by the weights: dense, oneDNN-packed or int8 (values + scales)."""
+        names = ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "o_bias", "post_attention_norm",
+                 "gate_up_weight", "down_weight")
+        weights = [self.embed_tokens, self.lm_head, self.norm]
+        weights += [getattr(layer, n) for layer in self.layers for n in names]
+        total, seen = 0, set()
+        for w in weights:
+            if w is None or id(w) in seen:
+                continue
+            seen.add(id(w))
+            total += w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+        return total
 
     def _slots(self) -> dict[str, tuple[torch.Tensor, slice | None]]:
         """HF parameter name -> (our tensor, row slice of it that the HF tensor fills)."""
@@ -200,12 +240,17 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
             target, rows = slots[name]
-            dest = target if rows is None else target[rows]
-            if tuple(tensor.shape) != tuple(dest.shape):
-                raise ValueError(
-                    f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
+            if isinstance(target, Int8Weight):
+                want = target.rows_shape(rows)
+            else:
+                dest = target if rows is None else target[rows]
+                want = tuple(dest.shape)
+            if tuple(tensor.shape) != tuple(want):
+                raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
+            if isinstance(target, Int8Weight):
+                target.load(rows, tensor)  # float: quantized here; QuantizedTensor (GGUF Q8_0): copied
+            else:
+                dest.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(slots) - loaded)
         if missing:

@@ -3,7 +3,7 @@ resolved once per engine. Scheduler, proposer and sampler code never asks "is th
 they get a Platform (device, default dtype, attention backend, memory budget, forward runner,
 shape buckets, speculation length among warmed shapes).
 
-    cpu           CpuPlatform           torch_ref attention, fp32
+    cpu           CpuPlatform           cpu_native attention (Rust kernel), fp32
     cuda[:N]      CudaPlatform          Triton kernels, bf16/fp16, CUDA graphs for decode buckets
     hpu           HpuPlatform           flat block-list attention, bucketed static shapes, HPU graphs
     hpu-emulated  HpuEmulatedPlatform   the Gaudi path on CPU, device calls emulated (for tests)

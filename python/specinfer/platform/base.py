@@ -15,7 +15,7 @@ import torch
 
 from specinfer.engine.model_runner import ModelRunner
 
-ATTENTION_BACKENDS = ("torch_ref", "triton", "hpu_flat")
+ATTENTION_BACKENDS = ("cpu_native", "torch_ref", "triton", "hpu_flat")
 
 
 @dataclass(frozen=True)

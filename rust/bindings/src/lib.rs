@@ -5,6 +5,9 @@
 //! call that does real work, and numpy arrays built from the core's `Vec`s without
 //! copying (`IntoPyArray` hands the allocation to numpy).
 
+mod cpu_attention;
+mod cpu_linear;
+
 use std::sync::{Arc, Mutex};
 
 use numpy::ndarray::ArrayView2;
@@ -476,6 +479,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SchedulerCore>()?;
     m.add_class::<SchedulerOutput>()?;
     m.add_class::<UpdateOutput>()?;
+    cpu_attention::register(m)?;
+    cpu_linear::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -1,0 +1,851 @@
+//! Causal attention of a mixed batch straight over the paged KV block pool.
+//!
+//! A batch is T query tokens in S query runs. Run s owns token rows
+//! `query_start_loc[s] .. query_start_loc[s + 1]`; its context (cached KV plus this query) has
+//! `seq_lens[s]` tokens, the query sitting at its end, so query token i of a run of length n
+//! attends to key positions `0 ..= seq_lens[s] - n + i`. Prefill chunks, decodes (n = 1) and
+//! 1 + k verification runs are all such runs. Key position p of run s lives in block
+//! `block_table[s, p / block_size]` at offset `p % block_size` of the cache
+//! `[2 (k | v), num_blocks, block_size, num_kv_heads, head_dim]`: the kernel reads it there, with
+//! no gather copy.
+//!
+//! Work is split into items (run, kv head, tile of query tokens): one item serves every query
+//! head of its kv head (GQA: each key row is loaded once for the whole group) and every query
+//! token of its tile, so a K/V row feeds `group * tile` query rows. Items run on a rayon pool
+//! (`threads`); within an item, keys stream in chunks through an online softmax (running max
+//! and sum per query row, accumulator rescaled when the max grows), in f32 whatever the element
+//! type, with the vector primitives of the instruction set chosen at run time (`simd`).
+//!
+//! Costs: O(sum over runs of n * seq_len * num_heads * head_dim) arithmetic, reading each K/V row
+//! of a run once per (kv head, query tile); scratch O(tile rows * head_dim) per item.
+
+use std::fmt;
+
+use rayon::prelude::*;
+
+use crate::elem::Elem;
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{Avx2, Avx512};
+use crate::simd::{Isa, Lanes, Rows, Scalar};
+use crate::threads;
+
+/// Keys per online-softmax chunk.
+const KEY_CHUNK: usize = 32;
+/// Query rows (tokens x heads of a group) an item aims for: enough reuse of each K/V row,
+/// small enough that long prefills split into many items (twice this with AVX-512: 4 vectors).
+const TILE_ROWS: usize = 32;
+
+/// A bad argument, naming the field at fault.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttentionError {
+    pub field: &'static str,
+    pub message: String,
+}
+
+impl fmt::Display for AttentionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+impl std::error::Error for AttentionError {}
+
+fn err<T>(field: &'static str, message: impl Into<String>) -> Result<T, AttentionError> {
+    Err(AttentionError {
+        field,
+        message: message.into(),
+    })
+}
+
+/// Head counts and the cache's geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadGeometry {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl HeadGeometry {
+    fn validate(&self) -> Result<(), AttentionError> {
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || self.head_dim == 0
+            || self.block_size == 0
+        {
+            return err("geometry", format!("every size must be >= 1, got {self:?}"));
+        }
+        if self.num_heads % self.num_kv_heads != 0 {
+            return err(
+                "num_heads",
+                format!(
+                    "{} is not a multiple of num_kv_heads {}",
+                    self.num_heads, self.num_kv_heads
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// Elements of one half (k or v) of the cache.
+    pub fn cache_half_len(&self) -> usize {
+        self.num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+    }
+}
+
+/// A `[num_tokens, num_heads, head_dim]` view with unit stride along head_dim (torch views of a
+/// fused qkv tensor have a token stride larger than `num_heads * head_dim`).
+#[derive(Clone, Copy, Debug)]
+pub struct StridedHeads<'a, E> {
+    pub data: &'a [E],
+    pub num_tokens: usize,
+    pub num_heads: usize,
+    pub head_dim: usize,
+    pub token_stride: usize,
+    pub head_stride: usize,
+}
+
+impl<'a, E> StridedHeads<'a, E> {
+    /// Elements from the first to one past the last element addressed.
+    pub fn extent(
+        num_tokens: usize,
+        num_heads: usize,
+        head_dim: usize,
+        token_stride: usize,
+        head_stride: usize,
+    ) -> usize {
+        if num_tokens == 0 || num_heads == 0 || head_dim == 0 {
+            return 0;
+        }
+        (num_tokens - 1) * token_stride + (num_heads - 1) * head_stride + head_dim
+    }
+
+    fn validate(
+        &self,
+        field: &'static str,
+        num_tokens: usize,
+        num_heads: usize,
+        head_dim: usize,
+    ) -> Result<(), AttentionError> {
+        if (self.num_tokens, self.num_heads, self.head_dim) != (num_tokens, num_heads, head_dim) {
+            return err(
+                field,
+                format!(
+                    "shape [{}, {}, {}], expected [{num_tokens}, {num_heads}, {head_dim}]",
+                    self.num_tokens, self.num_heads, self.head_dim
+                ),
+            );
+        }
+        let need = Self::extent(
+            self.num_tokens,
+            self.num_heads,
+            self.head_dim,
+            self.token_stride,
+            self.head_stride,
+        );
+        if self.data.len() < need {
+            return err(
+                field,
+                format!(
+                    "strides address {need} elements, the buffer has {}",
+                    self.data.len()
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    #[inline(always)]
+    fn row(&self, token: usize, head: usize) -> &'a [E] {
+        let start = token * self.token_stride + head * self.head_stride;
+        &self.data[start..start + self.head_dim]
+    }
+}
+
+/// The batch's runs, validated once per forward and reused by every layer.
+#[derive(Clone, Debug)]
+pub struct BatchLayout {
+    slot_mapping: Vec<i64>, // [T] flat cache slot (block * block_size + offset) of each new token
+    query_start_loc: Vec<i32>, // [S + 1]
+    seq_lens: Vec<i32>,     // [S] context length including the query
+    block_table: Vec<i32>,  // [S, table_width] row-major
+    table_width: usize,
+    block_size: usize,
+    max_block: i64,  // largest block id a run reads (-1: none)
+    max_slot: i64,   // largest slot a token writes (-1: none)
+    skip: Vec<bool>, // [S] runs `paged_attention` leaves to the caller (their KV is still stored)
+}
+
+impl BatchLayout {
+    pub fn new(
+        slot_mapping: Vec<i64>,
+        query_start_loc: Vec<i32>,
+        seq_lens: Vec<i32>,
+        block_table: Vec<i32>,
+        table_width: usize,
+        block_size: usize,
+    ) -> Result<Self, AttentionError> {
+        if block_size == 0 {
+            return err("block_size", "must be >= 1");
+        }
+        let s = seq_lens.len();
+        if query_start_loc.len() != s + 1 {
+            return err(
+                "query_start_loc",
+                format!(
+                    "has {} entries for {s} sequences (want S + 1)",
+                    query_start_loc.len()
+                ),
+            );
+        }
+        if block_table.len() != s * table_width {
+            return err(
+                "block_table",
+                format!(
+                    "has {} entries, expected {s} x {table_width}",
+                    block_table.len()
+                ),
+            );
+        }
+        if query_start_loc[0] != 0 {
+            return err(
+                "query_start_loc",
+                format!("must start at 0, got {}", query_start_loc[0]),
+            );
+        }
+        if query_start_loc[s] as i64 != slot_mapping.len() as i64 {
+            return err(
+                "query_start_loc",
+                format!(
+                    "ends at {} but slot_mapping has {} tokens",
+                    query_start_loc[s],
+                    slot_mapping.len()
+                ),
+            );
+        }
+        let mut max_block = -1i64;
+        for i in 0..s {
+            let n = query_start_loc[i + 1] as i64 - query_start_loc[i] as i64;
+            let len = seq_lens[i] as i64;
+            if n < 0 {
+                return err("query_start_loc", format!("decreases at sequence {i}"));
+            }
+            if len < n {
+                return err(
+                    "seq_lens",
+                    format!("sequence {i}: context {len} shorter than its query {n}"),
+                );
+            }
+            let blocks = (len as usize).div_ceil(block_size);
+            if blocks > table_width {
+                return err(
+                    "block_table",
+                    format!(
+                        "sequence {i} needs {blocks} blocks, the table has {table_width} columns"
+                    ),
+                );
+            }
+            for &b in &block_table[i * table_width..i * table_width + blocks] {
+                if b < 0 {
+                    return err(
+                        "block_table",
+                        format!("sequence {i}: negative block id {b}"),
+                    );
+                }
+                max_block = max_block.max(b as i64);
+            }
+        }
+        let mut max_slot = -1i64;
+        for &slot in &slot_mapping {
+            if slot < 0 {
+                return err("slot_mapping", format!("negative slot {slot}"));
+            }
+            max_slot = max_slot.max(slot);
+        }
+        Ok(BatchLayout {
+            slot_mapping,
+            query_start_loc,
+            seq_lens,
+            block_table,
+            table_width,
+            block_size,
+            max_block,
+            max_slot,
+            skip: vec![false; s],
+        })
+    }
+
+    /// Leave the flagged runs' output rows to the caller (who attends them some other way);
+    /// `store_kv` still writes their keys and values.
+    pub fn skip_attention(&mut self, skip: Vec<bool>) -> Result<(), AttentionError> {
+        if skip.len() != self.num_seqs() {
+            return err(
+                "skip",
+                format!("has {} flags for {} sequences", skip.len(), self.num_seqs()),
+            );
+        }
+        self.skip = skip;
+        Ok(())
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.slot_mapping.len()
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.seq_lens.len()
+    }
+
+    fn check_cache(&self, geo: &HeadGeometry) -> Result<(), AttentionError> {
+        geo.validate()?;
+        if geo.block_size != self.block_size {
+            return err(
+                "block_size",
+                format!(
+                    "cache has {}, the batch was laid out for {}",
+                    geo.block_size, self.block_size
+                ),
+            );
+        }
+        if self.max_block >= geo.num_blocks as i64 {
+            return err(
+                "block_table",
+                format!(
+                    "block id {} out of range (num_blocks {})",
+                    self.max_block, geo.num_blocks
+                ),
+            );
+        }
+        if self.max_slot >= (geo.num_blocks * geo.block_size) as i64 {
+            return err(
+                "slot_mapping",
+                format!(
+                    "slot {} out of range ({} blocks of {})",
+                    self.max_slot, geo.num_blocks, geo.block_size
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Write the batch's new keys and values (`k`, `v`: `[T, num_kv_heads, head_dim]`) into their
+/// slots of `cache` (`[2, num_blocks, block_size, num_kv_heads, head_dim]`).
+pub fn store_kv<E: Elem>(
+    layout: &BatchLayout,
+    geo: &HeadGeometry,
+    k: StridedHeads<'_, E>,
+    v: StridedHeads<'_, E>,
+    cache: &mut [E],
+) -> Result<(), AttentionError> {
+    layout.check_cache(geo)?;
+    let (t, hkv, d) = (layout.num_tokens(), geo.num_kv_heads, geo.head_dim);
+    k.validate("k", t, hkv, d)?;
+    v.validate("v", t, hkv, d)?;
+    let half = geo.cache_half_len();
+    if cache.len() != 2 * half {
+        return err(
+            "kv_cache",
+            format!("has {} elements, expected {}", cache.len(), 2 * half),
+        );
+    }
+    let (kc, vc) = cache.split_at_mut(half);
+    for (tok, &slot) in layout.slot_mapping.iter().enumerate() {
+        let base = slot as usize * hkv * d;
+        for h in 0..hkv {
+            let dst = base + h * d;
+            kc[dst..dst + d].copy_from_slice(k.row(tok, h));
+            vc[dst..dst + d].copy_from_slice(v.row(tok, h));
+        }
+    }
+    Ok(())
+}
+
+/// Attend every query token of the batch (`q`: `[T, num_heads, head_dim]`) causally over its
+/// run's context in `cache`, writing `out` (`[T, num_heads, head_dim]`, contiguous).
+/// `num_threads` <= 1 runs on the calling thread.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention<E: Elem>(
+    isa: Isa,
+    num_threads: usize,
+    layout: &BatchLayout,
+    geo: &HeadGeometry,
+    q: StridedHeads<'_, E>,
+    cache: &[E],
+    out: &mut [E],
+    scale: f32,
+) -> Result<(), AttentionError> {
+    layout.check_cache(geo)?;
+    if !isa.is_supported() {
+        return err(
+            "isa",
+            format!("{} is not supported by this CPU", isa.name()),
+        );
+    }
+    let (t, h, d) = (layout.num_tokens(), geo.num_heads, geo.head_dim);
+    q.validate("q", t, h, d)?;
+    if out.len() != t * h * d {
+        return err(
+            "out",
+            format!("has {} elements, expected {t} x {h} x {d}", out.len()),
+        );
+    }
+    let half = geo.cache_half_len();
+    if cache.len() != 2 * half {
+        return err(
+            "kv_cache",
+            format!("has {} elements, expected {}", cache.len(), 2 * half),
+        );
+    }
+    let group = h / geo.num_kv_heads;
+    let tile_rows = if isa == Isa::Avx512 {
+        2 * TILE_ROWS
+    } else {
+        TILE_ROWS
+    };
+    let tile = (tile_rows / group).max(1);
+    let mut items = Vec::new();
+    for s in (0..layout.num_seqs()).filter(|&s| !layout.skip[s]) {
+        let n = (layout.query_start_loc[s + 1] - layout.query_start_loc[s]) as usize;
+        for kv_head in 0..geo.num_kv_heads {
+            for q0 in (0..n).step_by(tile) {
+                items.push(Item {
+                    seq: s,
+                    kv_head,
+                    q0,
+                    q1: (q0 + tile).min(n),
+                });
+            }
+        }
+    }
+    let (k_cache, v_cache) = cache.split_at(half);
+    let ctx = Ctx {
+        layout,
+        geo: *geo,
+        group,
+        q,
+        k_cache,
+        v_cache,
+        scale,
+    };
+    let out = OutPtr(out.as_mut_ptr());
+    let run: ItemFn<E> = item_fn::<E>(isa);
+    let pool = if num_threads > 1 && items.len() > 1 {
+        threads::pool(num_threads)
+    } else {
+        None
+    };
+    match pool {
+        // SAFETY: `run` matches `isa`, which the CPU supports (checked above); every item writes
+        // only its own (token, head) rows of `out`, so items never write the same element.
+        Some(pool) => pool.install(|| {
+            items
+                .par_iter()
+                .for_each(|it| unsafe { run(&ctx, it, out) })
+        }),
+        None => items.iter().for_each(|it| unsafe { run(&ctx, it, out) }),
+    }
+    Ok(())
+}
+
+/// Query tokens `q0 .. q1` (within the run) of run `seq`, every query head of `kv_head`.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    seq: usize,
+    kv_head: usize,
+    q0: usize,
+    q1: usize,
+}
+
+struct Ctx<'a, E> {
+    layout: &'a BatchLayout,
+    geo: HeadGeometry,
+    group: usize,
+    q: StridedHeads<'a, E>,
+    k_cache: &'a [E],
+    v_cache: &'a [E],
+    scale: f32,
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr<E>(*mut E);
+// SAFETY: items write disjoint rows (see paged_attention).
+unsafe impl<E> Send for OutPtr<E> {}
+unsafe impl<E> Sync for OutPtr<E> {}
+
+type ItemFn<E> = unsafe fn(&Ctx<'_, E>, &Item, OutPtr<E>);
+
+fn item_fn<E: Elem>(isa: Isa) -> ItemFn<E> {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => item_avx512::<E>,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => item_avx2::<E>,
+        _ => item_scalar::<E>,
+    }
+}
+
+unsafe fn item_scalar<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+    attend_item::<E, Scalar>(ctx, it, out)
+}
+
+/// The row-parallel path once an item has at least half a vector of rows (verification runs,
+/// prefill tiles, wide GQA groups); the per-row dot path below that (decodes).
+#[inline(always)]
+unsafe fn attend<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+    if L::W > 1 && 2 * (it.q1 - it.q0) * ctx.group >= L::W {
+        attend_item_rows::<E, L>(ctx, it, out)
+    } else {
+        attend_item::<E, L>(ctx, it, out)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn item_avx2<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+    attend::<E, Avx2>(ctx, it, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn item_avx512<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+    attend::<E, Avx512>(ctx, it, out)
+}
+
+/// One item: online softmax over key chunks. Rows r = i * group + j (query token i of the
+/// tile, head j of the group); row r sees key positions 0 ..= limit[r].
+#[inline(always)]
+unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+    let (d, g, hkv, bs) = (
+        ctx.geo.head_dim,
+        ctx.group,
+        ctx.geo.num_kv_heads,
+        ctx.geo.block_size,
+    );
+    let lay = ctx.layout;
+    let start = lay.query_start_loc[it.seq] as usize;
+    let n = lay.query_start_loc[it.seq + 1] as usize - start;
+    let context_start = lay.seq_lens[it.seq] as usize - n; // position of the run's first query token
+    let table = &lay.block_table[it.seq * lay.table_width..(it.seq + 1) * lay.table_width];
+    let rows = (it.q1 - it.q0) * g;
+    let mut scratch = vec![0.0f32; d];
+    let mut qt = vec![0.0f32; rows * d]; // scaled queries, [rows, d]
+    let mut limit = vec![0usize; rows];
+    for i in 0..it.q1 - it.q0 {
+        for j in 0..g {
+            let r = i * g + j;
+            let src = E::row(
+                ctx.q.row(start + it.q0 + i, it.kv_head * g + j),
+                &mut scratch,
+            );
+            for (dst, x) in qt[r * d..(r + 1) * d].iter_mut().zip(src) {
+                *dst = x * ctx.scale;
+            }
+            limit[r] = context_start + it.q0 + i;
+        }
+    }
+    let num_keys = context_start + it.q1; // keys 0 .. num_keys-1 are visible to some row
+    let mut acc = vec![0.0f32; rows * d];
+    let mut run_max = vec![f32::NEG_INFINITY; rows];
+    let mut run_sum = vec![0.0f32; rows];
+    let mut p = vec![0.0f32; rows * KEY_CHUNK]; // scores, then probabilities, [rows, KEY_CHUNK]
+    let mut offsets = [0usize; KEY_CHUNK]; // cache offset of each key row of a chunk
+    for k0 in (0..num_keys).step_by(KEY_CHUNK) {
+        let kn = KEY_CHUNK.min(num_keys - k0);
+        chunk_offsets(&mut offsets[..kn], table, k0, bs, hkv, it.kv_head, d);
+        for c in 0..kn {
+            let off = offsets[c];
+            let krow = E::row(&ctx.k_cache[off..off + d], &mut scratch);
+            for r in 0..rows {
+                p[r * KEY_CHUNK + c] = if k0 + c <= limit[r] {
+                    L::dot(&qt[r * d..(r + 1) * d], krow)
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+        for r in 0..rows {
+            let pr = &mut p[r * KEY_CHUNK..r * KEY_CHUNK + kn];
+            let chunk_max = pr.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            if chunk_max == f32::NEG_INFINITY {
+                pr.fill(0.0); // every key of the chunk is in this row's future
+                continue;
+            }
+            let new_max = run_max[r].max(chunk_max);
+            if new_max > run_max[r] && run_sum[r] > 0.0 {
+                let correction = (run_max[r] - new_max).exp();
+                run_sum[r] *= correction;
+                L::scale(&mut acc[r * d..(r + 1) * d], correction);
+            }
+            run_max[r] = new_max;
+            run_sum[r] += exp_shifted::<L>(pr, new_max); // masked: exp(-inf) = 0
+        }
+        for c in 0..kn {
+            let off = offsets[c];
+            let vrow = E::row(&ctx.v_cache[off..off + d], &mut scratch);
+            for r in 0..rows {
+                let w = p[r * KEY_CHUNK + c];
+                if w != 0.0 {
+                    L::axpy(&mut acc[r * d..(r + 1) * d], w, vrow);
+                }
+            }
+        }
+    }
+    let h = ctx.geo.num_heads;
+    for i in 0..it.q1 - it.q0 {
+        for j in 0..g {
+            let r = i * g + j;
+            let inv = 1.0 / run_sum[r]; // > 0: key 0 is visible to every row
+            let dst = out
+                .0
+                .add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
+            for (e, &a) in acc[r * d..(r + 1) * d].iter().enumerate() {
+                *dst.add(e) = E::from_f32(a * inv);
+            }
+        }
+    }
+}
+
+/// One item, lanes over query rows: scores of a key chunk for W rows at once from the
+/// transposed query tile (no horizontal sums), then the online softmax vectorized across rows
+/// with a vector exp. Same rows and masks as `attend_item`.
+#[inline(always)]
+unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+    let (d, g, hkv, bs, w) = (
+        ctx.geo.head_dim,
+        ctx.group,
+        ctx.geo.num_kv_heads,
+        ctx.geo.block_size,
+        L::W,
+    );
+    let lay = ctx.layout;
+    let start = lay.query_start_loc[it.seq] as usize;
+    let n = lay.query_start_loc[it.seq + 1] as usize - start;
+    let context_start = lay.seq_lens[it.seq] as usize - n;
+    let table = &lay.block_table[it.seq * lay.table_width..(it.seq + 1) * lay.table_width];
+    let rows = (it.q1 - it.q0) * g;
+    let mp = rows.div_ceil(w) * w; // rows padded to whole vectors; padding rows see every key
+    let mut scratch = vec![0.0f32; d];
+    let mut qt = vec![0.0f32; d * mp]; // scaled queries transposed, [d, mp]
+    let mut limit = vec![usize::MAX; mp];
+    for i in 0..it.q1 - it.q0 {
+        for j in 0..g {
+            let r = i * g + j;
+            let src = E::row(
+                ctx.q.row(start + it.q0 + i, it.kv_head * g + j),
+                &mut scratch,
+            );
+            for (e, x) in src.iter().enumerate() {
+                qt[e * mp + r] = x * ctx.scale;
+            }
+            limit[r] = context_start + it.q0 + i;
+        }
+    }
+    let first_limit = context_start + it.q0; // the smallest limit (the tile's first token)
+    let num_keys = context_start + it.q1;
+    let mut acc = vec![0.0f32; rows * d];
+    let mut run_max = vec![f32::NEG_INFINITY; mp];
+    let mut run_sum = vec![0.0f32; mp];
+    let mut correction = vec![1.0f32; mp];
+    let mut p = vec![0.0f32; KEY_CHUNK * mp]; // scores, then probabilities, [KEY_CHUNK, mp]
+    let mut vchunk = vec![0.0f32; KEY_CHUNK * d]; // V rows of a chunk as f32 (non-f32 caches)
+    let mut offsets = [0usize; KEY_CHUNK]; // cache offset of each key row of a chunk
+    let qp = qt.as_ptr();
+    let pp = p.as_mut_ptr();
+    for k0 in (0..num_keys).step_by(KEY_CHUNK) {
+        let kn = KEY_CHUNK.min(num_keys - k0);
+        chunk_offsets(&mut offsets[..kn], table, k0, bs, hkv, it.kv_head, d);
+        for c in 0..kn {
+            let off = offsets[c];
+            let krow = E::row(&ctx.k_cache[off..off + d], &mut scratch);
+            for v in (0..mp).step_by(w) {
+                let (mut a0, mut a1, mut a2, mut a3) =
+                    (L::splat(0.0), L::splat(0.0), L::splat(0.0), L::splat(0.0));
+                let base = qp.add(v);
+                let mut e = 0;
+                while e + 4 <= d {
+                    a0 = L::fma(L::splat(krow[e]), L::load(base.add(e * mp)), a0);
+                    a1 = L::fma(L::splat(krow[e + 1]), L::load(base.add((e + 1) * mp)), a1);
+                    a2 = L::fma(L::splat(krow[e + 2]), L::load(base.add((e + 2) * mp)), a2);
+                    a3 = L::fma(L::splat(krow[e + 3]), L::load(base.add((e + 3) * mp)), a3);
+                    e += 4;
+                }
+                while e < d {
+                    a0 = L::fma(L::splat(krow[e]), L::load(base.add(e * mp)), a0);
+                    e += 1;
+                }
+                L::store(pp.add(c * mp + v), L::add(L::add(a0, a1), L::add(a2, a3)));
+            }
+        }
+        if k0 + kn - 1 > first_limit {
+            for c in 0..kn {
+                let pos = k0 + c;
+                for r in 0..rows {
+                    if pos > limit[r] {
+                        p[c * mp + r] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        for v in (0..mp).step_by(w) {
+            let mut chunk_max = L::splat(f32::NEG_INFINITY);
+            for c in 0..kn {
+                chunk_max = L::max(chunk_max, L::load(pp.add(c * mp + v)));
+            }
+            let old = L::load(run_max.as_ptr().add(v));
+            let new = L::max(old, chunk_max); // finite: key 0 is visible to every row
+            L::store(run_max.as_mut_ptr().add(v), new);
+            let corr = L::exp(L::sub(old, new)); // first chunk: exp(-inf) = 0
+            L::store(correction.as_mut_ptr().add(v), corr);
+            let mut sum = L::splat(0.0);
+            for c in 0..kn {
+                let e = L::exp(L::sub(L::load(pp.add(c * mp + v)), new)); // masked: 0
+                L::store(pp.add(c * mp + v), e);
+                sum = L::add(sum, e);
+            }
+            let l = L::load(run_sum.as_ptr().add(v));
+            L::store(run_sum.as_mut_ptr().add(v), L::fma(l, corr, sum));
+        }
+        if k0 > 0 {
+            for r in 0..rows {
+                if correction[r] != 1.0 {
+                    <L as Lanes>::scale(&mut acc[r * d..(r + 1) * d], correction[r]);
+                }
+            }
+        }
+        let mut vrows: [&[f32]; KEY_CHUNK] = [&[]; KEY_CHUNK];
+        for (c, slot) in vchunk.chunks_mut(d).take(kn).enumerate() {
+            let off = offsets[c];
+            vrows[c] = E::row(&ctx.v_cache[off..off + d], slot);
+        }
+        let probs = &p[..kn * mp];
+        match d / w {
+            _ if d % w != 0 => pv_axpy::<L>(&mut acc, probs, &vrows[..kn], rows, mp, d),
+            1 => pv_block::<L, 1>(&mut acc, probs, &vrows[..kn], rows, mp),
+            2 => pv_block::<L, 2>(&mut acc, probs, &vrows[..kn], rows, mp),
+            4 => pv_block::<L, 4>(&mut acc, probs, &vrows[..kn], rows, mp),
+            8 => pv_block::<L, 8>(&mut acc, probs, &vrows[..kn], rows, mp),
+            _ => pv_axpy::<L>(&mut acc, probs, &vrows[..kn], rows, mp, d),
+        }
+    }
+    let h = ctx.geo.num_heads;
+    for i in 0..it.q1 - it.q0 {
+        for j in 0..g {
+            let r = i * g + j;
+            let inv = 1.0 / run_sum[r];
+            let dst = out
+                .0
+                .add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
+            for (e, &a) in acc[r * d..(r + 1) * d].iter().enumerate() {
+                *dst.add(e) = E::from_f32(a * inv);
+            }
+        }
+    }
+}
+
+/// Cache offsets of key rows k0 .. k0 + out.len() of one kv head: one division per chunk,
+/// then (block, offset) stepped along the block table.
+#[inline(always)]
+fn chunk_offsets(
+    out: &mut [usize],
+    table: &[i32],
+    k0: usize,
+    bs: usize,
+    hkv: usize,
+    kv_head: usize,
+    d: usize,
+) {
+    let (mut blk, mut off) = (k0 / bs, k0 % bs);
+    let mut base = table[blk] as usize * bs;
+    for o in out.iter_mut() {
+        *o = ((base + off) * hkv + kv_head) * d;
+        off += 1;
+        if off == bs {
+            off = 0;
+            blk += 1;
+            if blk < table.len() {
+                base = table[blk] as usize * bs;
+            }
+        }
+    }
+}
+
+/// x = exp(x - shift) in place, vector by vector; returns the sum.
+#[inline(always)]
+unsafe fn exp_shifted<L: Rows>(x: &mut [f32], shift: f32) -> f32 {
+    let (w, n) = (L::W, x.len());
+    let p = x.as_mut_ptr();
+    let s = L::splat(shift);
+    let mut acc = L::splat(0.0);
+    let mut i = 0;
+    while i + w <= n {
+        let e = L::exp(L::sub(L::load(p.add(i)), s));
+        L::store(p.add(i), e);
+        acc = L::add(acc, e);
+        i += w;
+    }
+    let mut lanes = [0.0f32; 16];
+    L::store(lanes.as_mut_ptr(), acc); // W <= 16
+    let mut sum: f32 = lanes[..w].iter().sum();
+    while i < n {
+        *p.add(i) = (*p.add(i) - shift).exp();
+        sum += *p.add(i);
+        i += 1;
+    }
+    sum
+}
+
+/// acc[r] += sum_c probs[c, r] * v[c] with acc[r] held in NV registers across the chunk.
+#[inline(always)]
+unsafe fn pv_block<L: Rows, const NV: usize>(
+    acc: &mut [f32],
+    probs: &[f32],
+    v: &[&[f32]],
+    rows: usize,
+    mp: usize,
+) {
+    let w = L::W;
+    let d = NV * w;
+    for r in 0..rows {
+        let a = acc.as_mut_ptr().add(r * d);
+        let mut regs: [L::V; NV] = std::array::from_fn(|i| L::load(a.add(i * w)));
+        for (c, vrow) in v.iter().enumerate() {
+            let wgt = probs[c * mp + r];
+            if wgt == 0.0 {
+                continue;
+            }
+            let (s, vp) = (L::splat(wgt), vrow.as_ptr());
+            for (i, reg) in regs.iter_mut().enumerate() {
+                *reg = L::fma(s, L::load(vp.add(i * w)), *reg);
+            }
+        }
+        for (i, reg) in regs.iter().enumerate() {
+            L::store(a.add(i * w), *reg);
+        }
+    }
+}
+
+/// The same for head dims that are not a whole number of vectors.
+#[inline(always)]
+unsafe fn pv_axpy<L: Lanes>(
+    acc: &mut [f32],
+    probs: &[f32],
+    v: &[&[f32]],
+    rows: usize,
+    mp: usize,
+    d: usize,
+) {
+    for (c, vrow) in v.iter().enumerate() {
+        for r in 0..rows {
+            let wgt = probs[c * mp + r];
+            if wgt != 0.0 {
+                L::axpy(&mut acc[r * d..(r + 1) * d], wgt, vrow);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "paged_attention_tests.rs"]
+mod tests;

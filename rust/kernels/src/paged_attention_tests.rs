@@ -1,0 +1,436 @@
+//! The kernel against a dense f64 oracle: mixed batches (decodes, verification runs, prefill
+//! chunks with and without cached context), block sizes 1..32, GQA 1..8, head dims 8..128 and
+//! odd ones, every instruction set this CPU has, 1 and 3 threads, f32 and bf16.
+
+use super::*;
+use crate::elem::Bf16;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// A random paged batch: (cached c, query n) per run, blocks scattered, q/k/v strided views of
+/// one fused qkv buffer. Returns the layout, the geometry, the cache with the context written,
+/// the fused qkv buffer and its row stride, and the full per-run K/V [len, hkv, d].
+struct Batch {
+    layout: BatchLayout,
+    geo: HeadGeometry,
+    cache: Vec<f32>,
+    qkv: Vec<f32>,
+    qkv_stride: usize,
+    full_k: Vec<Vec<f32>>,
+    full_v: Vec<Vec<f32>>,
+    runs: Vec<(usize, usize)>,
+}
+
+fn make_batch(
+    runs: &[(usize, usize)],
+    bs: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    seed: u64,
+) -> Batch {
+    let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1);
+    let nb: usize = runs
+        .iter()
+        .map(|&(c, n)| (c + n).div_ceil(bs))
+        .sum::<usize>()
+        + 3;
+    let mut free: Vec<usize> = (0..nb).collect();
+    for i in (1..free.len()).rev() {
+        let j = ((rng.next() + 1.0) * 0.5 * (i + 1) as f32) as usize % (i + 1);
+        free.swap(i, j);
+    }
+    let half = nb * bs * hkv * d;
+    let mut cache = vec![0.0f32; 2 * half];
+    let w = runs
+        .iter()
+        .map(|&(c, n)| (c + n).div_ceil(bs))
+        .max()
+        .unwrap_or(0)
+        + 2;
+    let (mut table, mut slots, mut qsl, mut lens) =
+        (vec![0i32; runs.len() * w], vec![], vec![0i32], vec![]);
+    let (mut full_k, mut full_v) = (vec![], vec![]);
+    let t: usize = runs.iter().map(|r| r.1).sum();
+    let qkv_stride = (h + 2 * hkv) * d;
+    let mut qkv: Vec<f32> = (0..t * qkv_stride).map(|_| rng.next()).collect();
+    let mut tok = 0;
+    for (s, &(c, n)) in runs.iter().enumerate() {
+        let len = c + n;
+        let blocks: Vec<usize> = (0..len.div_ceil(bs)).map(|_| free.pop().unwrap()).collect();
+        for (i, &b) in blocks.iter().enumerate() {
+            table[s * w + i] = b as i32;
+        }
+        let kk: Vec<f32> = (0..len * hkv * d).map(|_| rng.next()).collect();
+        let vv: Vec<f32> = (0..len * hkv * d).map(|_| rng.next()).collect();
+        for p in 0..len {
+            let slot = blocks[p / bs] * bs + p % bs;
+            let row = p * hkv * d..(p + 1) * hkv * d;
+            if p < c {
+                cache[slot * hkv * d..(slot + 1) * hkv * d].copy_from_slice(&kk[row.clone()]);
+                cache[half + slot * hkv * d..half + (slot + 1) * hkv * d].copy_from_slice(&vv[row]);
+            } else {
+                slots.push(slot as i64);
+                let base = tok * qkv_stride + h * d;
+                qkv[base..base + hkv * d].copy_from_slice(&kk[row.clone()]);
+                qkv[base + hkv * d..base + 2 * hkv * d].copy_from_slice(&vv[row]);
+                tok += 1;
+            }
+        }
+        full_k.push(kk);
+        full_v.push(vv);
+        qsl.push(qsl.last().unwrap() + n as i32);
+        lens.push(len as i32);
+    }
+    let layout = BatchLayout::new(slots, qsl, lens, table, w, bs).unwrap();
+    let geo = HeadGeometry {
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: bs,
+        num_blocks: nb,
+    };
+    Batch {
+        layout,
+        geo,
+        cache,
+        qkv,
+        qkv_stride,
+        full_k,
+        full_v,
+        runs: runs.to_vec(),
+    }
+}
+
+fn view<'a, E>(data: &'a [E], b: &Batch, offset_heads: usize, heads: usize) -> StridedHeads<'a, E> {
+    let d = b.geo.head_dim;
+    StridedHeads {
+        data: &data[offset_heads * d..],
+        num_tokens: b.layout.num_tokens(),
+        num_heads: heads,
+        head_dim: d,
+        token_stride: b.qkv_stride,
+        head_stride: d,
+    }
+}
+
+/// Dense causal attention in f64, [T, h, d].
+fn oracle(b: &Batch, qkv: &[f32], scale: f64) -> Vec<f64> {
+    let (h, hkv, d) = (b.geo.num_heads, b.geo.num_kv_heads, b.geo.head_dim);
+    let g = h / hkv;
+    let mut out = vec![];
+    let mut tok = 0;
+    for (s, &(c, n)) in b.runs.iter().enumerate() {
+        for i in 0..n {
+            for head in 0..h {
+                let kvh = head / g;
+                let q = &qkv[tok * b.qkv_stride + head * d..][..d];
+                let keys = c + i + 1;
+                let scores: Vec<f64> = (0..keys)
+                    .map(|p| {
+                        let k = &b.full_k[s][(p * hkv + kvh) * d..][..d];
+                        q.iter()
+                            .zip(k)
+                            .map(|(x, y)| *x as f64 * *y as f64)
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for dd in 0..d {
+                    out.push(
+                        (0..keys)
+                            .map(|p| e[p] * b.full_v[s][(p * hkv + kvh) * d + dd] as f64)
+                            .sum::<f64>()
+                            / z,
+                    );
+                }
+            }
+            tok += 1;
+        }
+    }
+    out
+}
+
+const MIXED: &[(usize, usize)] = &[(7, 1), (12, 5), (3, 40), (0, 33), (0, 1), (20, 17)];
+const DECODES: &[(usize, usize)] = &[(7, 1), (30, 1), (0, 1), (12, 1), (100, 1)];
+const VERIFY: &[(usize, usize)] = &[(7, 4), (20, 4), (3, 4)];
+const LONG: &[(usize, usize)] = &[(70, 90), (300, 1), (5, 200)];
+
+fn check_f32(
+    runs: &[(usize, usize)],
+    bs: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    isa: Isa,
+    threads: usize,
+) {
+    let mut b = make_batch(
+        runs,
+        bs,
+        h,
+        hkv,
+        d,
+        (bs * 131 + h * 17 + hkv * 7 + d) as u64,
+    );
+    let scale = 1.0 / (d as f32).sqrt();
+    let qkv = b.qkv.clone();
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, h, hkv),
+        view(&qkv, &b, h + hkv, hkv),
+        &mut b.cache,
+    )
+    .unwrap();
+    let mut out = vec![0.0f32; b.layout.num_tokens() * h * d];
+    paged_attention(
+        isa,
+        threads,
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, 0, h),
+        &b.cache,
+        &mut out,
+        scale,
+    )
+    .unwrap();
+    let want = oracle(&b, &qkv, scale as f64);
+    for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+        assert!(
+            (o as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(),
+            "{isa:?} threads={threads} runs={runs:?} bs={bs} h={h} hkv={hkv} d={d}: element {i}: {o} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn f32_matches_dense_oracle_over_the_matrix() {
+    for isa in Isa::supported() {
+        for runs in [MIXED, DECODES, VERIFY] {
+            for bs in [1, 4, 16, 32] {
+                for (h, hkv) in [(4, 4), (4, 2), (8, 1), (8, 8), (6, 3)] {
+                    check_f32(runs, bs, h, hkv, 8, isa, 1);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn head_dims_with_and_without_vector_tails() {
+    for isa in Isa::supported() {
+        for d in [8, 20, 32, 64, 80, 128] {
+            check_f32(MIXED, 16, 4, 2, d, isa, 1);
+        }
+    }
+}
+
+#[test]
+fn long_runs_split_into_tiles_and_threads_agree() {
+    for isa in Isa::supported() {
+        for threads in [1, 3] {
+            check_f32(LONG, 16, 8, 1, 64, isa, threads);
+            check_f32(LONG, 8, 4, 4, 32, isa, threads);
+        }
+    }
+}
+
+#[test]
+fn bf16_matches_dense_oracle_within_bf16_rounding() {
+    let (h, hkv, d, bs) = (8, 2, 64, 16);
+    let b = make_batch(MIXED, bs, h, hkv, d, 5);
+    let to16 = |xs: &[f32]| xs.iter().map(|&x| Bf16::from_f32(x)).collect::<Vec<_>>();
+    let qkv16 = to16(&b.qkv);
+    let mut cache16 = to16(&b.cache);
+    // the oracle sees exactly the bf16-rounded inputs
+    let mut b32 = make_batch(MIXED, bs, h, hkv, d, 5);
+    let round = |xs: &mut Vec<f32>| xs.iter_mut().for_each(|x| *x = Bf16::from_f32(*x).to_f32());
+    round(&mut b32.qkv);
+    b32.full_k.iter_mut().for_each(round);
+    b32.full_v.iter_mut().for_each(round);
+    let scale = 1.0 / (d as f32).sqrt();
+    let want = oracle(&b32, &b32.qkv, scale as f64);
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv16, &b, h, hkv),
+        view(&qkv16, &b, h + hkv, hkv),
+        &mut cache16,
+    )
+    .unwrap();
+    for isa in Isa::supported() {
+        let mut out = vec![Bf16::default(); b.layout.num_tokens() * h * d];
+        paged_attention(
+            isa,
+            2,
+            &b.layout,
+            &b.geo,
+            view(&qkv16, &b, 0, h),
+            &cache16,
+            &mut out,
+            scale,
+        )
+        .unwrap();
+        for (i, (o, &w)) in out.iter().zip(&want).enumerate() {
+            let o = o.to_f32() as f64;
+            assert!(
+                (o - w).abs() <= 1e-5 + 8e-3 * w.abs(),
+                "{isa:?} element {i}: {o} vs {w}"
+            );
+        }
+    }
+}
+
+#[test]
+fn store_kv_writes_exactly_the_slots() {
+    let (h, hkv, d, bs) = (4, 2, 8, 4);
+    let mut b = make_batch(MIXED, bs, h, hkv, d, 9);
+    let before = b.cache.clone();
+    let qkv = b.qkv.clone();
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, h, hkv),
+        view(&qkv, &b, h + hkv, hkv),
+        &mut b.cache,
+    )
+    .unwrap();
+    let half = b.geo.cache_half_len();
+    let row = hkv * d;
+    let written: std::collections::HashSet<usize> =
+        b.layout.slot_mapping.iter().map(|&s| s as usize).collect();
+    for slot in 0..half / row {
+        for kv in 0..2 {
+            let range = kv * half + slot * row..kv * half + (slot + 1) * row;
+            if !written.contains(&slot) {
+                assert_eq!(b.cache[range.clone()], before[range]);
+            }
+        }
+    }
+    for (tok, &slot) in b.layout.slot_mapping.iter().enumerate() {
+        let slot = slot as usize;
+        assert_eq!(
+            b.cache[slot * row..(slot + 1) * row],
+            qkv[tok * b.qkv_stride + h * d..][..row]
+        );
+        assert_eq!(
+            b.cache[half + slot * row..half + (slot + 1) * row],
+            qkv[tok * b.qkv_stride + (h + hkv) * d..][..row]
+        );
+    }
+}
+
+#[test]
+fn bad_layouts_are_refused_naming_the_field() {
+    let e = BatchLayout::new(vec![0], vec![0, 1], vec![1], vec![0], 1, 0).unwrap_err();
+    assert_eq!(e.field, "block_size");
+    let e = BatchLayout::new(vec![0, 1], vec![0, 1], vec![1], vec![0], 1, 4).unwrap_err();
+    assert_eq!(e.field, "query_start_loc");
+    let e = BatchLayout::new(vec![0, 1], vec![0, 2], vec![1], vec![0], 1, 4).unwrap_err();
+    assert_eq!(e.field, "seq_lens");
+    let e = BatchLayout::new(vec![0], vec![0, 1], vec![9], vec![0, 1], 2, 4).unwrap_err();
+    assert_eq!(e.field, "block_table");
+    let e = BatchLayout::new(vec![-1], vec![0, 1], vec![1], vec![0], 1, 4).unwrap_err();
+    assert_eq!(e.field, "slot_mapping");
+    // a block id past the cache is caught when the cache is known
+    let layout = BatchLayout::new(vec![0], vec![0, 1], vec![1], vec![5], 1, 4).unwrap();
+    let geo = HeadGeometry {
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+        block_size: 4,
+        num_blocks: 2,
+    };
+    let cache = vec![0.0f32; 2 * geo.cache_half_len()];
+    let q = vec![0.0f32; 16];
+    let mut out = vec![0.0f32; 16];
+    let qv = StridedHeads {
+        data: &q,
+        num_tokens: 1,
+        num_heads: 2,
+        head_dim: 8,
+        token_stride: 16,
+        head_stride: 8,
+    };
+    let e = paged_attention(Isa::Scalar, 1, &layout, &geo, qv, &cache, &mut out, 1.0).unwrap_err();
+    assert_eq!(e.field, "block_table");
+    // GQA needs num_heads to be a multiple of num_kv_heads
+    let layout = BatchLayout::new(vec![0], vec![0, 1], vec![1], vec![0], 1, 4).unwrap();
+    let geo3 = HeadGeometry {
+        num_kv_heads: 3,
+        ..geo
+    };
+    let e = paged_attention(Isa::Scalar, 1, &layout, &geo3, qv, &cache, &mut out, 1.0).unwrap_err();
+    assert_eq!(e.field, "num_heads");
+    // a q view whose strides run past its buffer
+    let short = StridedHeads {
+        data: &q[..10],
+        ..qv
+    };
+    let e =
+        paged_attention(Isa::Scalar, 1, &layout, &geo, short, &cache, &mut out, 1.0).unwrap_err();
+    assert_eq!(e.field, "q");
+}
+
+#[test]
+fn skipped_runs_are_left_untouched_and_the_rest_still_match() {
+    let (h, hkv, d, bs) = (4, 2, 16, 4);
+    let mut b = make_batch(MIXED, bs, h, hkv, d, 11);
+    let skip: Vec<bool> = MIXED.iter().map(|&(_, n)| n > 16).collect();
+    b.layout.skip_attention(skip.clone()).unwrap();
+    assert_eq!(
+        b.layout
+            .clone()
+            .skip_attention(vec![true])
+            .unwrap_err()
+            .field,
+        "skip"
+    );
+    let qkv = b.qkv.clone();
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, h, hkv),
+        view(&qkv, &b, h + hkv, hkv),
+        &mut b.cache,
+    )
+    .unwrap();
+    let mut out = vec![7.0f32; b.layout.num_tokens() * h * d];
+    let scale = 0.25;
+    paged_attention(
+        Isa::detect(),
+        2,
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, 0, h),
+        &b.cache,
+        &mut out,
+        scale,
+    )
+    .unwrap();
+    let want = oracle(&b, &qkv, scale as f64);
+    let mut tok = 0;
+    for (s, &(_, n)) in MIXED.iter().enumerate() {
+        for i in tok * h * d..(tok + n) * h * d {
+            if skip[s] {
+                assert_eq!(out[i], 7.0);
+            } else {
+                assert!((out[i] as f64 - want[i]).abs() < 2e-5 * (1.0 + want[i].abs()));
+            }
+        }
+        tok += n;
+    }
+}
