@@ -26,3 +26,15 @@ def tiny_dir(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def target_and_draft(tiny_dir, tmp_path_factory):
+    """The tiny llama target and a slightly perturbed copy of it as a draft (agrees with the
+    target often but not always): (target_dir, draft_dir), built once per session."""
+    from tiny_models import build_tiny_model
+
+    target, _ = tiny_dir("llama", False)
+    draft = tmp_path_factory.mktemp("perturbed_draft")
+    build_tiny_model(draft, "llama", base=target, perturb=0.004)
+    return target, draft

@@ -15,12 +15,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def models(tiny_dir, tmp_path_factory):
-    from tiny_models import build_tiny_model
-
-    target, _ = tiny_dir("llama", False)
-    draft = tmp_path_factory.mktemp("hpu_draft")
-    build_tiny_model(draft, "llama", base=target, perturb=0.004)
+def models(target_and_draft):
+    target, draft = target_and_draft
     return str(target), str(draft)
 
 

@@ -10,14 +10,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def models(tiny_dir, tmp_path_factory):
-    from tiny_models import build_tiny_model
-
-    target, _ = tiny_dir("llama", False)
-    draft = tmp_path_factory.mktemp("draft")
-    # a slightly perturbed copy: agrees with the target often but not always
-    build_tiny_model(draft, "llama", base=target, perturb=0.004)
-    return target, draft
+def models(target_and_draft):
+    return target_and_draft
 
 
 def _prompts(n):

@@ -15,13 +15,8 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def models(tiny_dir, tmp_path_factory):
-    from tiny_models import build_tiny_model
-
-    target, _ = tiny_dir("llama", False)
-    draft = tmp_path_factory.mktemp("draft_tx")
-    build_tiny_model(draft, "llama", base=target, perturb=0.004)
-    return target, draft
+def models(target_and_draft):
+    return target_and_draft
 
 
 def _prompts(n, seed=7):
