@@ -10,10 +10,11 @@ import argparse
 import os
 import sys
 
-from specinfer.cli import bench, chat, demo, generate, models, serve
+from specinfer.cli import bench, chat, demo, generate, models, serve, train_heads
 from specinfer.cli.errors import CliError, OneLineArgumentParser
 
-SUBCOMMANDS = {"generate": generate, "chat": chat, "serve": serve, "bench": bench, "demo": demo, "models": models}
+SUBCOMMANDS = {"generate": generate, "chat": chat, "serve": serve, "bench": bench, "demo": demo, "models": models,
+               "train-heads": train_heads}
 
 # errors that are the user's (bad value, missing file, unwritable path, unknown pack): exit 2
 USER_ERRORS = (CliError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,

@@ -57,6 +57,10 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
                    help="proposer (default: draft_model with --draft, else ngram with -k, else none)")
     g.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model "
                    "(pack name, HF directory or .gguf; same tokenizer as the target)")
+    g.add_argument("--head", default=None, metavar="DIR", help="draft-head checkpoint directory for --method "
+                   "mlp_speculator, medusa, eagle or eagle3 (their public layouts)")
+    g.add_argument("--exit-layer", type=int, default=None, metavar="E",
+                   help="layer_skip: draft with the target's first E layers")
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="draft tokens per verification, 1..16 (default: 4)")
     g.add_argument("--acceptance-method", choices=sorted(ACCEPTANCE_METHODS), default="rejection_sampler",
@@ -110,10 +114,17 @@ def speculative_config(args):
         raise CliError("--method draft_model needs --draft MODEL")
     check_model(args.draft, "draft model")
     from specinfer.spec_decode.config import SpeculativeConfig
+    from specinfer.spec_decode.registry import MODEL_METHODS
 
+    head = getattr(args, "head", None)
+    if head is not None and (method == "draft_model" or method not in MODEL_METHODS):
+        raise CliError(f"--head is only used by --method {', '.join(m for m in MODEL_METHODS if m != 'draft_model')}")
+    if method in MODEL_METHODS and method != "draft_model" and head is None:
+        raise CliError(f"--method {method} needs --head DIR (the head's checkpoint directory)")
     k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
     return SpeculativeConfig(
-        method=method, num_speculative_tokens=k, model=args.draft,
+        method=method, num_speculative_tokens=k, model=head if head is not None else args.draft,
+        exit_layer=getattr(args, "exit_layer", None),
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
         posterior_alpha=args.posterior_alpha, scorer=args.scorer)

@@ -29,6 +29,7 @@ from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.engine.kv_cache import (activation_bytes, allocate_kv_caches, budget_blocks, bytes_per_block,
                                       choose_num_blocks)
 from specinfer.engine.model_loading import load_any
+from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
 from specinfer.models.int8_linear import check_quantization
@@ -37,7 +38,7 @@ from specinfer.platform import EngineLimits, resolve_dtype, resolve_platform
 from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
-from specinfer.spec_decode.proposer import ProposalInput
+from specinfer.spec_decode.proposer import ProposalInput, TargetHidden
 from specinfer.spec_decode.registry import proposer_class
 
 
@@ -105,10 +106,16 @@ class LLMEngine:
         num_cache_blocks = self.num_kv_blocks + self.platform.num_null_blocks  # null block: padded rows' K/V
         caches = [allocate_kv_caches(m, num_cache_blocks, self.block_size, self.dtype, self.device)
                   for m in kv_models]
-        self.runner = self.platform.make_runner(self.loaded.model, caches[0], backend, limits)
+        aux_layers = tuple(getattr(self.proposer, "aux_layers", ()))
+        if aux_layers:  # the proposer reads these target layers' inputs (EAGLE-3): an eager runner keeps them
+            self.runner = ModelRunner(self.loaded.model, caches[0], backend, aux_layers)
+        else:
+            self.runner = self.platform.make_runner(self.loaded.model, caches[0], backend, limits)
         lookahead = 0
         if self.proposer is not None:
             self.proposer.bind_kv_caches(caches[1:], backend)
+            if hasattr(self.proposer, "bind_target_kv_caches"):  # shares the target's KV (layer_skip)
+                self.proposer.bind_target_kv_caches(caches[0])
             lookahead = self.proposer.num_lookahead_tokens
         self.core = SchedulerCore(
             self.num_kv_blocks, self.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
@@ -423,7 +430,9 @@ class LLMEngine:
         # a seeded request's tokens must not depend on the load: it is never disabled
         wants = np.array([st.params.speculate and (not disabled or st.params.seed is not None)
                           for st in states], dtype=bool)
-        if not wants.any():
+        # EAGLE's draft KV takes in every step's target states (they exist only now), drafting or not
+        sees_every_step = getattr(self.proposer, "sees_every_step", False)
+        if not wants.any() and not sees_every_step:
             return
         k = self.platform.speculation_length(self.spec.num_speculative_tokens, len(states), self.spec.scorer)
         max_drafts = np.zeros(R, dtype=np.int64)
@@ -432,8 +441,12 @@ class LLMEngine:
             len_left = self.max_model_len - st.num_tokens - 1
             max_drafts[r] = max(0, min(k, out_left, len_left))
         speculate = sampled & wants & ~kept & (max_drafts > 0)
-        rows = _request_block_rows(sched)
-        inp = ProposalInput(sched, states, sampled, speculate, max_drafts, rows, hidden, wants & alive)
+        inp = ProposalInput(
+            states, np.asarray(sched.num_computed_tokens, np.int64), np.asarray(sched.num_scheduled_tokens, np.int64),
+            emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64),
+            emitted.num_rows.astype(np.int64), sampled, np.where(speculate, max_drafts, 0),
+            alive if sees_every_step else wants & alive, _request_block_rows(sched),
+            TargetHidden(hidden, self.runner.last_aux))
         prop = self.proposer.propose(inp)
         if len(prop.core_ids) == 0:
             return

@@ -74,7 +74,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         T = x.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        h = _rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
+        # input_norm None: no input layernorm (EAGLE-1's single draft layer)
+        h = x if self.input_norm is None else _rms_norm(x, (x.shape[-1],), self.input_norm, self.eps)
         linear = self.linear
         qkv = linear(h, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
         qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(T, H + Hkv, D), cos, sin)  # [T, H+Hkv, D]
@@ -137,13 +138,24 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # int64[T]
         positions: torch.Tensor,  # int64[T] position of each token in its sequence
         ctx: ForwardContext,
-    ) -> torch.Tensor:  # [T, hidden] final-normed hidden states
+        *,
+        exit_layer: int | None = None,  # run only the first E layers, then the final norm (LayerSkip draft)
+        aux_layers: tuple[int, ...] = (),  # also return the inputs of these layers (EAGLE-3 features)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """-> [T, hidden] final-normed hidden states; with aux_layers also [T, len(aux_layers) * hidden],
+        the pre-norm residual stream entering each listed layer (0 = the embeddings), concatenated."""
         x = self.embed(input_ids)
         dtype = x.dtype
         cos, sin = rope_factors(self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype))  # [T, 1, D]
-        for layer in self.layers:
+        captured = {}
+        for layer in self.layers[:exit_layer]:
+            if layer.layer_idx in aux_layers:
+                captured[layer.layer_idx] = x
             x = layer(x, cos, sin, ctx)
-        return _rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        hidden = _rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
+        if not aux_layers:
+            return hidden
+        return hidden, torch.cat([captured[i] for i in aux_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [L, hidden] -> float32[L, vocab]
         return self.linear(hidden, self.lm_head).float()

@@ -3,16 +3,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
+from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, MODEL_METHODS, SCORERS, proposer_names
 
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"  # a registered proposer: "draft_model", "ngram", ...
-    num_speculative_tokens: int = 4  # k, 1..16
-    model: str | None = None  # draft model (HF directory, .gguf file or pack name) for draft_model
+    method: str = "ngram"  # a registered proposer: "draft_model", "ngram", "layer_skip", "mlp_speculator", ...
+    num_speculative_tokens: int = 4  # k, 1..16 (heads: at most what the head predicts)
+    # draft_model: the draft (HF directory, .gguf file or pack name); heads (mlp_speculator, medusa,
+    # eagle, eagle3): the head's checkpoint directory
+    model: str | None = None
+    exit_layer: int | None = None  # layer_skip: draft = the target's first E layers (1 <= E <= layers)
     prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram to match
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram to match
     acceptance_method: str = "rejection_sampler"  # or "typical_acceptance_sampler"
@@ -36,8 +39,17 @@ class SpeculativeConfig:
                              f"choose one of {sorted(ACCEPTANCE_METHODS)}")
         if self.scorer not in SCORERS:
             raise ValueError(f"speculative.scorer {self.scorer!r} is unknown; choose one of {sorted(SCORERS)}")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative.model is required for method 'draft_model' (a draft model path or pack)")
+        if self.method in MODEL_METHODS and not self.model:
+            raise ValueError(f"speculative.model is required for method {self.method!r} "
+                             f"({MODEL_METHODS[self.method]})")
+        if self.method not in MODEL_METHODS and self.model is not None:
+            raise ValueError(f"speculative.model does not apply to method {self.method!r}")
+        e = self.exit_layer
+        if self.method == "layer_skip":
+            if not isinstance(e, int) or isinstance(e, bool) or e < 1:
+                raise ValueError(f"speculative.exit_layer must be an integer >= 1 for method 'layer_skip' (got {e!r})")
+        elif e is not None:
+            raise ValueError(f"speculative.exit_layer applies only to method 'layer_skip' (method is {self.method!r})")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"speculative.prompt_lookup_min/max must satisfy 1 <= min <= max (got {lo!r}, {hi!r})")

@@ -29,6 +29,8 @@ from specinfer.spec_decode.proposer import Proposal, ProposalInput
 
 
 class DraftModelProposer:
+    aux_layers = ()
+
     def __init__(self, spec, ctx):
         self.k = spec.num_speculative_tokens
         self.loaded = ctx.load_model(spec.model)
@@ -52,18 +54,16 @@ class DraftModelProposer:
             self.records.forget(int(i))
 
     def propose(self, inp: ProposalInput) -> Proposal:
-        sched = inp.sched
-        R = len(inp.states)
-        num_computed = np.asarray(sched.num_computed_tokens, dtype=np.int64)
-        scheduled = np.asarray(sched.num_scheduled_tokens, dtype=np.int64)
-        follow = np.ones(R, dtype=bool) if inp.catch_up is None else inp.catch_up
+        R = inp.num_requests
+        num_computed, scheduled = inp.num_computed, inp.num_scheduled
+        follow = inp.catch_up
         starts = np.zeros(R, np.int64)
         ends = np.zeros(R, np.int64)
         level = np.zeros(R, dtype=bool)  # caught up with every confirmed token
         # The target's scheduled tokens plus each sampled request's new token: in steady state
         # that is exactly what the draft must see, so only a catch-up after a pause is spread.
         budget = self.max_catch_up_tokens + int(inp.sampled.sum())
-        for r, st in enumerate(inp.states):
+        for r, st in enumerate(inp.requests):
             if st.finished or not follow[r]:
                 continue
             # confirmed tokens: through the new token when sampled, else the prefill chunk
@@ -81,18 +81,18 @@ class DraftModelProposer:
         if len(live):
             for r in live:
                 self.records.will_write(inp.block_rows[r], int(starts[r]), int(ends[r]))
-            tokens = np.fromiter((t for r in live for t in inp.states[r].tokens_slice(starts[r], ends[r])),
+            tokens = np.fromiter((t for r in live for t in inp.requests[r].tokens_slice(starts[r], ends[r])),
                                  dtype=np.int64)
             attn, positions = attention_metadata_for_runs(inp.block_rows[live], starts[live],
                                                           ends[live] - starts[live], self.block_size, self.device)
             hidden, _ = self.runner.forward(torch.from_numpy(tokens).to(self.device),
                                             torch.from_numpy(positions).to(self.device), attn)
             for r in live:
-                self.records.wrote_confirmed(inp.states[r], inp.block_rows[r], int(starts[r]), int(ends[r]))
+                self.records.wrote_confirmed(inp.requests[r], inp.block_rows[r], int(starts[r]), int(ends[r]))
         # a request drafts when it is level and its last confirmed token went through this forward
         ran = np.zeros(R, dtype=bool)
         ran[live] = True
-        drafting = inp.speculate & level & ran & (inp.max_drafts > 0)
+        drafting = level & ran & (inp.max_drafts > 0)
         if not drafting.any():
             return _empty()
         last_row_of = np.cumsum(ends[live] - starts[live]) - 1  # per live request
@@ -103,7 +103,7 @@ class DraftModelProposer:
         return self._draft(inp, rows, ends[rows], logits)
 
     def _draft(self, inp, rows, next_pos, logits) -> Proposal:
-        states = [inp.states[r] for r in rows]
+        states = [inp.requests[r] for r in rows]
         limit = inp.max_drafts[rows]
         # draft i decides output position len(output) + i of its request
         first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)

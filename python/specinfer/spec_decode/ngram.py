@@ -10,6 +10,7 @@ from specinfer.spec_decode.proposer import Proposal, ProposalInput
 class NgramProposer:
     kv_models: list = []
     num_lookahead_tokens = 0
+    aux_layers = ()
 
     def __init__(self, spec, ctx):
         self.k = spec.num_speculative_tokens
@@ -23,8 +24,8 @@ class NgramProposer:
         self.core = core
 
     def propose(self, inp: ProposalInput) -> Proposal:
-        rows = np.flatnonzero(inp.speculate)
-        ids = np.asarray(inp.sched.req_ids)[rows]
+        rows = np.flatnonzero(inp.max_drafts > 0)
+        ids = inp.core_ids[rows]
         cu, tokens = self.core.propose_ngram(ids, self.k, self.min_n, self.max_n)
         return Proposal(ids, np.asarray(cu, dtype=np.int32), np.asarray(tokens, dtype=np.int64), None)
 

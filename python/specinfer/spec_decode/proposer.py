@@ -1,4 +1,14 @@
-"""The proposer protocol: what every speculative method gives the engine each step."""
+"""The proposer protocol: what every speculative method gets from the engine each step
+(`ProposalInput`) and what it gives back (`Proposal`).
+
+Row r of every per-request array is the r-th request scheduled in this step (scheduler order).
+Positions: request r's query tokens this step sat at positions
+`num_computed[r] .. num_computed[r] + num_scheduled[r] - 1`; the last `num_rows[r]` of them have
+logits rows, which verified `num_draft[r]` drafts, of which the first `num_accepted[r]` were
+accepted. The target's hidden state at position
+i is "confirmed" when token i is confirmed (not a rejected draft): its successor token i + 1 is
+then known (a prompt token, an accepted draft, or the token emitted this step).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,32 +18,97 @@ import numpy as np
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
+class TargetHidden:
+    """Hidden states from the target forward that already ran this step (never an extra one)."""
+
+    final: torch.Tensor  # [T, hidden] post-final-norm hidden state of every query token (batch order)
+    # [T, A * hidden] inputs of the target's layers `aux_layers` (pre-norm residual stream),
+    # concatenated in that order; None unless the proposer asked for them (EAGLE-3)
+    aux: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class ProposalInput:
     """What happened in this step, for the requests that may get drafts for the next one."""
 
-    sched: object  # the Rust SchedulerOutput of this step
-    states: list  # RequestState per scheduled request (sched order)
-    sampled: np.ndarray  # bool[R] request got tokens this step (and is still running)
-    speculate: np.ndarray  # bool[R] request wants drafts for the next step
-    max_drafts: np.ndarray  # int64[R] most drafts useful for each request (k, clamped by its limits)
+    requests: list  # [R] RequestState (tokens so far, params, generator, core_id, finished)
+    num_computed: np.ndarray  # int64[R] positions with target KV before this step (prefix hits included)
+    num_scheduled: np.ndarray  # int64[R] query tokens this step (prefill chunk, decode, or 1 + drafts)
+    num_draft: np.ndarray  # int64[R] drafts verified this step
+    num_accepted: np.ndarray  # int64[R] of those, accepted
+    # int64[R] logits rows of r this step: 0 for a prefill chunk, 1 for a decode or final chunk, 1 + k
+    # for a verification, k for a split proposal's part (verified without a bonus row)
+    num_rows: np.ndarray
+    sampled: np.ndarray  # bool[R] request got tokens this step and is still running
+    max_drafts: np.ndarray  # int64[R] draft budget for the next step (0: propose nothing for r)
+    # bool[R] requests whose proposer state must follow this step's confirmed tokens (speculating and
+    # alive; every alive one for proposers that see every step)
+    catch_up: np.ndarray
     block_rows: np.ndarray  # int32[R, W] each request's block table row
-    target_hidden: torch.Tensor | None  # [T, hidden] target's final hidden states of this step
-    catch_up: np.ndarray | None = None  # bool[R] requests whose proposer state must follow their
-    # confirmed tokens this step (speculating, alive); None = every alive request
+    hidden: TargetHidden
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def core_ids(self) -> np.ndarray:  # uint64[R]
+        return np.fromiter((s.core_id for s in self.requests), dtype=np.uint64, count=len(self.requests))
+
+    @property
+    def token_start(self) -> np.ndarray:  # int64[R + 1] request r's query tokens are rows [start[r], start[r+1])
+        out = np.zeros(len(self.requests) + 1, dtype=np.int64)
+        np.cumsum(self.num_scheduled, out=out[1:])
+        return out
+
+    @property
+    def num_confirmed(self) -> np.ndarray:
+        """int64[R] positions whose target hidden state is now confirmed: a chunk's every position;
+        of a run with logits rows, those up to the row of the first rejection (the row that produced
+        the newest token), and never past the run (a split proposal fully accepted has no bonus row)."""
+        rows_before = self.num_scheduled - self.num_rows  # query positions without a logits row
+        return self.num_computed + rows_before + np.minimum(self.num_accepted + 1, self.num_rows)
+
+    @property
+    def sampled_rows(self) -> np.ndarray:
+        """int64[R] batch row of the position whose logits produced r's newest token (meaningful
+        where sampled): the hidden state h_t that MLP speculator and Medusa heads read."""
+        return self.token_start[:-1] + self.num_scheduled - self.num_rows + np.minimum(self.num_accepted,
+                                                                                       self.num_rows - 1)
+
+    def last_tokens(self, rows: np.ndarray) -> np.ndarray:  # int64[len(rows)] newest token of each request
+        return np.fromiter((self.requests[r].token_at(self.requests[r].num_tokens - 1) for r in rows),
+                           dtype=np.int64, count=len(rows))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Proposal:
     core_ids: np.ndarray  # uint64[P] requests that got a (possibly empty) proposal
     cu_num_draft: np.ndarray  # int32[P + 1]
     draft_token_ids: np.ndarray  # int64[N]
-    draft_probs: list | None  # per request Tensor[k_i, V] (the draft's q), or None if model-free
+    # per request Tensor[k_i, V] (the draft's q), or None: every draft is deterministic (q = one-hot),
+    # which keeps rejection sampling lossless (model-free proposers and argmax heads)
+    draft_probs: list | None
+
+    @classmethod
+    def empty(cls) -> "Proposal":
+        return cls(np.zeros(0, np.uint64), np.zeros(1, np.int32), np.zeros(0, np.int64), None)
+
+    @classmethod
+    def from_drafts(cls, core_ids: np.ndarray, drafts: np.ndarray, counts: np.ndarray) -> "Proposal":
+        """drafts int64[P, K] (row j's first counts[j] tokens are its drafts); deterministic drafts."""
+        counts = np.asarray(counts, dtype=np.int32)
+        cu = np.zeros(len(counts) + 1, np.int32)
+        np.cumsum(counts, out=cu[1:])
+        keep = np.arange(drafts.shape[1])[None, :] < counts[:, None]
+        return cls(np.asarray(core_ids, np.uint64), cu, drafts[keep].astype(np.int64), None)
 
 
 class Proposer(Protocol):
     num_lookahead_tokens: int  # KV slots past the last query token the core must reserve
     kv_models: list  # models that keep a KV cache over the shared block tables
+    aux_layers: tuple  # target layers whose inputs the proposer reads (TargetHidden.aux); () for none
 
     def bind_kv_caches(self, kv_caches_per_model: list, backend) -> None: ...
 

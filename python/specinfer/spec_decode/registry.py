@@ -9,6 +9,20 @@ import importlib
 _PROPOSERS: dict[str, str] = {
     "ngram": "specinfer.spec_decode.ngram:NgramProposer",
     "draft_model": "specinfer.spec_decode.draft_model:DraftModelProposer",
+    "layer_skip": "specinfer.spec_decode.layer_skip:LayerSkipProposer",
+    "mlp_speculator": "specinfer.spec_decode.mlp_speculator:MLPSpeculatorProposer",
+    "medusa": "specinfer.spec_decode.medusa:MedusaProposer",
+    "eagle": "specinfer.spec_decode.eagle_proposer:EagleProposer",
+    "eagle3": "specinfer.spec_decode.eagle_proposer:Eagle3Proposer",
+}
+
+# methods whose `model` names a checkpoint, and what it must be
+MODEL_METHODS: dict[str, str] = {
+    "draft_model": "a draft model path or pack",
+    "mlp_speculator": "an MLP speculator checkpoint directory",
+    "medusa": "a Medusa heads checkpoint directory",
+    "eagle": "an EAGLE-1 checkpoint directory",
+    "eagle3": "an EAGLE-3 checkpoint directory",
 }
 
 ACCEPTANCE_METHODS = frozenset({"rejection_sampler", "typical_acceptance_sampler"})

@@ -1,0 +1,49 @@
+"""`specinfer train-heads`: fit a draft head to a target by self-distillation on CPU."""
+from __future__ import annotations
+
+import json
+import sys
+
+HELP = "train a draft head (medusa, mlp_speculator, eagle) for a target by self-distillation"
+DESCRIPTION = HELP + """
+
+The target greedily continues prompts (specinfer's bench prompt sets, then chunks of the Python
+standard library's sources); the head learns those continuations from the target's hidden states.
+The head is written to --out in its public layout (use it with --method M --head DIR); rerunning
+the same command resumes from --out/train_state.pt. Ends with a held-out acceptance estimate
+(also in --out/train_report.json)."""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", metavar="TARGET", help="target model (pack name, HF directory or .gguf)")
+    p.add_argument("--method", required=True, choices=("medusa", "mlp_speculator", "eagle"), help="head type")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (the head's checkpoint)")
+    p.add_argument("--num-heads", type=int, default=4, metavar="K", help="heads / stages (max drafts), default 4")
+    p.add_argument("--prompts", type=int, default=400, metavar="N", help="training prompts (default 400)")
+    p.add_argument("--max-tokens", type=int, default=96, metavar="N", help="target tokens per prompt (default 96)")
+    p.add_argument("--steps", type=int, default=3000, metavar="N", help="optimizer steps (default 3000)")
+    p.add_argument("--minutes", type=float, default=None, metavar="M", help="stop training after M minutes")
+    p.add_argument("--batch-size", type=int, default=64, metavar="N")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    from specinfer.cli.options import check_model
+    from specinfer.generator import Generator
+    from specinfer.spec_decode.distill_data import build_sequences, text_prompts
+    from specinfer.spec_decode.head_training import TrainConfig, train
+
+    check_model(args.model, "target")
+    cfg = TrainConfig(args.method, num_heads=args.num_heads, steps=args.steps, batch_size=args.batch_size,
+                      lr=args.lr, seed=args.seed, max_seconds=None if args.minutes is None else 60 * args.minutes)
+    gen = Generator(args.model, max_num_seqs=64)
+    print(f"generating {args.prompts} continuations of {args.max_tokens} tokens with the target ...", file=sys.stderr)
+    seqs = build_sequences(gen, text_prompts(args.prompts), args.max_tokens)
+    report = train(gen.engine.loaded, seqs, args.out, cfg, progress=not args.no_progress)
+    h = report["held_out"]
+    print(json.dumps(report, indent=2))
+    print(f"held-out estimate: mean acceptance length {h['mean_acceptance_length']:.2f} at k={args.num_heads}, "
+          f"acceptance per position {[round(a, 3) for a in h['acceptance_per_position']]}", file=sys.stderr)
+    return 0

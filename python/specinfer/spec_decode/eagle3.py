@@ -1,0 +1,152 @@
+"""EAGLE-3 draft head (arXiv 2503.01840; SafeAILab/EAGLE `cnets.py`, vLLM `llama_eagle3.py`).
+
+It reads three target layers' inputs (pre-norm residual stream) a_l at aux layers l (default
+{2, L//2, L-3}, or config `eagle_config.eagle_aux_hidden_state_layer_ids`; concatenated in
+ascending layer order, as vLLM collects them) and has its own norm, lm_head and (truncated) vocabulary:
+
+    g = fc(cat(a_l1, a_l2, a_l3))  at target positions;  g = previous draft output  at draft steps
+    x = cat(input_layernorm(embed(tok)), hidden_norm(g))         # [T, 2H]
+    h = g + o_proj(Attn_rope(q, k, v = proj(x)))                 # q/k/v projections take 2H inputs
+    h = h + MLP(post_attention_layernorm(h))
+    draft id = argmax(lm_head(norm(h)))  -> target id = draft id + d2t[draft id];  next feature = h
+
+Checkpoint: config.json (Llama fields, num_hidden_layers 1, draft_vocab_size, optional
+target_hidden_size) and `model.safetensors` / `pytorch_model.bin` with `fc.weight` [H, 3E],
+`midlayer.*` (or `layers.0.*`), `norm.weight`, `lm_head.weight` [Vd, H], `d2t` int64[Vd]
+(required when Vd < V), optional `t2d` bool[V] (checked against d2t), optional `embed_tokens.weight`.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specinfer.attention.metadata import ForwardContext
+from specinfer.models.config import ModelConfig
+from specinfer.models.llama import _rms_norm
+from specinfer.models.rope import apply_rope, rope_factors, rope_table
+from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
+
+_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+_NAMES = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+          "hidden_norm.weight", "post_attention_layernorm.weight")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+class Eagle3Draft:
+    num_layers = 1
+
+    def __init__(self, cfg: ModelConfig, hf_config: dict, w: dict, aux_layers, d2t, t2d, embed, own_embed):
+        self.config, self.hf_config, self.w = cfg, hf_config, w  # w: tensors by checkpoint name (midlayer.*)
+        self.aux_layers = aux_layers  # ascending target layer ids
+        self.d2t, self.t2d = d2t, t2d  # int64[Vd] offsets; bool[V] or None
+        self.embed_tokens, self.own_embed = embed, own_embed
+        self.scale = cfg.head_dim ** -0.5
+        cos, sin = rope_table(cfg, cfg.max_position_embeddings)
+        self.rope_cos, self.rope_sin = cos.to(w["fc.weight"].device), sin.to(w["fc.weight"].device)
+        self.target_draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # draft id -> target id
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+
+    def target_features(self, hidden, rows: torch.Tensor) -> torch.Tensor:  # TargetHidden -> [T', H] g
+        return F.linear(hidden.aux[rows].to(self.w["fc.weight"].dtype), self.w["fc.weight"])
+
+    def forward(self, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
+        """tokens int64[T], g [T, H], positions int64[T] -> [T, H] pre-norm draft features."""
+        c, w, eps = self.config, self.w, self.config.rms_norm_eps
+        T, H = g.shape
+        m = "midlayer."
+        x = torch.cat([_rms_norm(F.embedding(tokens, self.embed_tokens), (H,), w[m + "input_layernorm.weight"], eps),
+                       _rms_norm(g, (H,), w[m + "hidden_norm.weight"], eps)], -1)  # [T, 2H]
+        q = F.linear(x, w[m + "self_attn.q_proj.weight"]).view(T, c.num_heads, c.head_dim)
+        k = F.linear(x, w[m + "self_attn.k_proj.weight"]).view(T, c.num_kv_heads, c.head_dim)
+        v = F.linear(x, w[m + "self_attn.v_proj.weight"]).view(T, c.num_kv_heads, c.head_dim)
+        cos, sin = rope_factors(self.rope_cos[positions].to(g.dtype), self.rope_sin[positions].to(g.dtype))
+        qk = apply_rope(torch.cat([q, k], 1), cos, sin)
+        attn = ctx.backend.forward(qk[:, : c.num_heads], qk[:, c.num_heads:], v, ctx.kv_caches[0], ctx.metadata,
+                                   self.scale)  # [T, heads, D]
+        h = g + F.linear(attn.reshape(T, -1), w[m + "self_attn.o_proj.weight"])
+        u = _rms_norm(h, (H,), w[m + "post_attention_layernorm.weight"], eps)
+        u = F.silu(F.linear(u, w[m + "mlp.gate_proj.weight"])) * F.linear(u, w[m + "mlp.up_proj.weight"])
+        return h + F.linear(u, w[m + "mlp.down_proj.weight"])
+
+    def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P] target ids
+        logits = F.linear(_rms_norm(h, (h.shape[-1],), self.w["norm.weight"], self.config.rms_norm_eps),
+                          self.w["lm_head.weight"])
+        return self.target_draft_ids[logits.argmax(-1)]
+
+    # ---- checkpoint -------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        t = dict(self.w, d2t=self.d2t)
+        if self.t2d is not None:
+            t["t2d"] = self.t2d
+        if self.own_embed:
+            t["embed_tokens.weight"] = self.embed_tokens
+        write_checkpoint(path, self.hf_config, t, "model.safetensors")
+
+    @classmethod
+    def load(cls, path: Path, *, target, dtype, device) -> "Eagle3Draft":
+        src = str(path)
+        hf = read_config(path, "EAGLE-3")
+        try:
+            cfg = ModelConfig.from_hf_config(dict(hf, model_type=hf.get("model_type", "llama")))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"{src}: config.json is not a Llama-family EAGLE-3 config ({e})") from e
+        tcfg = target.config
+        H, E, V = cfg.hidden_size, tcfg.hidden_size, tcfg.vocab_size
+        if cfg.num_layers != 1:
+            raise ValueError(f"{src}: config field 'num_hidden_layers' is {cfg.num_layers}; an EAGLE-3 head has 1")
+        if hf.get("target_hidden_size", H) != E:
+            field = "target_hidden_size" if "target_hidden_size" in hf else "hidden_size"
+            raise ValueError(f"{src}: config field {field!r} is {hf.get(field)}, but the target's hidden size is {E}")
+        if cfg.vocab_size != V:
+            raise ValueError(f"{src}: config field 'vocab_size' is {cfg.vocab_size}, but the target's vocabulary "
+                             f"has {V} tokens")
+        Vd = hf.get("draft_vocab_size", V)
+        if not isinstance(Vd, int) or not 1 <= Vd <= V:
+            raise ValueError(f"{src}: config field 'draft_vocab_size' must be an integer in 1..{V} (got {Vd!r})")
+        ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        aux = tuple(sorted(ids)) if ids is not None else default_aux_layers(tcfg.num_layers)
+        if len(aux) != 3 or len(set(aux)) != 3 or not all(0 <= i < tcfg.num_layers for i in aux):
+            field = "eagle_config.eagle_aux_hidden_state_layer_ids" if ids is not None else "num_hidden_layers"
+            raise ValueError(f"{src}: the aux layers {list(aux)} ({field}) must be 3 distinct target layers in "
+                             f"0..{tcfg.num_layers - 1} (the default {{2, L//2, L-3}} needs a target of >= 7 layers)")
+        raw, file = read_tensors(path, _FILES)
+        raw = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in raw.items()}
+        ts = TensorSet(raw, file, dtype=dtype, device=device)
+        nh, nkv, d, inter = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+        shapes = [(nh * d, 2 * H), (nkv * d, 2 * H), (nkv * d, 2 * H), (H, nh * d), (inter, H), (inter, H),
+                  (H, inter), (H,), (H,), (H,)]
+        w = {"midlayer." + n: ts.take("midlayer." + n, s) for n, s in zip(_NAMES, shapes)}
+        w["fc.weight"] = ts.take("fc.weight", (H, 3 * E))
+        w["norm.weight"] = ts.take("norm.weight", (H,))
+        w["lm_head.weight"] = ts.take("lm_head.weight", (Vd, H))
+        if ts.has("d2t"):
+            d2t = ts.take("d2t", (Vd,), dtype=torch.int64)
+        elif Vd == V:
+            d2t = torch.zeros(Vd, dtype=torch.int64, device=device)
+        else:
+            raise ValueError(f"{file}: missing tensor 'd2t' (draft_vocab_size {Vd} < vocab_size {V}: without it "
+                             "draft ids cannot be mapped to target ids)")
+        tid = torch.arange(Vd, device=d2t.device) + d2t
+        if int(tid.min()) < 0 or int(tid.max()) >= V or len(set(tid.tolist())) != Vd:
+            raise ValueError(f"{file}: tensor 'd2t' maps draft ids outside [0, {V}) or two onto one target id")
+        t2d = None
+        if ts.has("t2d"):
+            t2d = ts.take("t2d", (V,), dtype=torch.bool)
+            if int(t2d.sum()) != Vd or not bool(t2d[tid].all()):
+                raise ValueError(f"{file}: tensor 't2d' disagrees with 'd2t' (it must mark exactly the mapped ids)")
+        own = ts.has("embed_tokens.weight")
+        embed = ts.take("embed_tokens.weight", (V, H)) if own else target.model.embed_tokens
+        if not own and H != E:
+            raise ValueError(f"{file}: missing tensor 'embed_tokens.weight' (the draft width {H} differs from the "
+                             f"target's {E}, so the target's embedding cannot stand in)")
+        ts.finish()
+        return cls(cfg, copy.deepcopy(hf), w, aux, d2t, t2d, embed, own)

@@ -1,0 +1,132 @@
+"""EAGLE-1 head training by self-distillation (used by head_training.train for method "eagle").
+
+One draft layer over (x_{i+1}, f_i) pairs, trained as EAGLE trains it: regress the target's next
+feature f_{i+1} (smooth L1) plus 0.1 x cross-entropy of the target's lm_head over the draft
+feature against the target's own next token x_{i+2} (continuation positions only). Dense causal
+attention over right-padded batches (padding never precedes a real position, so it is never
+attended). Initialisation: fc passes the feature through, o_proj and down_proj start at zero, so
+the untrained head drafts what the target's lm_head reads off f_i.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specinfer.models.rope import apply_rope, rope_factors, rope_table
+from specinfer.spec_decode.head_checkpoint import write_checkpoint
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+class EagleTrainer:
+    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor):
+        c = target.config
+        self.cfg, self.K = c, K
+        H, nh, nkv, d, inter = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd(*shape):
+            return (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).requires_grad_()
+
+        self.params = {
+            "fc_w": torch.cat([torch.zeros(H, H), torch.eye(H)], 1).requires_grad_(),
+            "fc_b": torch.zeros(H, requires_grad=True),
+            "q": rnd(nh * d, H), "k": rnd(nkv * d, H), "v": rnd(nkv * d, H),
+            "o": torch.zeros(H, nh * d, requires_grad=True),
+            "gate": rnd(inter, H), "up": rnd(inter, H), "down": torch.zeros(H, inter, requires_grad=True),
+            "post_ln": torch.ones(H, requires_grad=True)}
+        self.embed = target.model.embed_tokens.detach().float()
+        self.lm = lm_head
+        cos, sin = rope_table(c, c.max_position_embeddings)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def forward(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """tokens int64[B, T] (x_{i+1}), feats [B, T, H] (f_i) -> [B, T, H] draft features (causal)."""
+        c, p = self.cfg, self.params
+        B, T, H = feats.shape
+        x = F.linear(torch.cat([self.embed[tokens], feats], -1), p["fc_w"], p["fc_b"])
+        q = F.linear(x, p["q"]).view(B, T, c.num_heads, c.head_dim)
+        k = F.linear(x, p["k"]).view(B, T, c.num_kv_heads, c.head_dim)
+        v = F.linear(x, p["v"]).view(B, T, c.num_kv_heads, c.head_dim)
+        pos = torch.arange(T)
+        cos, sin = rope_factors(self.rope_cos[pos], self.rope_sin[pos])  # [T, 1, D]
+        qk = apply_rope(torch.cat([q, k], 2).reshape(B * T, -1, c.head_dim), cos.repeat(B, 1, 1),
+                        sin.repeat(B, 1, 1)).view(B, T, -1, c.head_dim)
+        q, k = qk[:, :, : c.num_heads], qk[:, :, c.num_heads:]
+        rep = c.num_heads // c.num_kv_heads
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1),
+                                              v.transpose(1, 2).repeat_interleave(rep, 1), is_causal=True,
+                                              scale=c.head_dim ** -0.5)  # [B, nh, T, d]
+        h = x + F.linear(attn.transpose(1, 2).reshape(B, T, -1), p["o"])
+        u = _rms(h, p["post_ln"], c.rms_norm_eps)
+        return h + F.linear(F.silu(F.linear(u, p["gate"])) * F.linear(u, p["up"]), p["down"])
+
+    def loss_on(self, seqs) -> torch.Tensor:
+        T = max(len(s.tokens) for s in seqs) - 1
+        B, H = len(seqs), self.cfg.hidden_size
+        tokens = torch.zeros(B, T, dtype=torch.int64)
+        feats, next_feats = torch.zeros(B, T, H), torch.zeros(B, T, H)
+        labels = torch.full((B, T), -100, dtype=torch.int64)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        for b, s in enumerate(seqs):
+            n = len(s.tokens) - 1  # pairs i = 0 .. n-1
+            tokens[b, :n], feats[b, :n], next_feats[b, :n] = s.tokens[1:], s.final[:-1], s.final[1:]
+            valid[b, : n - 1] = True  # f_{i+1} known for i <= n-2 (the last pair's next feature is f_n, absent)
+            i = torch.arange(max(s.prompt_len - 2, 0), n - 1)
+            labels[b, i] = s.tokens[i + 2]
+        h = self.forward(tokens, feats)
+        reg = F.smooth_l1_loss(h[valid], next_feats[valid])
+        ce = F.cross_entropy((h @ self.lm.T).view(B * T, -1), labels.view(-1), ignore_index=-100)
+        return reg + 0.1 * ce
+
+    @torch.no_grad()
+    def drafts(self, tokens: torch.Tensor, feats: torch.Tensor, k: int) -> list[int]:
+        """Greedy chain from pairs (tokens int64[T], feats [T, H]), recomputed densely per draft."""
+        toks, f, out = tokens, feats, []
+        for _ in range(k):
+            h = self.forward(toks[None], f[None])[0, -1]
+            d = int((h @ self.lm.T).argmax())
+            out.append(d)
+            toks, f = torch.cat([toks, torch.tensor([d])]), torch.cat([f, h[None]])
+        return out
+
+    def save(self, out: Path, target) -> None:
+        c, p = self.cfg, {k: v.detach() for k, v in self.params.items()}
+        inter = c.intermediate_size
+        hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
+              "intermediate_size": inter, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+              "head_dim": c.head_dim, "num_hidden_layers": 1, "vocab_size": c.vocab_size,
+              "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+              "rope_theta": c.rope_theta, "hidden_act": "silu", "bias": True, "torch_dtype": "float32"}
+        if c.rope_scaling is not None:
+            hf["rope_scaling"] = dict(c.rope_scaling)
+        t = {"fc.weight": p["fc_w"], "fc.bias": p["fc_b"], "layers.0.self_attn.q_proj.weight": p["q"],
+             "layers.0.self_attn.k_proj.weight": p["k"], "layers.0.self_attn.v_proj.weight": p["v"],
+             "layers.0.self_attn.o_proj.weight": p["o"], "layers.0.mlp.gate_proj.weight": p["gate"],
+             "layers.0.mlp.up_proj.weight": p["up"], "layers.0.mlp.down_proj.weight": p["down"],
+             "layers.0.post_attention_layernorm.weight": p["post_ln"]}
+        write_checkpoint(out, hf, t, "model.safetensors")
+
+
+@torch.no_grad()
+def eagle_acceptance_estimate(trainer: EagleTrainer, seqs, K: int, per_seq: int = 6) -> dict:
+    """Chain acceptance at up to per_seq continuation positions of each held-out sequence."""
+    accepted = []
+    for s in seqs:
+        n = len(s.tokens)
+        ends = torch.linspace(s.prompt_len, n - K - 1, steps=per_seq).long().unique().tolist() if n - K - 1 > \
+            s.prompt_len else []
+        for e in ends:  # history x_0..x_e: pairs i = 0..e-1, drafts predict x_{e+1}..x_{e+K}
+            d = trainer.drafts(s.tokens[1:e + 1], s.final[:e], K)
+            ok = [a == b for a, b in zip(d, s.tokens[e + 1:e + 1 + K].tolist())]
+            accepted.append(next((i for i, x in enumerate(ok) if not x), K))
+    acc = torch.tensor(accepted or [0], dtype=torch.float32)
+    at = [(acc >= i).float().sum().item() for i in range(K + 1)]
+    return {"positions": len(accepted), "acceptance_per_position": [at[i + 1] / at[i] if at[i] else 0.0
+                                                                    for i in range(K)],
+            "mean_acceptance_length": 1.0 + float(acc.mean()), "acceptance_rate": float(acc.sum() / (len(acc) * K))}

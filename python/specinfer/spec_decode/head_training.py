@@ -1,0 +1,237 @@
+"""Training draft heads on CPU by self-distillation (`specinfer train-heads`).
+
+The target greedily continues prompts (distill_data); a head learns to predict those continuations
+from the target's hidden states; the result is written in the head's public layout, which the
+loader reads back (the held-out estimate is measured on the reloaded head, so the export is
+checked too). Training resumes from `train_state.pt` in the output directory: every batch is drawn
+from a generator seeded by (seed, step), so an interrupted and resumed run equals an unbroken one.
+
+Methods: `medusa` (original layout, legacy heads: one zero-initialised ResBlock per head on the
+target's own lm_head, as Medusa-1 trains them) and `mlp_speculator` (IBM layout with tie_weights:
+proj.0, proj.1 and ln.0 trained; emb/head start as and stay the target's embedding and lm_head)
+and `eagle` (EAGLE-1 layout; eagle_training). EAGLE-3 training is not implemented.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specinfer.spec_decode.distill_data import DistillSequence
+
+TRAINABLE = ("medusa", "mlp_speculator", "eagle")
+EAGLE_SEQS_PER_BATCH = 4
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    method: str
+    num_heads: int = 4  # Medusa heads / MLP speculator n_predict
+    steps: int = 1000
+    batch_size: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    max_seconds: float | None = None  # stop (and save) after this much training time
+    save_every: int = 50
+
+    def __post_init__(self):
+        if self.method not in TRAINABLE:
+            raise ValueError(f"train-heads --method must be one of {list(TRAINABLE)} (got {self.method!r}); "
+                             "EAGLE-3 training is not implemented")
+        for name in ("num_heads", "steps", "batch_size", "save_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"train-heads {name} must be a positive integer (got {v!r})")
+
+
+def _examples(seqs: list[DistillSequence], K: int):
+    """Rows (state f_t, tokens x_{t+1} .. x_{t+1+K}) for every t whose K labels lie in the continuation."""
+    feats, toks = [], []
+    for s in seqs:
+        n = len(s.tokens)
+        t = torch.arange(max(s.prompt_len - 1, 0), n - K - 1)
+        if len(t) == 0:
+            continue
+        feats.append(s.final[t])
+        toks.append(s.tokens[t[:, None] + 1 + torch.arange(K + 1)[None]])
+    if not feats:
+        raise ValueError("train-heads: the continuations are too short for the number of heads; raise max_tokens")
+    return torch.cat(feats), torch.cat(toks)  # [n, H], int64[n, K + 1]
+
+
+class MedusaTrainer:
+    def __init__(self, target, K: int):
+        H = target.config.hidden_size
+        self.lm = _dense_lm_head(target)
+        self.params = {"w": torch.zeros(K, H, H, requires_grad=True), "b": torch.zeros(K, H, requires_grad=True)}
+        self.K = K
+
+    def loss(self, f, toks):  # f [B, H], toks int64[B, K + 1]
+        total = 0.0
+        for k in range(self.K):
+            x = f + F.silu(f @ self.params["w"][k].T + self.params["b"][k])
+            total = total + F.cross_entropy(x @ self.lm.T, toks[:, k + 1])
+        return total / self.K
+
+    def save(self, out: Path, target) -> None:
+        from specinfer.spec_decode.medusa import ORIGINAL, MedusaConfig, MedusaHeads
+
+        c = target.config
+        w = [[self.params["w"][k].detach()] for k in range(self.K)]
+        b = [[self.params["b"][k].detach()] for k in range(self.K)]
+        MedusaHeads(MedusaConfig(self.K, 1, c.hidden_size, c.vocab_size, c.vocab_size, ORIGINAL), w, b, None,
+                    None, None).save(out)
+
+    @staticmethod
+    def load(out: Path, target):
+        from specinfer.spec_decode.medusa import MedusaHeads
+
+        c = target.config
+        return MedusaHeads.load(out, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                                target_logits=lambda h: h @ _dense_lm_head(target).T, dtype=torch.float32,
+                                device=torch.device("cpu"))
+
+
+class MLPSpeculatorTrainer:
+    def __init__(self, target, K: int, seed: int):
+        E = target.config.hidden_size
+        g = torch.Generator().manual_seed(seed)
+        self.emb, self.head = target.model.embed_tokens.detach().float(), _dense_lm_head(target)
+        self.params = {"proj0": (torch.randn(E, E, generator=g) / math.sqrt(E)).requires_grad_(),
+                       "proj1": (torch.randn(E, E, generator=g) / math.sqrt(E)).requires_grad_(),
+                       "ln_w": torch.ones(E, requires_grad=True), "ln_b": torch.zeros(E, requires_grad=True)}
+        a = 0.5 ** (0.5 / K)
+        self.emb_scale = math.sqrt((1 - a * a) * E / 2) / a
+        self.K = K
+
+    def loss(self, f, toks):
+        p, s, total = self.params, f, 0.0
+        for i in range(self.K):
+            u = s @ (p["proj0"] if i == 0 else p["proj1"]).T + self.emb_scale * self.emb[toks[:, i]]
+            u = p["ln_w"] * u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6) + p["ln_b"]
+            s = F.gelu(u)
+            total = total + F.cross_entropy(s @ self.head.T, toks[:, i + 1])
+        return total / self.K
+
+    def save(self, out: Path, target) -> None:
+        from specinfer.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+
+        c = target.config
+        cfg = MLPSpeculatorConfig(c.vocab_size, c.hidden_size, c.hidden_size, self.K, tie_weights=True,
+                                  top_k_tokens_per_head=tuple([1] * self.K))
+        p = {k: v.detach() for k, v in self.params.items()}
+        n = self.K
+        MLPSpeculator(cfg, [self.emb] * n, [p["proj0"]] + [p["proj1"]] * (n - 1), [self.head] * n,
+                      [p["ln_w"]] * n, [p["ln_b"]] * n).save(out)
+
+    @staticmethod
+    def load(out: Path, target):
+        from specinfer.spec_decode.mlp_speculator import MLPSpeculator
+
+        c = target.config
+        return MLPSpeculator.load(out, hidden_size=c.hidden_size, vocab_size=c.vocab_size, dtype=torch.float32,
+                                  device=torch.device("cpu"))
+
+
+def _dense_lm_head(target) -> torch.Tensor:  # [V, H] float32, also when the CPU platform packed it (oneDNN)
+    m = target.model
+    w = m.embed_tokens if target.config.tie_word_embeddings else m.lm_head
+    if getattr(w, "is_mkldnn", False):
+        w = w.to_dense()
+    return w.detach().float()
+
+
+@torch.inference_mode()
+def acceptance_estimate(head, seqs: list[DistillSequence], K: int) -> dict:
+    """Greedy chain acceptance of the head on held-out continuations: drafts from the head's
+    own chain (not teacher-forced) against the target's next tokens."""
+    f, toks = _examples(seqs, K)
+    drafts = head.draft(f, toks[:, 0], K)  # int64[n, K]
+    ok = (drafts == toks[:, 1:]).int()
+    accepted = ok.cumprod(1).sum(1)  # leading matches
+    at = [(accepted >= i).float().sum().item() for i in range(K + 1)]  # positions with >= i accepted
+    alpha = [at[i + 1] / at[i] if at[i] else 0.0 for i in range(K)]
+    return {"positions": int(len(accepted)), "acceptance_per_position": alpha,
+            "mean_acceptance_length": 1.0 + float(accepted.float().mean()),
+            "acceptance_rate": float(accepted.float().sum() / (len(accepted) * K))}
+
+
+def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, progress: bool = True) -> dict:
+    """Train on seqs (the last tenth held out), write the public layout to out, return the report."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    n_held = max(1, len(seqs) // 10)
+    train_seqs, held = seqs[:-n_held] or seqs, seqs[-n_held:]
+    if cfg.method == "eagle":
+        from specinfer.spec_decode.eagle_training import EagleTrainer
+
+        trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target))
+        num_positions = sum(len(s.tokens) - 1 for s in train_seqs)
+
+        def batch_loss(g):
+            pick = torch.randint(0, len(train_seqs), (min(EAGLE_SEQS_PER_BATCH, len(train_seqs)),), generator=g)
+            return trainer.loss_on([train_seqs[i] for i in pick.tolist()])
+    else:
+        feats, toks = _examples(train_seqs, cfg.num_heads)
+        num_positions = len(feats)
+        trainer = MedusaTrainer(target, cfg.num_heads) if cfg.method == "medusa" else \
+            MLPSpeculatorTrainer(target, cfg.num_heads, cfg.seed)
+
+        def batch_loss(g):
+            idx = torch.randint(0, len(feats), (min(cfg.batch_size, len(feats)),), generator=g)
+            return trainer.loss(feats[idx], toks[idx])
+    opt = torch.optim.AdamW(list(trainer.params.values()), lr=cfg.lr, weight_decay=0.0)
+    state_file, start = out / "train_state.pt", 0
+    if state_file.exists():
+        state = torch.load(state_file, weights_only=False)
+        same = {k: v for k, v in asdict(cfg).items() if k not in ("steps", "max_seconds")}
+        if {k: state["config"][k] for k in same} != same:
+            raise ValueError(f"{state_file}: a run with other settings ({state['config']}); use another --out")
+        with torch.no_grad():
+            for k, v in state["params"].items():
+                trainer.params[k].copy_(v)
+        opt.load_state_dict(state["optim"])
+        start = state["step"]
+
+    def checkpoint(step):
+        torch.save({"config": asdict(cfg), "step": step, "optim": opt.state_dict(),
+                    "params": {k: v.detach().clone() for k, v in trainer.params.items()}}, state_file)
+
+    t0, step, loss = time.monotonic(), start, float("nan")
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train {cfg.method}", unit="step")
+    while step < cfg.steps:
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        with torch.enable_grad():
+            value = batch_loss(g)
+            opt.zero_grad()
+            value.backward()
+        opt.step()
+        step, loss = step + 1, float(value.detach())
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if step % cfg.save_every == 0:
+            checkpoint(step)
+        if cfg.max_seconds is not None and time.monotonic() - t0 >= cfg.max_seconds:
+            break
+    bar.close()
+    checkpoint(step)
+    trainer.save(out, target)
+    if cfg.method == "eagle":
+        from specinfer.spec_decode.eagle import EagleDraft
+        from specinfer.spec_decode.eagle_training import eagle_acceptance_estimate
+
+        EagleDraft.load(out, target=target, dtype=torch.float32, device=torch.device("cpu"))  # the export loads
+        held_out = eagle_acceptance_estimate(trainer, held, cfg.num_heads)
+    else:
+        held_out = acceptance_estimate(type(trainer).load(out, target), held, cfg.num_heads)
+    report = {"method": cfg.method, "steps": step, "final_loss": loss, "train_positions": int(num_positions),
+              "held_out": held_out}
+    (out / "train_report.json").write_text(json.dumps(report, indent=2))
+    return report

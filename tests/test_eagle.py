@@ -1,0 +1,240 @@
+"""EAGLE-1: checkpoints in the public layout load; every draft the engine proposes equals the
+HF-transformers reference recomputed from the whole history (so the paged draft KV stays right
+through chunked prefill, prefix-cache hits, preemption and steps with speculation disabled);
+greedy output equals the target's alone with both scorers; malformed checkpoints are refused."""
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+import head_checkpoints as hc
+from eagle_reference import EagleReference
+from specinfer import Generator, SamplingParams
+from spec_cases import GREEDY, check_greedy_exact, prompts, reference
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    return tiny_dir("llama", False)[0]
+
+
+@pytest.fixture(scope="module")
+def ref(target):
+    return reference(target)
+
+
+splits = [0]  # verification runs of a split proposal (no bonus row) seen by _record_proposals
+
+
+def _record_proposals(gen):
+    proposer, seen = gen.engine.proposer, []
+    inner = proposer.propose
+
+    def spy(inp):
+        prop = inner(inp)
+        splits[0] += int(((inp.num_rows == inp.num_draft) & (inp.num_draft > 0)).sum())
+        by_id = {st.core_id: st for st in inp.requests}
+        for j, cid in enumerate(prop.core_ids.tolist()):
+            st = by_id[cid]
+            seen.append((st.tokens_slice(0, st.num_tokens),
+                         prop.draft_token_ids[prop.cu_num_draft[j]:prop.cu_num_draft[j + 1]].tolist()))
+        return prop
+
+    proposer.propose = spy
+    return seen
+
+
+@pytest.mark.parametrize("variant", ["bias_safetensors", "nobias_bin_embed"])
+def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
+    kw = dict(bias=True) if variant == "bias_safetensors" else dict(bias=False, pt=True, embed=True)
+    path = hc.eagle1(tmp_path / "eagle", target, **kw)
+    reference_drafts = EagleReference(target, path)
+    # tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts, every prompt twice
+    # (prefix-cache hits)
+    gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
+                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 3})
+    seen = _record_proposals(gen)
+    ps = prompts(8)
+    gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    stats = gen.engine.core.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
+    assert len(seen) > 40
+    for tokens, drafts in seen[::3]:
+        assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+
+
+def test_eagle_drafts_equal_the_reference_across_split_proposals(target, tmp_path):
+    """A token budget of 8 with k = 5 cuts proposals: parts are verified without a bonus row."""
+    path = hc.eagle1(tmp_path / "eagle", target)
+    reference_drafts = EagleReference(target, path)
+    gen = Generator(str(target), block_size=4, max_num_batched_tokens=8, num_kv_blocks=64, max_model_len=128,
+                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 5})
+    splits[0] = 0
+    seen = _record_proposals(gen)
+    gen.generate(prompts(4), SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
+    assert splits[0] > 0 and len(seen) > 10
+    for tokens, drafts in seen:
+        assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+
+
+def test_eagle_keeps_up_while_speculation_is_disabled(target, tmp_path):
+    """disable_by_batch_size: no drafts while many requests run, but the draft KV must still take
+    in those steps' target states, or the drafts proposed afterwards are wrong."""
+    path = hc.eagle1(tmp_path / "eagle", target)
+    reference_drafts = EagleReference(target, path)
+    gen = Generator(str(target), max_model_len=128, num_kv_blocks=64, speculative={
+        "method": "eagle", "model": str(path), "num_speculative_tokens": 2, "disable_by_batch_size": 4})
+    seen = _record_proposals(gen)
+    ps = prompts(6)
+    params = [SamplingParams(max_tokens=6 + 4 * i, temperature=0.0) for i in range(6)]  # staggered finishes
+    gen.generate(ps, params, use_tqdm=False)
+    late = [(t, d) for t, d in seen if d and len(t) > len(ps[4]) + 8]
+    assert len(late) > 5
+    for tokens, drafts in late:
+        assert drafts == reference_drafts.drafts(tokens, len(drafts))
+
+
+@pytest.mark.parametrize("scorer", ["mqa", pytest.param("batch_expansion", marks=pytest.mark.slow)])
+def test_eagle_greedy_is_exact(target, ref, tmp_path, scorer):
+    path = hc.eagle1(tmp_path / "eagle", target, repeat=True)
+    tot = check_greedy_exact(target, {"method": "eagle", "model": str(path), "num_speculative_tokens": 3,
+                                      "scorer": scorer}, ref)
+    assert 0 < tot["num_accepted_tokens"] < tot["num_draft_tokens"], tot
+
+
+def test_eagle_save_load_round_trip_gives_identical_proposals(target, tmp_path):
+    path = hc.eagle1(tmp_path / "eagle", target, bias=True, bias_key=False)  # no "bias" key means a bias
+    cfg = json.loads((path / "config.json").read_text())
+    assert "bias" not in cfg
+    runs = []
+    for p in (path, tmp_path / "saved"):
+        gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64,
+                        speculative={"method": "eagle", "model": str(p), "num_speculative_tokens": 3})
+        if p == path:
+            gen.engine.proposer.draft.save(tmp_path / "saved")
+        seen = _record_proposals(gen)
+        gen.generate(prompts(6), GREEDY, use_tqdm=False)
+        runs.append(seen)
+    assert runs[0] == runs[1] and len(runs[0]) > 20
+
+
+def _spoil(path, file, edit=None, **config):
+    if edit is not None:
+        t = load_file(str(path / file))
+        edit(t)
+        save_file(t, str(path / file))
+    if config:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(config)
+        (path / "config.json").write_text(json.dumps(cfg))
+
+
+MALFORMED = {
+    "missing_fc": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.pop("fc.weight")), "fc.weight"),
+    "bias_default_true_but_absent": (dict(bias=False, bias_key=False), lambda p: None, "fc.bias"),
+    "wrong_shape": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"layers.0.mlp.down_proj.weight": t["layers.0.mlp.down_proj.weight"][:, :-1].contiguous()})),
+        "down_proj.weight"),
+    "hidden_size": (dict(), lambda p: _spoil(p, "model.safetensors", hidden_size=32), "hidden_size"),
+    "vocabulary": (dict(), lambda p: _spoil(p, "model.safetensors", vocab_size=300), "vocab_size"),
+    "two_layers": (dict(), lambda p: _spoil(p, "model.safetensors", num_hidden_layers=2), "num_hidden_layers"),
+    "lm_head_would_be_ignored": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"lm_head.weight": t["fc.weight"][:, :64].repeat(4, 1).contiguous()})), "lm_head.weight"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_malformed_eagle_checkpoint_is_refused(target, tmp_path, name):
+    kw, spoil, match = MALFORMED[name]
+    path = hc.eagle1(tmp_path / name, target, **kw)
+    spoil(path)
+    with pytest.raises(ValueError, match=match):
+        Generator(str(target), speculative={"method": "eagle", "model": str(path)})
+
+
+# ---------------------------------------------------------------------------------------- EAGLE-3
+@pytest.mark.parametrize("variant", ["default_aux_truncated", "explicit_aux_full_vocab"])
+def test_eagle3_drafts_equal_the_reference(tiny_dir, tmp_path, variant):
+    from eagle_reference import Eagle3Reference
+
+    if variant == "default_aux_truncated":  # 8 layers: aux {2, 4, 5}; draft vocabulary of 96 ids
+        target = tiny_dir("llama", False, layers=8)[0]
+        path = hc.eagle3(tmp_path / "e3", target, draft_vocab=96)
+    else:  # 4 layers, ids from eagle_config (unsorted: collected in layer order), layers.0.* key names
+        target = tiny_dir("llama", False, layers=4)[0]
+        path = hc.eagle3(tmp_path / "e3", target, aux_ids=[3, 0, 1], layers_prefix=True, t2d=False)
+    reference_drafts = Eagle3Reference(target, path)
+    gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
+                    speculative={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3})
+    seen = _record_proposals(gen)
+    ps = prompts(8)
+    gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    stats = gen.engine.core.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
+    assert len(seen) > 40
+    for tokens, drafts in seen[::3]:
+        assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+
+
+@pytest.fixture(scope="module")
+def ref4(tiny_dir):
+    target = tiny_dir("llama", False, layers=4)[0]
+    return target, reference(target)
+
+
+@pytest.mark.parametrize("scorer", [pytest.param("mqa", marks=pytest.mark.slow), "batch_expansion"])
+def test_eagle3_greedy_is_exact(ref4, tmp_path, scorer):
+    target, ref = ref4
+    path = hc.eagle3(tmp_path / "e3", target, draft_vocab=96, aux_ids=[0, 1, 3])
+    check_greedy_exact(target, {"method": "eagle3", "model": str(path), "num_speculative_tokens": 3,
+                                "scorer": scorer}, ref)
+
+
+def test_eagle3_save_load_round_trip_gives_identical_proposals(tiny_dir, tmp_path):
+    target = tiny_dir("llama", False, layers=4)[0]
+    path = hc.eagle3(tmp_path / "e3", target, aux_ids=[3, 0, 1], draft_vocab=128)
+    runs = []
+    for p in (path, tmp_path / "saved"):
+        gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64,
+                        speculative={"method": "eagle3", "model": str(p), "num_speculative_tokens": 3})
+        if p == path:
+            gen.engine.proposer.draft.save(tmp_path / "saved")
+        seen = _record_proposals(gen)
+        gen.generate(prompts(6), GREEDY, use_tqdm=False)
+        runs.append(seen)
+    assert runs[0] == runs[1] and len(runs[0]) > 20
+
+
+MALFORMED3 = {
+    "missing_d2t": (dict(draft_vocab=96), lambda p: _spoil(p, "model.safetensors", lambda t: t.pop("d2t")), "d2t"),
+    "t2d_disagrees": (dict(draft_vocab=96), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"t2d": t["t2d"].roll(1)})), "t2d"),
+    "d2t_out_of_range": (dict(draft_vocab=96), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"d2t": t["d2t"] + 300})), "d2t"),
+    "narrow_attention_input": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"midlayer.self_attn.q_proj.weight": t["midlayer.self_attn.q_proj.weight"][:, :64].contiguous()})),
+        "q_proj.weight"),
+    "missing_hidden_norm": (dict(), lambda p: _spoil(p, "model.safetensors",
+                                                     lambda t: t.pop("midlayer.hidden_norm.weight")), "hidden_norm"),
+    "target_hidden_size": (dict(), lambda p: _spoil(p, "model.safetensors", target_hidden_size=32),
+                           "target_hidden_size"),
+    "draft_vocab_size": (dict(), lambda p: _spoil(p, "model.safetensors", draft_vocab_size=300), "draft_vocab_size"),
+    "aux_layer_ids": (dict(aux_ids=[0, 1, 9]), lambda p: None, "eagle_aux_hidden_state_layer_ids"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED3))
+def test_malformed_eagle3_checkpoint_is_refused(tiny_dir, tmp_path, name):
+    target = tiny_dir("llama", False, layers=4)[0]
+    kw, spoil, match = MALFORMED3[name]
+    path = hc.eagle3(tmp_path / name, target, **{"aux_ids": [0, 1, 3], **kw})
+    spoil(path)
+    with pytest.raises(ValueError, match=match):
+        Generator(str(target), speculative={"method": "eagle3", "model": str(path)})
+
+
+def test_eagle3_default_aux_layers_need_seven_target_layers(tiny_dir, tmp_path):
+    target = tiny_dir("llama", False, layers=4)[0]
+    path = hc.eagle3(tmp_path / "e3", target)
+    with pytest.raises(ValueError, match="aux layers"):
+        Generator(str(target), speculative={"method": "eagle3", "model": str(path)})
