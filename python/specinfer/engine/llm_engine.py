@@ -38,6 +38,7 @@ from specinfer.platform import EngineLimits, resolve_dtype, resolve_platform
 from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
+from specinfer.spec_decode.policy import GoodputPolicy
 from specinfer.spec_decode.proposer import ProposalInput, TargetHidden
 from specinfer.spec_decode.registry import proposer_class
 
@@ -129,6 +130,9 @@ class LLMEngine:
             self.proposer.bind_core(self.core)
         self.step_sampler = StepSampler(self.spec, self.loaded.eos_token_ids)
         self.metrics = SpecMetrics(self.spec.num_speculative_tokens if self.spec else 0)
+        self.policy = (GoodputPolicy(self.spec.num_speculative_tokens)
+                       if self.spec is not None and self.spec.policy == "goodput" else None)
+        self._num_drafted = 0  # draft tokens proposed in the current step (for the step-cost fit)
         self.num_mixed_steps = 0  # steps where prefill chunks and verification runs shared a forward
         self._requests: dict[int, RequestState] = {}
         self._by_name: dict[str, int] = {}
@@ -310,6 +314,7 @@ class LLMEngine:
                     self.last_failed_request_ids = [st.request_id for st in states]
                 raise
             t3 = time.perf_counter()
+            self._num_drafted = 0
             if self.proposer is not None:
                 try:
                     self._propose(sched, states, emitted, hidden)
@@ -317,7 +322,10 @@ class LLMEngine:
                     self._undelivered = outputs
                     self.proposer.forget([st.core_id for st in states])
                     raise
-            self._record_times(t0, t1, t2, t3, time.perf_counter())
+            t4 = time.perf_counter()
+            self._record_times(t0, t1, t2, t3, t4)
+            if self.policy is not None:
+                self.policy.observe_step(int(sched.total_num_scheduled_tokens), self._num_drafted, t4 - t0)
             return outputs
 
     def _score_and_verify(self, sched, states):
@@ -343,6 +351,9 @@ class LLMEngine:
     def _record_spec(self, states, emitted) -> None:
         if not emitted.num_draft_tokens.any():
             return
+        if self.policy is not None:
+            self.policy.observe_verification([st.core_id for st in states], emitted.num_draft_tokens,
+                                             emitted.num_accepted)
         self.metrics.record(emitted.num_draft_tokens, emitted.num_accepted,
                             np.diff(emitted.cu_num_emitted), emitted.num_rows)
         for st, d, a in zip(states, emitted.num_draft_tokens.tolist(), emitted.num_accepted.tolist()):
@@ -403,6 +414,8 @@ class LLMEngine:
         """Requests that finished or were aborted: drop their proposal state."""
         for cid in core_ids:
             self._draft_probs.pop(cid, None)
+        if self.policy is not None:
+            self.policy.forget(core_ids)
         if self.proposer is not None:
             self.proposer.forget(core_ids)
 
@@ -441,6 +454,11 @@ class LLMEngine:
             len_left = self.max_model_len - st.num_tokens - 1
             max_drafts[r] = max(0, min(k, out_left, len_left))
         speculate = sampled & wants & ~kept & (max_drafts > 0)
+        if self.policy is not None:  # unseeded requests: drafts chosen for goodput (seeded keep k)
+            free = np.flatnonzero(speculate & np.array([st.params.seed is None for st in states], dtype=bool))
+            chosen = self.policy.num_drafts([states[r].core_id for r in free], max_drafts[free], int(alive.sum()))
+            max_drafts[free] = chosen
+            speculate &= max_drafts > 0
         inp = ProposalInput(
             states, np.asarray(sched.num_computed_tokens, np.int64), np.asarray(sched.num_scheduled_tokens, np.int64),
             emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64),
@@ -448,6 +466,7 @@ class LLMEngine:
             alive if sees_every_step else wants & alive, _request_block_rows(sched),
             TargetHidden(hidden, self.runner.last_aux))
         prop = self.proposer.propose(inp)
+        self._num_drafted = len(prop.draft_token_ids)
         if len(prop.core_ids) == 0:
             return
         self.core.set_draft_tokens(prop.core_ids, prop.cu_num_draft, prop.draft_token_ids)

@@ -23,6 +23,10 @@ class SpeculativeConfig:
     posterior_alpha: float = 0.3  # typical acceptance
     scorer: str = "mqa"  # or "batch_expansion"
     disable_by_batch_size: int | None = None  # no speculation while >= this many requests run
+    # "fixed": every request drafts up to num_speculative_tokens; "goodput": drafts per request and
+    # step chosen from measured acceptance and step cost (spec_decode/policy.py; seeded requests
+    # keep the fixed k, so their tokens do not depend on timing)
+    policy: str = "fixed"
     # True: skip logprob work in steps that verify drafts; tokens emitted in such steps carry
     # no logprobs (their entry in RequestOutput.logprobs is an empty dict).
     disable_logprobs: bool = False
@@ -57,6 +61,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.posterior_threshold must be in [0, 1] (got {self.posterior_threshold!r})")
         if not 0.0 <= self.posterior_alpha <= 1.0:
             raise ValueError(f"speculative.posterior_alpha must be in [0, 1] (got {self.posterior_alpha!r})")
+        if self.policy not in ("fixed", "goodput"):
+            raise ValueError(f"speculative.policy {self.policy!r} is unknown; choose 'fixed' or 'goodput'")
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"speculative.disable_by_batch_size must be an integer >= 1 or None (got {d!r})")

@@ -18,7 +18,9 @@ pay gets none (k = 0).
 Estimates. a_ij: a per-request exponentially weighted estimate per position, starting from the
 engine-wide estimate for that position (itself an EWMA, starting from a prior). Costs: an online
 least-squares fit of the measured step times with exponential forgetting. Until enough steps
-are measured the policy uses the configured k.
+are measured the policy uses the configured k. The engine uses it with
+``speculative={"policy": "goodput"}``; seeded requests keep the configured k (their tokens must
+not depend on timing).
 """
 from __future__ import annotations
 
@@ -90,27 +92,72 @@ class StepCostModel:
 
 
 class AcceptanceEstimates:
-    """Conditional acceptance per draft position: engine-wide and per request (EWMA)."""
+    """Conditional acceptance per draft position: engine-wide and per request (EWMA). A position
+    never observed takes the estimate of the nearest observed position before it (so a request
+    that accepts everything is not held at the prior for positions it has not drafted yet)."""
 
     def __init__(self, k: int, prior: float = 0.6, rate: float = 0.2):
         self.k, self.rate = k, rate
         self.engine = np.full(k, prior)
-        self._per_request: dict[int, np.ndarray] = {}
+        self._engine_seen = np.zeros(k, dtype=bool)
+        self._per_request: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # core id -> (est, seen)
+
+    @staticmethod
+    def _filled(est: np.ndarray, seen: np.ndarray) -> np.ndarray:
+        out = est.copy()
+        for j in range(1, len(out)):
+            if not seen[j] and seen[:j].any():
+                out[j] = out[j - 1]
+        return out
 
     def of(self, core_id: int) -> np.ndarray:  # float[k]
-        return self._per_request.get(core_id, self.engine)
+        own = self._per_request.get(core_id)
+        if own is None:
+            return self._filled(self.engine, self._engine_seen)
+        return self._filled(*own)
 
     def record(self, core_id: int, num_verified: int, num_accepted: int) -> None:
         """A verification of `num_verified` drafts accepted the first `num_accepted`: positions
-        < num_accepted were accepted, position num_accepted (if verified) was rejected."""
+        < num_accepted were accepted, position num_accepted (if verified) was rejected; later
+        positions were not observed."""
         n = min(num_verified, self.k)
         if n <= 0:
             return
-        hit = (np.arange(n) < num_accepted).astype(np.float64)
-        own = self._per_request.setdefault(core_id, self.engine.copy())
-        for est in (own, self.engine):
-            seen = slice(0, min(n, num_accepted + 1))  # positions past the first rejection are unseen
-            est[seen] += self.rate * (hit[seen] - est[seen])
+        if core_id not in self._per_request:
+            self._per_request[core_id] = (self.of(core_id).copy(), self._engine_seen.copy())
+        seen = slice(0, min(n, num_accepted + 1))
+        hit = (np.arange(n) < num_accepted).astype(np.float64)[seen]
+        for est, mask in (self._per_request[core_id], (self.engine, self._engine_seen)):
+            est[seen] += self.rate * (hit - est[seen])
+            mask[seen] = True
 
     def forget(self, core_id: int) -> None:
         self._per_request.pop(core_id, None)
+
+
+class GoodputPolicy:
+    """What the engine holds: acceptance estimates, the step-cost fit, and the choice."""
+
+    def __init__(self, k: int):
+        self.acceptance = AcceptanceEstimates(k)
+        self.cost = StepCostModel()
+
+    def observe_verification(self, core_ids, num_verified, num_accepted) -> None:
+        for cid, d, a in zip(core_ids, num_verified, num_accepted):
+            if d:
+                self.acceptance.record(int(cid), int(d), int(a))
+
+    def observe_step(self, target_tokens: int, draft_tokens: int, seconds: float) -> None:
+        self.cost.record(target_tokens, draft_tokens, seconds)
+
+    def num_drafts(self, core_ids, max_drafts: np.ndarray, base_tokens: int) -> np.ndarray:
+        """Drafts per request (at most max_drafts); max_drafts itself until costs are known."""
+        cost = self.cost.coefficients()
+        if cost is None or len(core_ids) == 0:
+            return max_drafts
+        accept = np.stack([self.acceptance.of(int(c)) for c in core_ids])
+        return choose_num_drafts(accept, max_drafts, base_tokens, cost)
+
+    def forget(self, core_ids) -> None:
+        for c in core_ids:
+            self.acceptance.forget(int(c))
