@@ -196,14 +196,6 @@ def test_capacity_refuses_with_429_and_stop_aborts_the_rest_with_503():
 
 
 # ------------------------------------------------------------------ the real engine
-def engine_cancels_failed_steps(engine) -> bool:
-    """Whether the engine makes a step a transaction: it cancels a failed step in the core (the
-    core's cancel_step alone is not enough: the engine must call it)."""
-    import inspect
-
-    return hasattr(engine, "last_failed_request_ids") or "cancel_step(" in inspect.getsource(type(engine))
-
-
 class FailingForward:
     """Wraps the model runner's forward: after arm(), the next call raises."""
 
@@ -225,13 +217,10 @@ class FailingForward:
 
 
 @pytest.fixture
-def faulty(tiny_dir, request):
+def faulty(tiny_dir):
     path, _ = tiny_dir("llama", seed=3)
     # max_num_seqs=1: a second request waits, outside the step that runs the first
     gen = Generator(str(path), num_kv_blocks=64, block_size=8, max_num_seqs=1, max_model_len=256)
-    if not engine_cancels_failed_steps(gen.engine):  # the test runs, and must fail: a wedged engine
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the engine does not cancel a failed step yet "
-                                              "(the step transaction)"))
     injector = FailingForward(gen.engine.runner)
     srv = start_server(gen.engine, ServeConfig("tiny"))
     yield srv, injector, str(path)
