@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specinfer.attention.metadata import AttentionMetadata
+from specinfer.attention.metadata import AttentionMetadata, tree_visibility
 
 SHORT_QUERY_MAX = 16  # query runs up to this length are batched together with padding
 
@@ -62,9 +62,13 @@ class TorchRefBackend:
                 continue
             slots = _key_slots(meta.block_table[s], L, bs)
             mask = None
-            if q_len != L:
+            tree = meta.has_tree and bool((meta.tree_mask[qsl[s]:qsl[s + 1]] != 0).any())
+            if q_len != L or tree:
                 q_pos = torch.arange(L - q_len, L).unsqueeze(1)
                 mask = torch.arange(L).unsqueeze(0) <= q_pos
+                if tree:
+                    mask = _with_tree(mask, meta, torch.arange(qsl[s], qsl[s + 1]),
+                                      torch.full((q_len,), s, dtype=torch.int64), torch.arange(L))
             long.append(_LongSeq(qsl[s], qsl[s + 1], slots, mask))
         groups = [self._prepare_short(meta, ids) for ids in _length_groups(short_ids, seq_lens)]
         return TorchRefPrepared(meta, groups, long)
@@ -85,6 +89,9 @@ class TorchRefBackend:
         q_valid = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # [G, Q]
         q_pos = lens.unsqueeze(1) - q_lens.unsqueeze(1) + qi.unsqueeze(0)  # [G, Q]
         mask = kpos.view(1, 1, K) <= q_pos.unsqueeze(2)  # [G, Q, K]
+        if meta.has_tree:
+            rows = (start[idx].unsqueeze(1) + qi.unsqueeze(0)).clamp(max=meta.num_tokens - 1)  # [G, Q]
+            mask = _with_tree(mask, meta, rows, idx.unsqueeze(1).expand(G, Q), kpos)
         mask &= kpos.view(1, 1, K) < lens.view(G, 1, 1)
         mask |= (~q_valid).unsqueeze(2) & (kpos.view(1, 1, K) == 0)  # padded rows see key 0: no NaN
         token_rows = (start[idx].unsqueeze(1) + qi.unsqueeze(0))[q_valid]  # [n]
@@ -93,7 +100,7 @@ class TorchRefBackend:
         if len(ids) == meta.num_seqs and ids == sorted(ids) and bool(q_valid.all()):
             # every sequence is short and has Q query tokens: the batch is already [G, Q] dense
             token_rows = pad_index = None
-            if Q == 1 and bool((lens == K).all()):
+            if Q == 1 and bool((lens == K).all()) and not meta.has_tree:
                 mask = None  # single-token queries over equal-length contexts: nothing to mask
         return _ShortGroup(token_rows, pad_index, key_slots, mask, G, Q)
 
@@ -126,6 +133,16 @@ class TorchRefBackend:
                 o = F.scaled_dot_product_attention(qs, kk, vv, attn_mask=s.mask, scale=scale, enable_gqa=gqa)
             out[s.start : s.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+
+def _with_tree(causal: torch.Tensor, meta: AttentionMetadata, rows: torch.Tensor, seqs: torch.Tensor,
+               kpos: torch.Tensor) -> torch.Tensor:
+    """causal bool[..., K] for query tokens at batch rows `rows` [...] of sequences `seqs` [...]
+    -> the same with tree tokens' rows replaced by the tree rule (see AttentionMetadata)."""
+    tm = meta.tree_mask.to(torch.int64)[rows]  # [...]
+    ts = meta.tree_start.to(torch.int64)[seqs]  # [...]
+    vis = tree_visibility(tm, ts, kpos.expand(*rows.shape, kpos.shape[-1]))
+    return torch.where((tm != 0).unsqueeze(-1), vis, causal)
 
 
 def _attend(q: torch.Tensor, kv_flat: torch.Tensor, g: _ShortGroup, scale: float, Hkv: int) -> torch.Tensor:

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, MODEL_METHODS, SCORERS, proposer_names
+from specinfer.spec_decode.token_tree import DynamicTree, StaticTree, parse_token_tree
+
+STATIC_TREE_METHODS = ("draft_model", "mlp_speculator", "medusa", "eagle", "eagle3")
+DYNAMIC_TREE_METHODS = ("draft_model", "eagle", "eagle3")
 
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -30,6 +34,10 @@ class SpeculativeConfig:
     # True: skip logprob work in steps that verify drafts; tokens emitted in such steps carry
     # no logprobs (their entry in RequestOutput.logprobs is an empty dict).
     disable_logprobs: bool = False
+    # Token tree (docs/trees.md): a list of paths (static, Medusa-choices semantics) or
+    # {"dynamic": True, "num_nodes": N, "top_k": K, "depth": D} (EAGLE-2); None: chains of k.
+    # With a tree, num_speculative_tokens bounds the tree's depth and its node count is the lookahead.
+    token_tree: StaticTree | DynamicTree | list | dict | None = None
 
     def __post_init__(self):
         if self.method not in proposer_names():
@@ -63,6 +71,20 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.posterior_alpha must be in [0, 1] (got {self.posterior_alpha!r})")
         if self.policy not in ("fixed", "goodput"):
             raise ValueError(f"speculative.policy {self.policy!r} is unknown; choose 'fixed' or 'goodput'")
+        tree = parse_token_tree(self.token_tree)
+        object.__setattr__(self, "token_tree", tree)
+        if tree is not None:
+            allowed = DYNAMIC_TREE_METHODS if isinstance(tree, DynamicTree) else STATIC_TREE_METHODS
+            if self.method not in allowed:
+                kind = "dynamic" if isinstance(tree, DynamicTree) else "static"
+                raise ValueError(f"speculative.token_tree: a {kind} tree needs method in {list(allowed)} "
+                                 f"(method is {self.method!r}, whose drafts cannot branch)")
+            if tree.max_depth > k:
+                raise ValueError(f"speculative.token_tree is {tree.max_depth} deep but num_speculative_tokens "
+                                 f"is {k}; raise num_speculative_tokens to at least the tree's depth")
+            if self.policy != "fixed":
+                raise ValueError("speculative.policy 'goodput' chooses chain lengths; it does not apply "
+                                 "with a token_tree")
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"speculative.disable_by_batch_size must be an integer >= 1 or None (got {d!r})")

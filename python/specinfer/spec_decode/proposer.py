@@ -88,8 +88,14 @@ class Proposal:
     cu_num_draft: np.ndarray  # int32[P + 1]
     draft_token_ids: np.ndarray  # int64[N]
     # per request Tensor[k_i, V] (the draft's q), or None: every draft is deterministic (q = one-hot),
-    # which keeps rejection sampling lossless (model-free proposers and argmax heads)
+    # which keeps rejection sampling lossless (model-free proposers and argmax heads). For a tree, row i
+    # is the distribution node i was independently sampled from (SpecInfer MSS); None: deterministic
+    # top-k children (verified with the one-hot variant)
     draft_probs: list | None
+    # int32[N] token trees (docs/trees.md): parent of each draft among its request's drafts (-1: a
+    # child of the request's last token); parents come before children, siblings in candidate order.
+    # None: every proposal is a chain
+    draft_parents: np.ndarray | None = None
 
     @classmethod
     def empty(cls) -> "Proposal":
