@@ -29,8 +29,7 @@ import torch
 from specinfer.engine.batch import attention_metadata_for_runs, attention_metadata_for_tree_nodes
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.step_sampler import sampling_metadata
-from specinfer.sample import probs_from_logits
-from specinfer.sample.random_streams import DRAFT, sample_from_weights
+from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.draft_kv_records import DraftKvRecords
 from specinfer.spec_decode.proposer import Proposal, ProposalInput
 from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tree_proposal
@@ -147,7 +146,7 @@ class DraftModelProposer:
         probs_out = []
         active = np.arange(len(rows))
         for i in range(steps):
-            tok, probs = self._sample(logits, meta, active, i, want_probs)
+            tok, probs = sample_drafts(logits, meta, active, i, want_probs)
             drafted[active, i] = tok.cpu().numpy()
             probs_out.append((active, probs))
             active = active[limit[active] > i + 1]
@@ -168,19 +167,8 @@ class DraftModelProposer:
         flat = np.concatenate([drafted[j, : counts[j]] for j in range(len(rows))])
         q = None
         if want_probs:
-            q = _gather_probs(probs_out, len(rows), counts)
+            q = gather_probs(probs_out, len(rows), counts)
         return Proposal(np.asarray([s.core_id for s in states], np.uint64), cu, flat, q)
-
-    def _sample(self, logits, meta, active, i, want_probs):
-        """Draft i of the active rows: argmax for greedy rows, else a sample from q."""
-        if not want_probs:
-            return logits.argmax(-1), None
-        sub = meta.take(active.tolist())
-        probs = probs_from_logits(logits, sub)  # [A, V], the draft's q for each row
-        u = sub.streams.uniform(DRAFT, i + 1, probs.device)[:, i]  # output position P + i
-        tok = torch.where(sub.is_greedy, logits.argmax(-1), sample_from_weights(probs, u))
-        return tok, probs
-
 
 def _slot_ranges(req, slots, n):
     """(lo int64[distinct req], hi) smallest and largest slot fed per request (req grouped, ascending)."""
@@ -190,15 +178,6 @@ def _slot_ranges(req, slots, n):
     np.maximum.at(hi, req, slots)
     ids = np.unique(req)
     return lo[ids], hi[ids]
-
-
-def _gather_probs(probs_out, n, counts):
-    per = [[] for _ in range(n)]
-    for active, probs in probs_out:
-        for j, a in enumerate(active.tolist()):
-            if len(per[a]) < counts[a]:
-                per[a].append(probs[j])
-    return [torch.stack(p) if p else None for p in per]
 
 
 def _empty() -> Proposal:

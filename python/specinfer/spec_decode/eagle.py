@@ -66,6 +66,13 @@ class EagleDraft:
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P]
         return self.target_logits(h).argmax(-1)
 
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> float32[P, V] over the target vocabulary
+        return self.target_logits(h)
+
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
         c, L = self.config, self.layer

@@ -77,10 +77,24 @@ class Eagle3Draft:
         u = F.silu(F.linear(u, w[m + "mlp.gate_proj.weight"])) * F.linear(u, w[m + "mlp.up_proj.weight"])
         return h + F.linear(u, w[m + "mlp.down_proj.weight"])
 
+    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, Vd] over the draft vocabulary
+        return F.linear(_rms_norm(h, (h.shape[-1],), self.w["norm.weight"], self.config.rms_norm_eps),
+                        self.w["lm_head.weight"])
+
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P] target ids
-        logits = F.linear(_rms_norm(h, (h.shape[-1],), self.w["norm.weight"], self.config.rms_norm_eps),
-                          self.w["lm_head.weight"])
-        return self.target_draft_ids[logits.argmax(-1)]
+        return self.target_draft_ids[self._draft_logits(h).argmax(-1)]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return len(self.d2t)
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[P, H] -> float32[P, V]: the draft logits at their target ids, -inf at ids outside the
+        draft vocabulary (probability 0 under any sampling parameters)."""
+        d = self._draft_logits(h).float()
+        out = torch.full((d.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32, device=d.device)
+        out[:, self.target_draft_ids] = d
+        return out
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
