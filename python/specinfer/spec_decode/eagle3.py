@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
+from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
 from specinfer.models.llama import _rms_norm
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
@@ -53,7 +54,8 @@ class Eagle3Draft:
         self.target_draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # draft id -> target id
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
-        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        # the proposer's private blocks follow the shared pool (EagleProposer, prefix-cache hits)
+        return (2, num_blocks + NUM_PRIVATE_BLOCKS, block_size, self.config.num_kv_heads, self.config.head_dim)
 
     def target_features(self, hidden, rows: torch.Tensor) -> torch.Tensor:  # TargetHidden -> [T', H] g
         return F.linear(hidden.aux[rows].to(self.w["fc.weight"].dtype), self.w["fc.weight"])
