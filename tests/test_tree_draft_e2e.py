@@ -32,8 +32,9 @@ class _CoreSpy:
 
     def schedule(self, *a, **kw):
         out = self._core.schedule(*a, **kw)
-        parents, cu = np.asarray(out.draft_parents), np.asarray(out.cu_num_draft_tokens)
-        self.branching += sum(not is_chain(parents[cu[i]:cu[i + 1]]) for i in range(len(cu) - 1))
+        parents, n = np.asarray(out.draft_parents), np.asarray(out.num_draft_tokens)
+        cu = np.concatenate([[0], np.cumsum(n)])
+        self.branching += sum(not is_chain(parents[cu[i]:cu[i + 1]]) for i in range(len(n)))
         return out
 
 
