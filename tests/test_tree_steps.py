@@ -9,8 +9,8 @@ def test_kv_copies_move_the_accepted_path_in_every_layer_and_model():
     bs, nb = 4, 6
     caches = [[torch.randn(2, nb, bs, 2, 3) for _ in range(2)], [torch.randn(2, nb, bs, 1, 5)]]
     before = [[c.clone() for c in m] for m in caches]
-    # root at slot position 5 of a request whose blocks are [3, 1, 4]; path = nodes 2 and 6 (positions 8, 12)
-    blocks = [3, 1, 4]
+    # root at slot position 5 of a request whose blocks are [3, 1, 4, 0]; path = nodes 2 and 6 (positions 8, 12)
+    blocks = [3, 1, 4, 0]
     flat = lambda p: blocks[p // bs] * bs + p % bs  # noqa: E731
     src = np.array([flat(5 + 1 + 2), flat(5 + 1 + 6)])
     dst = np.array([flat(6), flat(7)])
