@@ -14,7 +14,9 @@ import torch
 from specinfer.sample import RandomStreams, rejection_sample
 from specinfer.sample.random_streams import SAMPLE, counter_uniform, sibling_accept_purpose
 from specinfer.sample.tree_layout import TreeLayout, chain_parents, is_chain_request
+from specinfer.sample.tree_typical_acceptance import tree_typical_acceptance_sample
 from specinfer.sample.tree_verify import tree_rejection_sample, verify_tree
+from specinfer.sample.typical_acceptance import typical_acceptance_sample
 
 
 def reference_verify(p, tokens, parents, q, greedy, seed, position):
@@ -245,3 +247,66 @@ def test_too_many_nodes_and_bad_shapes_are_refused():
         tree_rejection_sample(torch.zeros(1, dtype=torch.int64), torch.tensor([-1]), torch.tensor([0, 1]),
                               None, torch.full((2, 3), 1 / 3), torch.tensor([False]), RandomStreams.build([0], [0]),
                               one_hot=torch.tensor([False]))
+
+
+# --- typical acceptance over trees (Medusa; not distribution-preserving) ------------------------
+
+def test_typical_on_chains_is_the_chain_typical_sampler():
+    g = torch.Generator().manual_seed(11)
+    R, V = 300, 6
+    k = torch.randint(0, 5, (R,), generator=g)
+    cu = torch.nn.functional.pad(k.cumsum(0), (1, 0))
+    N = int(cu[-1])
+    p = torch.softmax(2 * torch.randn(N + R, V, generator=g, dtype=torch.float64), -1)
+    drafts = torch.randint(0, V, (N,), generator=g)
+    greedy = torch.rand(R, generator=g) < 0.2
+    st = RandomStreams.build(np.arange(R) * 3 + 5, np.arange(R) % 7)
+    want, n_want = typical_acceptance_sample(drafts, cu, None, p, greedy, st)
+    got = tree_typical_acceptance_sample(drafts, torch.from_numpy(chain_parents(k.numpy())), cu, None, p,
+                                         greedy, st)
+    assert torch.equal(got.num_emitted, n_want)
+    assert torch.equal(got.token_ids, want[:, : got.token_ids.shape[1]])
+    assert 0 < int((got.num_accepted < k).sum()) < R
+
+
+def test_typical_takes_the_deepest_typical_path_then_the_likeliest():
+    V = 4
+    # root -> node 0 (tok 1), node 1 (tok 2); node 0 -> node 2 (tok 3); node 1 -> node 3 (tok 0)
+    rows = torch.tensor([
+        [0.05, 0.45, 0.45, 0.05],  # root: tokens 1 and 2 both typical
+        [0.1, 0.1, 0.1, 0.7],  # after node 0: token 3 typical
+        [0.6, 0.2, 0.1, 0.1],  # after node 1: token 0 typical, more likely than token 3 above
+        [0.25] * 4, [0.25] * 4,
+    ], dtype=torch.float64)
+    tokens, parents = torch.tensor([1, 2, 3, 0]), torch.tensor([-1, -1, 0, 1])
+    out = tree_typical_acceptance_sample(tokens, parents, torch.tensor([0, 4]), None, rows, torch.tensor([False]),
+                                         RandomStreams.build([1], [0]))
+    assert out.accepted_nodes[0].tolist() == [0, 2]  # 0.45 * 0.7 > 0.45 * 0.6
+    assert out.num_emitted.tolist() == [3]  # node 2 is a leaf: a bonus token from its row
+    rows[2, 0] = 0.8
+    rows[2, 3] = 0.0
+    out = tree_typical_acceptance_sample(tokens, parents, torch.tensor([0, 4]), None, rows, torch.tensor([False]),
+                                         RandomStreams.build([1], [0]))
+    assert out.accepted_nodes[0].tolist() == [1, 3]
+
+
+def test_typical_greedy_is_the_greedy_walk_and_paths_are_canonical():
+    rng = np.random.default_rng(4)
+    trees = random_batch(rng, 300, vocab=3, kinds=("greedy", "one_hot"))
+    exact = run_batch(trees)
+    cu = torch.tensor(np.concatenate([[0], np.cumsum([len(t["tokens"]) for t in trees])]))
+    tokens = torch.tensor(sum((t["tokens"] for t in trees), []), dtype=torch.int64)
+    parents = torch.tensor(sum((t["parents"] for t in trees), []), dtype=torch.int64)
+    p = torch.tensor(np.concatenate([t["p"] for t in trees]))
+    greedy = torch.tensor([t["kind"] == "greedy" for t in trees])
+    st = RandomStreams.build([t["seed"] for t in trees], [t["position"] for t in trees])
+    out = tree_typical_acceptance_sample(tokens, parents, cu, None, p, greedy, st)
+    assert torch.equal(out.token_ids[greedy], exact.token_ids[greedy])
+    for r, t in enumerate(trees):  # every accepted node is the lowest-index sibling with its token
+        n = int(out.num_emitted[r])
+        u = -1
+        for node in out.accepted_nodes[r, : n - 1].tolist():
+            assert t["parents"][node] == u
+            assert node == min(i for i in range(len(t["tokens"]))
+                               if t["parents"][i] == u and t["tokens"][i] == t["tokens"][node])
+            u = node
