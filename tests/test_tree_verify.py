@@ -270,7 +270,6 @@ def test_typical_on_chains_is_the_chain_typical_sampler():
 
 
 def test_typical_takes_the_deepest_typical_path_then_the_likeliest():
-    V = 4
     # root -> node 0 (tok 1), node 1 (tok 2); node 0 -> node 2 (tok 3); node 1 -> node 3 (tok 0)
     rows = torch.tensor([
         [0.05, 0.45, 0.45, 0.05],  # root: tokens 1 and 2 both typical

@@ -23,8 +23,8 @@ from .tree_verify import TreeVerification, tree_rejection_sample, verify_tree
 from .tree_typical_acceptance import tree_typical_acceptance_sample
 
 __all__ = [
-    "GREEDY_TEMPERATURE", "LogprobsTensors", "MAX_TREE_NODES", "TreeLayout", "TreeVerification", "RandomStreams", "Sampler", "SamplerOutput",
-    "SamplingMetadata", "sample_from_weights",
+    "GREEDY_TEMPERATURE", "LogprobsTensors", "MAX_TREE_NODES", "RandomStreams", "Sampler", "SamplerOutput",
+    "SamplingMetadata", "TreeLayout", "TreeVerification", "sample_from_weights",
     "apply_min_p", "apply_temperature", "apply_top_k_top_p", "compute_logprobs",
     "probs_from_logits", "process_logits", "rejection_sample", "typical_acceptance_sample",
     "tree_rejection_sample", "tree_typical_acceptance_sample", "verify_tree",

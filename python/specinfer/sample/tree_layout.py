@@ -114,3 +114,11 @@ def is_chain_request(draft_parents, cu_num_draft) -> np.ndarray:  # -> bool[R]
     ok = parents == chain_parents(np.diff(cu))
     bad_before = np.concatenate([[0], np.cumsum(~ok)])
     return (bad_before[cu[1:]] - bad_before[cu[:-1]]) == 0
+
+
+def node_depths(parents) -> np.ndarray:  # int[m] (parents before children) -> int64[m], root children 1
+    parents = np.asarray(parents, dtype=np.int64)
+    depth = np.zeros(len(parents), dtype=np.int64)
+    for i, par in enumerate(parents.tolist()):
+        depth[i] = 1 if par < 0 else depth[par] + 1
+    return depth

@@ -156,7 +156,8 @@ def tree_rejection_sample(
                     q = torch.where(one_hot.unsqueeze(1), torch.nn.functional.one_hot(x, V).to(dtype),
                                     draft_probs[(layout.first_draft + c).clamp(max=last_node)].to(dtype))
                 tw, tt = _sibling_target(p, w, total)
-                ratio = tw.gather(1, x.unsqueeze(1)).squeeze(1) / (tt.squeeze(1) * q.gather(1, x.unsqueeze(1)).squeeze(1))
+                xi = x.unsqueeze(1)
+                ratio = tw.gather(1, xi).squeeze(1) / (tt.squeeze(1) * q.gather(1, xi).squeeze(1))
                 accept = torch.where(is_greedy, accept, accept_u[j][:, level] < ratio)
                 rejected = (trying & ~accept).unsqueeze(1)
                 nw, nt = _residual(w, total, q, p)
