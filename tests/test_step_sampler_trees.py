@@ -127,3 +127,22 @@ def test_tree_logprobs_come_from_the_path_rows():
     rows = [0] + [1 + i for i in path]
     want = compute_logprobs(logits[torch.tensor(rows)], torch.from_numpy(em.token_ids), 2).entries(2)
     assert em.logprobs[0] == want
+
+
+def test_typical_acceptance_method_routes_trees_to_tree_typical():
+    from specinfer.sample.tree_typical_acceptance import tree_typical_acceptance_sample
+    spec = SimpleNamespace(acceptance_method="typical_acceptance_sampler", posterior_threshold=0.09,
+                           posterior_alpha=0.3, disable_logprobs=False)
+    g = torch.Generator().manual_seed(3)
+    drafts, parents = [[1, 2, 3, 4, 5], [0, 1]], [[-1, -1, 0, 0, 1], [-1, 0]]
+    logits = 2 * torch.randn(9, V, generator=g, dtype=torch.float64)
+    states = [state(0), state(1)]
+    em = StepSampler(spec)(logits, sched([6, 3], drafts, parents), states, {})
+    assert list(em.tree_paths) == [0]
+    p = probs_from_logits(logits[:6], SamplingMetadata.build([1.0] * 6))
+    want = tree_typical_acceptance_sample(torch.tensor(drafts[0]), torch.tensor(parents[0]), torch.tensor([0, 5]),
+                                          None, p, torch.tensor([False]),
+                                          RandomStreams.build([states[0].seed], [3]), posterior_threshold=0.09,
+                                          posterior_alpha=0.3)
+    n = int(want.num_emitted[0])
+    assert em.token_ids[: em.cu_num_emitted[1]].tolist() == want.token_ids[0, :n].tolist()
