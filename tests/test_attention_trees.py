@@ -222,3 +222,16 @@ def test_cpu_native_refuses_bad_tree_metadata():
     bad = AttentionMetadata(**{**b.meta.__dict__, "tree_start": torch.tensor([9], dtype=torch.int32)})
     with pytest.raises(ValueError, match="tree_start"):
         CpuNativeBackend().prepare(bad)
+
+
+# ---------------------------------------------------------------- hpu_flat (plain torch)
+
+
+@pytest.mark.parametrize("path", ["dense", "flat"])
+@pytest.mark.parametrize("layout,block_size,H,hkv,D,seed", CASES)
+def test_hpu_flat_matches_explicit_masks(path, layout, block_size, H, hkv, D, seed):
+    from specinfer.attention.hpu_backend import HpuFlatBackend
+
+    b = build(mixed_requests(random.Random(seed)), layout, block_size, H, hkv, D, seed)
+    out = run(HpuFlatBackend(multi_token_path=path), b).double()
+    torch.testing.assert_close(out, b.want, atol=2e-5, rtol=2e-5)
