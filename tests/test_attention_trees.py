@@ -134,13 +134,17 @@ def build(requests: list[Request], layout: str, block_size: int, H: int, hkv: in
     return TreeBatch(meta, cache, q, k, v, want)
 
 
-def mixed_requests(rng: random.Random, max_nodes: int = 63) -> list[Request]:
-    """A prefill chunk (> 16 tokens), two decodes, a chain verification, and four trees (one of
-    max_nodes nodes, one single node, two random), with random cached lengths."""
+def mixed_requests(rng: random.Random, small: bool = False) -> list[Request]:
+    """A prefill chunk (> 16 tokens), two decodes, a chain verification, and four trees (one of 63
+    nodes, one single node, two random), with random cached lengths. small: one decode, three
+    trees (63 nodes, one node, a few nodes)."""
     out = [Request(rng.randint(0, 20), "prefill", rng.randint(17, 40)),
            Request(rng.randint(1, 30), "decode", 1), Request(rng.randint(1, 30), "decode", 1),
            Request(rng.randint(1, 25), "chain", 1 + rng.randint(2, 5))]
-    for nodes in (max_nodes, 1, rng.randint(2, 20), rng.randint(2, max_nodes)):
+    sizes = (63, 1, rng.randint(2, 20), rng.randint(2, 63))
+    if small:
+        out, sizes = out[:2] + out[3:], sizes[:2] + (rng.randint(2, 8),)
+    for nodes in sizes:
         out.append(Request(rng.randint(0, 40), "tree", 1 + nodes, random_parents(rng, nodes)))
     return out
 
@@ -235,3 +239,33 @@ def test_hpu_flat_matches_explicit_masks(path, layout, block_size, H, hkv, D, se
     b = build(mixed_requests(random.Random(seed)), layout, block_size, H, hkv, D, seed)
     out = run(HpuFlatBackend(multi_token_path=path), b).double()
     torch.testing.assert_close(out, b.want, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------- triton (TRITON_INTERPRET=1 on CPU)
+
+TRITON_CASES = [  # layout, block_size, H, Hkv, D, seed: the interpreter is slow, so fewer and smaller
+    ("mqa", 4, 4, 2, 16, 21),  # GQA 2; D 16
+    ("mqa", 1, 2, 2, 8, 22),  # MHA, block_size 1, D padded to 16
+    ("expand", 16, 8, 1, 16, 23),  # 8 heads packed into one tile
+]
+
+
+@pytest.mark.parametrize("layout,block_size,H,hkv,D,seed", TRITON_CASES)
+def test_triton_matches_explicit_masks(layout, block_size, H, hkv, D, seed):
+    from specinfer.attention.triton_backend import TritonBackend
+
+    b = build(mixed_requests(random.Random(seed), small=True), layout, block_size, H, hkv, D, seed)
+    out = run(TritonBackend(), b).double()
+    torch.testing.assert_close(out, b.want, atol=2e-5, rtol=2e-5)
+
+
+def test_triton_tree_contract_is_asserted():
+    from specinfer.kernels.triton import paged_attention
+
+    b = build([Request(2, "tree", 3, [-1, 0])], "mqa", 4, 2, 1, 16, 0)
+    m = b.meta
+    args = (b.q, b.cache, m.block_table, m.query_start_loc, m.seq_lens, m.max_query_len, 0.25)
+    with pytest.raises(AssertionError, match="tree_mask"):
+        paged_attention(*args, tree_mask=m.tree_mask.int(), tree_start=m.tree_start)
+    with pytest.raises(AssertionError, match="tree_start"):
+        paged_attention(*args, tree_mask=m.tree_mask, tree_start=None)
