@@ -305,8 +305,8 @@ class LLMEngine:
                 with deferred_keyboard_interrupt():
                     upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
                     committed = True
-                    if hasattr(upd, "kv_copy_src"):  # accepted tree paths move into the sequence's slots
-                        apply_kv_copies(self._kv_caches, upd.kv_copy_src, upd.kv_copy_dst)
+                    # accepted tree paths move into their sequences' slots (docs/trees.md)
+                    apply_kv_copies(self._kv_caches, upd.kv_copy_src, upd.kv_copy_dst)
                     self.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
                     self._record_spec(states, emitted)
                     outputs += self._apply_update(sched, states, emitted, upd, final_only)
