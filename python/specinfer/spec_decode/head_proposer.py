@@ -10,6 +10,8 @@ and the token drafted before it (Medusa's heads ignore both; the MLP speculator'
   own temperature / top-k / top-p / min-p processing (as the target's), by inverse CDF with the
   counter draw ``U(seed, output position, DRAFT)``; those probabilities are the q of lossless
   rejection sampling (`Proposal.draft_probs`).
+- With a static `token_tree` every request gets the tree's top-k children instead (see
+  `head_tree.py`; deterministic, `draft_probs` None, verified with the one-hot variant).
 Typical acceptance works with all of these (it ignores q).
 """
 from __future__ import annotations
@@ -24,7 +26,9 @@ import torch
 from specinfer.engine.step_sampler import sampling_metadata
 from specinfer.sample import probs_from_logits
 from specinfer.sample.random_streams import DRAFT, sample_from_weights
+from specinfer.spec_decode.head_tree import check_tree, draft_tree
 from specinfer.spec_decode.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.token_tree import StaticTree
 
 
 class DraftHead(Protocol):
@@ -62,15 +66,21 @@ class HiddenStateHeadProposer:
     aux_layers = ()
     num_lookahead_tokens = 0
 
-    def __init__(self, head: DraftHead, k: int):
+    def __init__(self, head: DraftHead, k: int, tree: StaticTree | None = None):
         self.head = head
         self.k = k
+        self.tree = tree
 
     @classmethod
     def check_k(cls, k: int, most: int, what: str, model: str) -> None:
         if k > most:
             raise ValueError(f"speculative.num_speculative_tokens={k} exceeds what the {what} at {model!r} predicts "
                              f"({most}); use at most {most}")
+
+    @staticmethod
+    def check_tree(tree, head: DraftHead, what: str, model: str) -> None:
+        if tree is not None:
+            check_tree(tree, head.num_stages, head.draft_vocab_size, what, model)
 
     def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
         pass
@@ -87,6 +97,8 @@ class HiddenStateHeadProposer:
         final = inp.hidden.final
         hidden = final[torch.from_numpy(inp.sampled_rows[rows]).to(final.device)]  # [P, H]
         tokens = torch.from_numpy(inp.last_tokens(rows)).to(final.device)  # int64[P] x_{t+1}
+        if self.tree is not None:
+            return self._propose_tree(inp.core_ids[rows], hidden, tokens, limit)
         states = [inp.requests[r] for r in rows]
         # draft i decides the request's output position len(output) + i
         meta = sampling_metadata(states, device=final.device, positions=[len(s.output_token_ids) for s in states])
@@ -114,6 +126,14 @@ class HiddenStateHeadProposer:
 
         drafts = draft_chain(self.head, hidden, tokens, steps, choose)
         return drafts, torch.stack(probs, dim=1)
+
+    def _propose_tree(self, core_ids, hidden, tokens, limit) -> Proposal:
+        """Every request gets the tree's first min(N, limit) nodes (still a tree)."""
+        nodes = draft_tree(self.head, hidden, tokens, self.tree).cpu().numpy()  # int64[P, N]
+        counts = np.minimum(limit, self.tree.num_nodes).astype(np.int32)
+        prop = Proposal.from_drafts(core_ids, nodes, counts)
+        parents = np.concatenate([self.tree.parents[:n] for n in counts]).astype(np.int32)
+        return dataclasses.replace(prop, draft_parents=parents)
 
 
 def checkpoint_dir(model: str) -> Path:

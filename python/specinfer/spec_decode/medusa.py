@@ -189,5 +189,6 @@ class MedusaProposer(HiddenStateHeadProposer):
         tcfg, target = ctx.target.config, ctx.target.model
         head = MedusaHeads.load(checkpoint_dir(spec.model), hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
                                 target_logits=target.compute_logits, dtype=target.norm.dtype, device=ctx.device)
+        self.check_tree(spec.token_tree, head, "Medusa heads (number of heads)", spec.model)
         self.check_k(spec.num_speculative_tokens, head.cfg.num_heads, "Medusa heads (number of heads)", spec.model)
-        super().__init__(head, spec.num_speculative_tokens)
+        super().__init__(head, spec.num_speculative_tokens, spec.token_tree)

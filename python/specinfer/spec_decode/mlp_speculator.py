@@ -171,5 +171,6 @@ class MLPSpeculatorProposer(HiddenStateHeadProposer):
         tcfg = ctx.target.config
         head = MLPSpeculator.load(checkpoint_dir(spec.model), hidden_size=tcfg.hidden_size,
                                   vocab_size=tcfg.vocab_size, dtype=ctx.target.model.norm.dtype, device=ctx.device)
+        self.check_tree(spec.token_tree, head, "MLP speculator (n_predict)", spec.model)
         self.check_k(spec.num_speculative_tokens, head.cfg.n_predict, "MLP speculator (n_predict)", spec.model)
-        super().__init__(head, spec.num_speculative_tokens)
+        super().__init__(head, spec.num_speculative_tokens, spec.token_tree)
