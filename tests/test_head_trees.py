@@ -5,7 +5,8 @@ d-1's c_d-th top token (independent of the parent), for the MLP speculator stage
 top token given the parent's state and token. The reference here walks every path on its own,
 with the stage math written out from the raw tensors (no call into the heads' code), and ranks
 with a stable descending sort. Also: truncation to the request's draft budget, the tree's
-parents in the proposal, no q (deterministic children), and refusal of trees the head cannot
+parents in the proposal, no q (deterministic children; one-hot q where a sampling request's
+proposal is a chain, which the chain verifier needs), and refusal of trees the head cannot
 draft, with errors naming speculative.token_tree.
 """
 from __future__ import annotations
@@ -136,12 +137,19 @@ def test_trees_are_truncated_to_the_draft_budget():
     N = tree.num_nodes
     hidden, last = requests(4, seed=2)
     full = HiddenStateHeadProposer(head, 3, tree).propose(proposal_input(hidden, last, [N] * 4))
-    prop = HiddenStateHeadProposer(head, 3, tree).propose(proposal_input(hidden, last, [N + 5, 5, 0, 1]))
+    assert full.draft_probs is None
+    prop = HiddenStateHeadProposer(head, 3, tree).propose(
+        proposal_input(hidden, last, [N + 5, 5, 0, 1], temperatures=[0.0, 1.0, 1.0, 1.0]))
     assert prop.core_ids.tolist() == [10, 11, 13]  # a request with no budget gets no proposal
     assert prop.cu_num_draft.tolist() == [0, N, N + 5, N + 6]
     assert prop.draft_parents.tolist() == tree.parents.tolist() + tree.parents[:5].tolist() + [-1]
     f = full.draft_token_ids.reshape(4, N)
     assert prop.draft_token_ids.tolist() == f[0].tolist() + f[1, :5].tolist() + f[3, :1].tolist()
+    # a sampling request cut to a chain (one node) is verified as a chain: its draft gets q = one-hot;
+    # tree-shaped proposals carry no q (the one-hot variant of tree verification)
+    q = prop.draft_probs
+    assert q[0] is None and q[1] is None
+    assert q[2].shape == (1, head.cfg.vocab_size) and q[2].sum() == 1 and q[2][0, f[3, 0]] == 1
 
 
 def test_check_tree_refuses_what_a_head_cannot_draft():

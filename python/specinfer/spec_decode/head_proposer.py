@@ -11,7 +11,9 @@ and the token drafted before it (Medusa's heads ignore both; the MLP speculator'
   counter draw ``U(seed, output position, DRAFT)``; those probabilities are the q of lossless
   rejection sampling (`Proposal.draft_probs`).
 - With a static `token_tree` every request gets the tree's top-k children instead (see
-  `head_tree.py`; deterministic, `draft_probs` None, verified with the one-hot variant).
+  `head_tree.py`; deterministic, `draft_probs` None, verified with the one-hot variant; a
+  proposal that is a chain, e.g. a tree cut to one node, carries one-hot q rows for sampling
+  requests, since the chain verifier needs q).
 Typical acceptance works with all of these (it ignores q).
 """
 from __future__ import annotations
@@ -28,11 +30,12 @@ from specinfer.sample import probs_from_logits
 from specinfer.sample.random_streams import DRAFT, sample_from_weights
 from specinfer.spec_decode.head_tree import check_tree, draft_tree
 from specinfer.spec_decode.proposer import Proposal, ProposalInput
-from specinfer.spec_decode.token_tree import StaticTree
+from specinfer.spec_decode.token_tree import StaticTree, is_chain
 
 
 class DraftHead(Protocol):
     num_stages: int  # tokens the head can draft (Medusa: heads; MLP speculator: n_predict)
+    vocab_size: int  # V, the target's vocabulary (width of the stages' logits)
     draft_vocab_size: int  # tokens a stage ranks (Medusa with token_map: V_t; else the target's V)
     reads_parent: bool  # False: stage i's logits depend on neither state nor token (Medusa)
 
@@ -97,9 +100,9 @@ class HiddenStateHeadProposer:
         final = inp.hidden.final
         hidden = final[torch.from_numpy(inp.sampled_rows[rows]).to(final.device)]  # [P, H]
         tokens = torch.from_numpy(inp.last_tokens(rows)).to(final.device)  # int64[P] x_{t+1}
-        if self.tree is not None:
-            return self._propose_tree(inp.core_ids[rows], hidden, tokens, limit)
         states = [inp.requests[r] for r in rows]
+        if self.tree is not None:
+            return self._propose_tree(inp.core_ids[rows], states, hidden, tokens, limit)
         # draft i decides the request's output position len(output) + i
         meta = sampling_metadata(states, device=final.device, positions=[len(s.output_token_ids) for s in states])
         steps = int(limit.max())
@@ -127,13 +130,19 @@ class HiddenStateHeadProposer:
         drafts = draft_chain(self.head, hidden, tokens, steps, choose)
         return drafts, torch.stack(probs, dim=1)
 
-    def _propose_tree(self, core_ids, hidden, tokens, limit) -> Proposal:
-        """Every request gets the tree's first min(N, limit) nodes (still a tree)."""
+    def _propose_tree(self, core_ids, states, hidden, tokens, limit) -> Proposal:
+        """Every request gets the tree's first min(N, limit) nodes (still a tree), without q. A
+        request whose nodes form a chain is verified as a chain, which needs q when it samples:
+        its deterministic drafts get q = one-hot rows."""
         nodes = draft_tree(self.head, hidden, tokens, self.tree).cpu().numpy()  # int64[P, N]
         counts = np.minimum(limit, self.tree.num_nodes).astype(np.int32)
         prop = Proposal.from_drafts(core_ids, nodes, counts)
-        parents = np.concatenate([self.tree.parents[:n] for n in counts]).astype(np.int32)
-        return dataclasses.replace(prop, draft_parents=parents)
+        per_request = [self.tree.parents[:n] for n in counts]
+        q = [torch.nn.functional.one_hot(torch.from_numpy(nodes[j, :n]), self.head.vocab_size).float()
+             if is_chain(per_request[j]) and st.params.temperature != 0.0 else None
+             for j, (st, n) in enumerate(zip(states, counts.tolist()))]
+        return dataclasses.replace(prop, draft_probs=None if all(x is None for x in q) else q,
+                                   draft_parents=np.concatenate(per_request).astype(np.int32))
 
 
 def checkpoint_dir(model: str) -> Path:

@@ -52,6 +52,10 @@ class MedusaHeads:
         return self.cfg.num_heads
 
     @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
     def draft_vocab_size(self) -> int:
         return self.cfg.truncated_vocab_size
 

@@ -95,6 +95,10 @@ class MLPSpeculator:
         return self.cfg.n_predict
 
     @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
     def draft_vocab_size(self) -> int:
         return self.cfg.vocab_size
 
