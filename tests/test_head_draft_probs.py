@@ -155,3 +155,23 @@ def test_draft_counts_follow_max_drafts():
     assert prop.core_ids.tolist() == [0, 1] and prop.cu_num_draft.tolist() == [0, 1, 3]
     assert prop.draft_probs[0].shape == (1, head.cfg.vocab_size) and prop.draft_probs[1] is None
 
+
+
+def test_seeded_sampled_head_drafts_are_the_same_in_any_batch_budget_and_pool(tiny_dir, tmp_path):
+    """Sampled head drafts depend only on (seed, output position): a seeded request gives the same
+    tokens alone, in a batch, with split proposals and under preemption (test_seeded_determinism's
+    harness, with an MLP speculator whose chained stages feed on the sampled drafts)."""
+    import head_checkpoints as hc
+    from test_seeded_determinism import _run
+
+    target, _ = tiny_dir("llama", False, scale=2.0)
+    spec = {"model": str(hc.mlp_speculator(tmp_path / "mlp", target))}
+    alone, _, _, m = _run(target, None, "mlp_speculator", "rejection_sampler", 0, spec=spec)
+    assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"], m
+    batched, _, _, _ = _run(target, None, "mlp_speculator", "rejection_sampler", 7, spec=spec)
+    split, splits, _, _ = _run(target, None, "mlp_speculator", "rejection_sampler", 0, spec=spec,
+                               max_num_batched_tokens=3)
+    preempted, _, preemptions, _ = _run(target, None, "mlp_speculator", "rejection_sampler", 7, spec=spec,
+                                        num_kv_blocks=20)
+    assert splits > 0 and preemptions > 0
+    assert batched == alone and split == alone and preempted == alone
