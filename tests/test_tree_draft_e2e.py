@@ -15,8 +15,6 @@ from specinfer import Generator
 from spec_cases import GREEDY, check_greedy_exact, check_prefix_hits, reference
 from specinfer.spec_decode.token_tree import is_chain
 
-pytestmark = pytest.mark.xfail(reason="needs tree core+sampler merge", strict=False)
-
 STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 DYNAMIC = {"dynamic": True, "num_nodes": 8, "top_k": 2, "depth": 3}
 

@@ -5,9 +5,6 @@ the target's output alone, token for token (issue 9), with both scorers, small t
 A spy on the core checks that tree proposals (with parents that are not a chain) really reach
 it: without that, an engine that drops the parents would verify the nodes as a chain and still
 be exact, so the test could not fail.
-
-xfail until the lead merges the tree core (treecore), sampler (treesample) and engine glue:
-before that the engine neither sizes a tree's budget nor hands `draft_parents` to the core.
 """
 from __future__ import annotations
 
@@ -20,8 +17,6 @@ from spec_cases import GREEDY, SETTINGS, reference
 from specinfer.spec_decode.token_tree import is_chain
 
 TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
-
-pytestmark = pytest.mark.xfail(reason="needs tree core+sampler merge", strict=False)
 
 
 class CoreSpy:
