@@ -6,7 +6,7 @@ branching trees (its batches carry non-chain draft_parents).
 
 Needs the tree core (set_draft_tokens with draft_parents, tree runs, KV copy lists), the tree
 verifier and the engine glue (KV copies applied to the draft caches, hidden rows reordered as a
-chain). Until the lead merges them these tests are expected to fail (xfail, not strict)."""
+chain)."""
 import numpy as np
 import pytest
 
