@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from specinfer.engine.tree_steps import chain_rows, reorder_rows
-from specinfer.spec_decode.proposer import ProposalInput, TargetHidden
+from specinfer.spec_decode.proposer import DETERMINISTIC, ProposalInput, TargetHidden
 
 
 def spend_verified_drafts(draft_probs: dict, states, emitted) -> np.ndarray:
@@ -26,7 +26,9 @@ def spend_verified_drafts(draft_probs: dict, states, emitted) -> np.ndarray:
 def draft_budgets(engine, states) -> np.ndarray:
     """int64[R] the most drafts (chain length, or tree nodes) each request may get next step."""
     spec = engine.spec
-    k = engine.platform.speculation_length(spec.num_draft_slots, len(states), spec.scorer)
+    # a tree's budget is in nodes (and scratch slots for dynamic trees): the proposer's lookahead
+    slots = engine.proposer.num_lookahead_tokens if spec.token_tree is not None else spec.num_speculative_tokens
+    k = engine.platform.speculation_length(slots, len(states), spec.scorer)
     out = np.zeros(len(states), dtype=np.int64)
     for r, st in enumerate(states):
         out_left = st.params.max_tokens - len(st.output_token_ids) - 1
@@ -82,6 +84,10 @@ def propose_next_step(engine, sched, states, emitted, hidden) -> None:
         for cid, q in zip(prop.core_ids.tolist(), prop.draft_probs):
             if q is not None:
                 engine._draft_probs[cid] = q
+    if prop.draft_parents is not None:  # tree drafts without q are deterministic (top-k children)
+        for j, cid in enumerate(prop.core_ids.tolist()):
+            if prop.draft_probs is None or prop.draft_probs[j] is None:
+                engine._draft_probs[cid] = DETERMINISTIC
 
 
 def request_block_rows(sched) -> np.ndarray:

@@ -30,6 +30,7 @@ from specinfer.sample.tree_layout import is_chain_request, node_depths
 from specinfer.sample.tree_typical_acceptance import tree_typical_acceptance_sample
 from specinfer.sample.tree_verify import tree_rejection_sample
 from specinfer.sample.typical_acceptance import typical_acceptance_sample
+from specinfer.spec_decode.proposer import DETERMINISTIC
 
 
 @dataclass
@@ -189,13 +190,16 @@ class StepSampler:
         cu_draft = torch.from_numpy(np.concatenate([[0], np.cumsum(d)]).astype(np.int64))
         has_bonus = torch.from_numpy(rows > d)  # a split proposal has no bonus row
         q = None
-        if draft_probs:
+        if draft_probs and d.sum() > 0:  # (beside trees, the chains may be plain decodes only)
             V = target_probs.shape[1]
             q = target_probs.new_zeros(int(d.sum()), V)
             start = 0
             for st, k in zip(s_states, d.tolist()):
                 probs = draft_probs.get(st.core_id)
-                if probs is not None and k:
+                if probs is DETERMINISTIC and k:  # deterministic drafts: q = one-hot
+                    q[torch.arange(start, start + k, device=q.device),
+                      torch.from_numpy(draft_ids[start:start + k]).to(q.device)] = 1.0
+                elif probs is not None and k:
                     q[start:start + k] = probs[:k].to(q.dtype)
                 elif k and st.params.temperature != 0.0:
                     raise RuntimeError(f"request {st.request_id!r} verifies drafts without their draft probabilities")
@@ -218,7 +222,7 @@ class StepSampler:
         start = 0
         for r, (st, k) in enumerate(zip(s_states, d.tolist())):
             probs = draft_probs.get(st.core_id) if draft_probs else None
-            if probs is not None:
+            if probs is not None and probs is not DETERMINISTIC:
                 if q is None:
                     q = target_probs.new_zeros(int(d.sum()), V)
                 q[start:start + k] = probs[:k].to(q.dtype)
