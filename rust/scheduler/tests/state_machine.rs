@@ -508,6 +508,16 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
             .zip(up.kv_copy_dst.iter().copied())
             .collect();
         assert_eq!(got, want, "copy list");
+        // one gather then one scatter equals applying the pairs in order (the engine
+        // relies on it): distinct dsts, and no src was written by an earlier pair
+        let mut written = std::collections::HashSet::new();
+        for (src, dst) in up.kv_copy_src.iter().zip(&up.kv_copy_dst) {
+            assert!(
+                !written.contains(src),
+                "a copy reads a slot an earlier copy wrote"
+            );
+            assert!(written.insert(*dst), "duplicate copy destination");
+        }
         kv.apply_copies(&up);
         live.retain(|id| !up.finished_req_ids.contains(id));
         kv.check(s, live);
