@@ -156,3 +156,27 @@ def test_copy_list_compacts_the_accepted_path(batch_expansion):
     out = core.schedule()
     assert out.positions.tolist() == [9] and out.input_ids.tolist() == [9]
     core.check_invariants()
+
+
+def test_a_block_completed_by_a_compacted_path_is_a_correct_prefix_cache_hit():
+    core = decoding_core()
+    kv = SimulatedKv(32 * BS)
+    # the prefill's KV (decoding_core ran it without a simulated forward): positions 0..5
+    set_tree(core)
+    out = core.schedule()
+    row = out.block_table[0]
+    slot = lambda p: row[p // BS] * BS + p % BS  # noqa: E731
+    kv.kv[[slot(p) for p in range(6)]] = np.arange(100, 106)
+    kv.forward(out)
+    upd = core.update(np.array([2, 5, 9]), np.array([0, 3], np.int32))
+    kv.apply(upd)
+    # positions 0..8 are confirmed: blocks 0 and 1 (positions 0..7) went to the prefix cache,
+    # block 1 completed by the copied node b at position 7
+    tokens = core.get_token_ids(1).tolist()
+    assert core.finish_request(1)
+    core.add_request(2, np.array(tokens + [7]), max_tokens=4)
+    out = core.schedule()
+    assert out.num_cached_tokens.tolist() == [8]
+    hit = out.block_table[0][:2]
+    assert [kv.kv[b * BS + o] for b in hit for o in range(BS)] == tokens[:8] == [100, 101, 102, 103, 104, 105, 42, 2]
+    core.check_invariants()

@@ -50,21 +50,21 @@ pub struct SchedulerOutput {
     pub num_computed_tokens: Vec<i32>,  // [R]
     pub num_draft_tokens: Vec<i32>,     // [R] drafts verified (rows - 1, or rows when split)
     pub draft_token_ids: Vec<i64>,      // [sum num_draft_tokens] the verified drafts
-    pub draft_parents: Vec<i32>, // [sum num_draft_tokens] their parents (-1 = root; chains -1, 0, 1, ...)
-    pub cu_num_logits: Vec<i32>, // [R + 1]
-    pub logits_indices: Vec<i64>, // [L] rows of the token batch, request order
-    pub input_ids: Vec<i64>,     // [T]
-    pub positions: Vec<i64>,     // [T]
-    pub slot_mapping: Vec<i64>,  // [T] block_id * block_size + pos % block_size
-    pub query_start_loc: Vec<i32>, // [S + 1]
-    pub seq_lens: Vec<i32>,      // [S] context incl. this query (KV slots)
-    pub tree_mask: Vec<i64>, // [T] visible tree nodes (bit j = node j), 0: causal; [] without tree runs
-    pub tree_start: Vec<i32>, // [S] KV position of a tree's root, else seq_len - query_len; [] without tree runs
-    pub block_table: Vec<i32>, // [S * W] row-major, padded with 0
-    pub block_table_width: usize, // W
-    pub seq_req_indices: Vec<i32>, // [S]
-    pub preempted_req_ids: Vec<u64>, // [P]
-    pub num_cached_tokens: Vec<i32>, // [R]
+    pub draft_parents: Vec<i32>,        // [sum num_draft_tokens] -1: root; chains -1, 0, 1..
+    pub cu_num_logits: Vec<i32>,        // [R + 1]
+    pub logits_indices: Vec<i64>,       // [L] rows of the token batch, request order
+    pub input_ids: Vec<i64>,            // [T]
+    pub positions: Vec<i64>,            // [T] RoPE positions
+    pub slot_mapping: Vec<i64>,         // [T] block_id * block_size + pos % block_size
+    pub query_start_loc: Vec<i32>,      // [S + 1]
+    pub seq_lens: Vec<i32>,             // [S] KV context incl. this query
+    pub tree_mask: Vec<i64>,            // [T] bit j: sees tree node j; 0: causal; [] if no tree
+    pub tree_start: Vec<i32>,           // [S] root's KV position (seq_len - query_len if no tree)
+    pub block_table: Vec<i32>,          // [S * W] row-major, padded with 0
+    pub block_table_width: usize,       // W
+    pub seq_req_indices: Vec<i32>,      // [S]
+    pub preempted_req_ids: Vec<u64>,    // [P]
+    pub num_cached_tokens: Vec<i32>,    // [R]
     pub num_prefill_tokens: usize,
     pub num_prefill_requests: usize,
     pub num_verify_requests: usize,
