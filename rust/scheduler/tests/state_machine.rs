@@ -201,7 +201,7 @@ fn set_random_drafts(s: &mut Scheduler, live: &[u64], rng: &mut Rng) {
         }
         cu.push(drafts.len() as i32);
     }
-    s.set_draft_tokens(live, &cu, &drafts).unwrap();
+    s.set_draft_tokens(live, &cu, &drafts, None).unwrap();
     let max_model_len = s.config().max_model_len;
     for &id in live {
         let req = s.request(id).unwrap();
