@@ -23,6 +23,9 @@ class Request:
     kind: str  # "prefill" | "decode" | "chain" | "tree"
     new: int  # tokens this step (tree: root + nodes)
     parents: list | None = None  # tree: parent index per node (-1: the root)
+    query: list | None = None  # tree: the slots (0 = root) queried, in this order, as ONE sequence
+    # whose context ends at the highest of them (a proposer drafting a tree level by level); the
+    # other slots are already cached. None: every slot is queried.
 
 
 def random_parents(rng: random.Random, nodes: int) -> list[int]:
@@ -71,13 +74,15 @@ def build(requests: list[Request], layout: str, block_size: int, H: int, hkv: in
         blocks = [free.pop() for _ in range(math.ceil(L / block_size))]
         kk = torch.randn(L, hkv, D, generator=g).to(dtype)
         vv = torch.randn(L, hkv, D, generator=g).to(dtype)
-        for p in range(r.cached):
-            cache[0, blocks[p // block_size], p % block_size] = kk[p]
-            cache[1, blocks[p // block_size], p % block_size] = vv[p]
+        queried = list(range(r.new)) if r.query is None else r.query
+        for p in range(L):
+            if p < r.cached or p - r.cached not in queried:
+                cache[0, blocks[p // block_size], p % block_size] = kk[p]
+                cache[1, blocks[p // block_size], p % block_size] = vv[p]
         rows.append(blocks), full_k.append(kk), full_v.append(vv)
         sees = ancestors_or_self(r.parents) if r.kind == "tree" else None
         new_tokens = []
-        for i in range(r.new):
+        for i in queried:
             pos = r.cached + i
             if sees is None:
                 visible, mask = set(range(pos + 1)), 0
@@ -86,7 +91,9 @@ def build(requests: list[Request], layout: str, block_size: int, H: int, hkv: in
                 mask = to_int64(sees[i])
             slot = blocks[pos // block_size] * block_size + pos % block_size
             new_tokens.append(dict(request=ri, pos=pos, slot=slot, visible=sorted(visible), mask=mask))
-        if layout == "expand" and r.kind in ("chain", "tree"):
+        if r.query is not None:
+            seqs.append((ri, new_tokens, r.cached + max(queried) + 1, r.cached))
+        elif layout == "expand" and r.kind in ("chain", "tree"):
             for t in new_tokens:
                 start = r.cached if r.kind == "tree" else t["pos"]
                 seqs.append((ri, [t], t["pos"] + 1, start))
@@ -129,9 +136,10 @@ def build(requests: list[Request], layout: str, block_size: int, H: int, hkv: in
 
 
 def mixed_requests(rng: random.Random, small: bool = False) -> list[Request]:
-    """A prefill chunk (> 16 tokens), two decodes, a chain verification, and four trees (one of 63
-    nodes, one single node, two random), with random cached lengths. small: one decode, three
-    trees (63 nodes, one node, a few nodes)."""
+    """A prefill chunk (> 16 tokens), two decodes, a chain verification, four trees (one of 63
+    nodes, one single node, two random) and a random tree queried at a shuffled subset of its
+    nodes, with random cached lengths. small: one decode, three trees (63 nodes, one node, a few
+    nodes) and the subset query."""
     out = [Request(rng.randint(0, 20), "prefill", rng.randint(17, 40)),
            Request(rng.randint(1, 30), "decode", 1), Request(rng.randint(1, 30), "decode", 1),
            Request(rng.randint(1, 25), "chain", 1 + rng.randint(2, 5))]
@@ -140,4 +148,7 @@ def mixed_requests(rng: random.Random, small: bool = False) -> list[Request]:
         out, sizes = out[:2] + out[3:], sizes[:2] + (rng.randint(2, 8),)
     for nodes in sizes:
         out.append(Request(rng.randint(0, 40), "tree", 1 + nodes, random_parents(rng, nodes)))
+    nodes = rng.randint(3, 40)
+    query = rng.sample(range(1, nodes + 1), rng.randint(1, nodes // 2))
+    out.append(Request(rng.randint(1, 40), "tree", 1 + nodes, random_parents(rng, nodes), query))
     return out

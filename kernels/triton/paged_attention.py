@@ -15,10 +15,10 @@ softmax (running max m, running sum l, fp32 accumulator). Programs past a sequen
 exit at once. head_dim is padded to a power of two (>= 16) with masked loads.
 
 Token trees (HAS_TREE; specinfer.attention.metadata): a row whose tree_mask is nonzero sees key
-position p iff p < tree_start[seq] or bit p - tree_start[seq] of its mask is set, and p is not
-after the row's own position (a mask names the node's ancestors and itself, which come before
-it, so this bound only saves the tile from walking keys no valid tree row sees). Without trees
-the constexpr flag compiles the plain causal kernel.
+position p (< seq_len) iff p < tree_start[seq] or bit p - tree_start[seq] of its mask is set,
+wherever the row itself sits (a proposer drafting a tree depth by depth queries nodes that need
+not be the context's last tokens), so a tile holding tree rows walks the whole context. Without
+trees the constexpr flag compiles the plain causal kernel.
 """
 from __future__ import annotations
 
@@ -83,6 +83,8 @@ def _paged_attention_kernel(
         tmask = tl.load(tree_mask_ptr + row_off, mask=row_valid, other=0).to(tl.int64)  # [BLOCK_M]
         is_tree = tmask != 0
         tstart = tl.load(tree_start_ptr + seq)
+        tile_has_tree = tl.max(is_tree.to(tl.int32), 0) > 0
+        kv_end = tl.where(tile_has_tree, ctx_len, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -103,7 +105,7 @@ def _paged_attention_kernel(
             rel = n - tstart  # [BLOCK_N] key position relative to the tree root
             bit = (tmask[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
             seen = (rel[None, :] < 0) | ((rel[None, :] < 64) & (bit != 0))
-            allowed = allowed & (~is_tree[:, None] | seen)
+            allowed = tl.where(is_tree[:, None], nmask[None, :] & seen, allowed)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -138,8 +140,8 @@ def paged_attention(
     tree_start: torch.Tensor | None = None,  # int32[S] each sequence's tree root position
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention of a mixed batch whose K/V already sit in kv_cache. With token-tree
-    masks (the contract's: every tree token sees key 0, i.e. tree_start > 0 or bit 0 set, and no
-    bit past its own position) tree tokens see the prefix, their ancestors and themselves.
+    masks (specinfer.attention.metadata; every tree token must see key 0, i.e. tree_start > 0 or
+    bit 0 set, as the contract's masks do) tree tokens see the prefix and their mask's tree slots.
 
     Memory contract: q, kv_cache and out share one dtype (fp32, bf16 or fp16) and device; q/out
     may be strided views with unit stride along head_dim; kv_cache has unit stride along head_dim;

@@ -112,6 +112,8 @@ class HpuFlatBackend:
             return None
         seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [n]
         lens = seq_lens[seq_of] - q_lens[seq_of] + (torch.arange(n) - qsl[seq_of]) + 1  # [n] causal context
+        if tree:  # a tree token's query need not sit at the context's end: its mask bounds it, not lens
+            lens = torch.where(tree[0][:n] != 0, seq_lens[seq_of], lens)
         B = self.planner.pad(max(T, n), "tokens")
         total_blocks = int(((lens + bs - 1) // bs).sum())
         tm, ts = (tree[0][:n], tree[1][seq_of]) if tree else (None, None)

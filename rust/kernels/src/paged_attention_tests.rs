@@ -508,6 +508,13 @@ fn check_trees(
             root: c,
             visible: lists.clone(),
         }));
+        // the same tree queried in reverse: a row's mask may name slots after its own position
+        // (a proposer's query need not be the context's last tokens)
+        runs.push((c, nodes + 1));
+        trees.push(Some(TreeRun {
+            root: c,
+            visible: lists.iter().rev().cloned().collect(),
+        }));
         for node in [nodes, nodes / 2] {
             // batch expansion: node `node` alone, its context ending at its own position
             runs.push((c + node, 1));
