@@ -54,9 +54,9 @@ def test_sampled_eagle_drafts_carry_the_heads_q(tiny_dir, tmp_path, method):
     seen = _record_q(gen)
     params = [SamplingParams(max_tokens=10, temperature=0.0), SamplingParams(max_tokens=10, temperature=0.7, seed=5),
               SamplingParams(max_tokens=10, temperature=1.3, top_k=7, seed=6)]
-    gen.generate(prompts(6), params * 2, use_tqdm=False)
+    gen.generate(prompts(5), params + params[1:], use_tqdm=False)
     sampled = [s for s in seen if s[3] is not None and s[1].temperature > 0]
-    assert len(sampled) > 10
+    assert len(sampled) > 6
     for tokens, p, drafts, q in sampled[::4]:
         assert q.shape == (len(drafts), 256)
         for i, d in enumerate(drafts):

@@ -71,12 +71,13 @@ def _spied_generate(monkeypatch):
     return spies
 
 
-CASES = [("draft_model", "static", "mqa"), ("draft_model", "dynamic", "batch_expansion"),
-         ("eagle", "dynamic", "mqa"), ("eagle", "static", "batch_expansion"),
+CASES = [("draft_model", "static", "mqa"), ("eagle", "dynamic", "batch_expansion"),
+         pytest.param("draft_model", "dynamic", "batch_expansion", marks=pytest.mark.slow),
+         pytest.param("eagle", "static", "batch_expansion", marks=pytest.mark.slow),
          pytest.param("draft_model", "static", "batch_expansion", marks=pytest.mark.slow),
          pytest.param("draft_model", "dynamic", "mqa", marks=pytest.mark.slow),
          pytest.param("eagle", "static", "mqa", marks=pytest.mark.slow),
-         pytest.param("eagle", "dynamic", "batch_expansion", marks=pytest.mark.slow)]
+         pytest.param("eagle", "dynamic", "mqa", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("method,kind,scorer", CASES)
@@ -88,7 +89,7 @@ def test_greedy_tree_speculation_is_exact(target, ref, heads, monkeypatch, metho
     assert sum(s.branching for s in spies) > 0, "no branching tree reached the core"
 
 
-@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+@pytest.mark.parametrize("method", ["draft_model", pytest.param("eagle", marks=pytest.mark.slow)])
 def test_greedy_tree_speculation_with_prefix_hits(target, ref, heads, monkeypatch, method):
     spies = _spied_generate(monkeypatch)
     check_prefix_hits(target, _spec(method, heads[method], STATIC, "mqa"), ref)

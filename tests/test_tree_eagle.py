@@ -82,20 +82,20 @@ def test_eagle_trees_equal_the_brute_force_reference(target, tmp_path, tree):
     lookahead = gen.engine.proposer.num_lookahead_tokens
     assert lookahead == (len(TREE) if tree is TREE else 10)
     seen = record_tree_proposals(gen)
-    ps = prompts(8)
+    ps = prompts(7)
     gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
     stats = gen.engine.core.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
     assert _check(seen, EagleReference(target, path), tree, lookahead) > 5
 
 
-@pytest.mark.parametrize("tree", [TREE, DYN], ids=["static", "dynamic"])
+@pytest.mark.parametrize("tree", [pytest.param(TREE, marks=pytest.mark.slow), DYN], ids=["static", "dynamic"])
 def test_eagle3_trees_equal_the_brute_force_reference(tiny_dir, tmp_path, tree):
     target = tiny_dir("llama", False, layers=4)[0]
     path = hc.eagle3(tmp_path / "e3", target, draft_vocab=96, aux_ids=[0, 1, 3])
     gen = _gen(target, "eagle3", path, tree, 10)
     seen = record_tree_proposals(gen)
-    ps = prompts(6)
+    ps = prompts(4)
     gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
     assert gen.engine.core.stats()["prefix_cache_hits"] > 0
     ref = Eagle3Reference(target, path)
