@@ -183,22 +183,3 @@ class Eagle3Trainer:
              m + "mlp.up_proj.weight": p["up"], m + "mlp.down_proj.weight": p["down"], "norm.weight": p["norm"],
              "lm_head.weight": p["lm_head"], "d2t": self.tid - torch.arange(len(self.tid)), "t2d": t2d}
         write_checkpoint(out, hf, t, "model.safetensors")
-
-
-@torch.no_grad()
-def eagle3_acceptance_estimate(trainer: Eagle3Trainer, seqs, K: int, per_seq: int = 6) -> dict:
-    """Greedy chain acceptance at up to per_seq continuation positions of each held-out sequence."""
-    accepted = []
-    for s in seqs:
-        n = len(s.tokens)
-        ends = torch.linspace(s.prompt_len, n - K - 1, steps=per_seq).long().unique().tolist() \
-            if n - K - 1 > s.prompt_len else []
-        for e in ends:  # history x_0..x_e: pairs i = 0..e-1, drafts predict x_{e+1}..x_{e+K}
-            d = trainer.drafts(s.tokens[1:e + 1], s.aux[:e], K)
-            ok = [a == b for a, b in zip(d, s.tokens[e + 1:e + 1 + K].tolist())]
-            accepted.append(next((i for i, x in enumerate(ok) if not x), K))
-    acc = torch.tensor(accepted or [0], dtype=torch.float32)
-    at = [(acc >= i).float().sum().item() for i in range(K + 1)]
-    return {"positions": len(accepted), "acceptance_per_position": [at[i + 1] / at[i] if at[i] else 0.0
-                                                                    for i in range(K)],
-            "mean_acceptance_length": 1.0 + float(acc.mean()), "acceptance_rate": float(acc.sum() / (len(acc) * K))}

@@ -239,10 +239,10 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
         held_out = eagle_acceptance_estimate(trainer, held, cfg.num_heads)
     elif cfg.method == "eagle3":
         from specinfer.spec_decode.eagle3 import Eagle3Draft
-        from specinfer.spec_decode.eagle3_training import eagle3_acceptance_estimate
+        from specinfer.spec_decode.eagle_training import eagle_acceptance_estimate
 
         Eagle3Draft.load(out, target=target, dtype=torch.float32, device=torch.device("cpu"))  # the export loads
-        held_out = eagle3_acceptance_estimate(trainer, held, cfg.num_heads)
+        held_out = eagle_acceptance_estimate(trainer, held, cfg.num_heads, feature="aux")
     else:
         held_out = acceptance_estimate(type(trainer).load(out, target), held, cfg.num_heads)
     report = {"method": cfg.method, "steps": step, "final_loss": loss, "train_positions": int(num_positions),
