@@ -6,7 +6,7 @@ branching trees (its batches carry non-chain draft_parents).
 
 Needs the tree core (set_draft_tokens with draft_parents, tree runs, KV copy lists), the tree
 verifier and the engine glue (KV copies applied to the draft caches, hidden rows reordered as a
-chain). Until the lead merges them these tests are expected to fail (xfail, not strict)."""
+chain)."""
 import numpy as np
 import pytest
 
@@ -14,8 +14,6 @@ import head_checkpoints as hc
 from specinfer import Generator
 from spec_cases import GREEDY, check_greedy_exact, check_prefix_hits, reference
 from specinfer.spec_decode.token_tree import is_chain
-
-pytestmark = pytest.mark.xfail(reason="needs tree core+sampler merge", strict=False)
 
 STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 DYNAMIC = {"dynamic": True, "num_nodes": 8, "top_k": 2, "depth": 3}

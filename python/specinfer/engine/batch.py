@@ -23,6 +23,8 @@ def _t(a: np.ndarray, device) -> torch.Tensor:
 
 
 def model_batch_from_schedule(out, block_size: int, device: torch.device) -> ModelBatch:
+    tree_mask = getattr(out, "tree_mask", None)
+    tree = tree_mask is not None and len(tree_mask) > 0  # the batch holds a token tree (docs/trees.md)
     attn = AttentionMetadata(
         slot_mapping=_t(out.slot_mapping, device),
         query_start_loc=_t(out.query_start_loc, device),
@@ -31,6 +33,8 @@ def model_batch_from_schedule(out, block_size: int, device: torch.device) -> Mod
         block_size=block_size,
         max_query_len=int(out.max_query_len),
         max_seq_len=int(out.max_seq_len),
+        tree_mask=_t(tree_mask, device) if tree else None,
+        tree_start=_t(out.tree_start, device) if tree else None,
     )
     return ModelBatch(_t(out.input_ids, device), _t(out.positions, device), _t(out.logits_indices, device), attn)
 
