@@ -1,8 +1,7 @@
 """Sampling with token trees through the whole engine keeps the target's law: draft_model and
 EAGLE trees (deterministic top-k children, q = one-hot) at temperature 1, chi-square on the joint
-law of the first three output tokens (the harness of test_engine_distribution). Before the tree
-verifier is merged the engine verifies each tree's nodes as a one-hot chain, which is lossless
-too; after it, the tree walk's one-hot variant is under test."""
+law of the first three output tokens (the harness of test_engine_distribution): the tree walk's
+one-hot variant (accept x w.p. p(x), else zero p(x), renormalise, next sibling) under test."""
 import pytest
 
 import head_checkpoints as hc

@@ -2,9 +2,7 @@
 every tree the engine proposes equals the brute-force reference (HF transformers run on each
 root-to-node path separately, top-k taken there), through chunked prefill, prefix-cache hits and
 preemption; the draft KV written for the fed nodes equals the per-path recomputation; a chain
-written as a tree drafts exactly the chain. Tree verification itself is tested with the core
-(tests/test_tree_draft_e2e.py); here the engine verifies each proposal as a chain of its nodes,
-which keeps greedy output exact."""
+written as a tree drafts exactly the chain. Tree verification end to end: test_tree_draft_e2e.py."""
 import numpy as np
 import pytest
 import torch
@@ -48,7 +46,7 @@ def _gen(models, tree, k, **kw):
 
 
 def test_static_tree_equals_brute_force_reference(target_and_draft, draft_ref):
-    gen = _gen(target_and_draft, TREE, 8)  # k = node count: the chain-verifying engine lets the whole tree through
+    gen = _gen(target_and_draft, TREE, 8)
     seen = record_tree_proposals(gen)
     ps = prompts(8)
     params = [SamplingParams(max_tokens=16, temperature=0.0), SamplingParams(max_tokens=16, temperature=0.8, seed=3)]
@@ -154,8 +152,8 @@ def test_tree_node_metadata_layout():
 def test_trees_near_max_model_len_stay_inside_their_slots(target_and_draft):
     """A dynamic tree whose fed nodes need more slots than it has nodes, in requests that reach
     max_model_len: scratch writes stay inside each request's reserved slots (a write past them would
-    land in block 0 of the padded block table and corrupt another request), so greedy output with
-    the proposals verified stays the target's."""
+    land in block 0 of the padded block table and corrupt another request), so greedy output stays
+    the target's."""
     target, draft = target_and_draft
     ps = [p[:30] for p in prompts(12)]
     params = SamplingParams(max_tokens=40, temperature=0.0)
