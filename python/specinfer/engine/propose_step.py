@@ -26,8 +26,11 @@ def spend_verified_drafts(draft_probs: dict, states, emitted) -> np.ndarray:
 def draft_budgets(engine, states) -> np.ndarray:
     """int64[R] the most drafts (chain length, or tree nodes) each request may get next step."""
     spec = engine.spec
-    # a tree's budget is in nodes (and scratch slots for dynamic trees): the proposer's lookahead
-    slots = engine.proposer.num_lookahead_tokens if spec.token_tree is not None else spec.num_speculative_tokens
+    # a tree's budget is in nodes (and, for a dynamic tree drafted into the proposer's own KV, its
+    # scratch slots: the proposer's lookahead, when it keeps a KV)
+    slots = spec.num_speculative_tokens
+    if spec.token_tree is not None:
+        slots = max(spec.num_draft_slots, engine.proposer.num_lookahead_tokens)
     k = engine.platform.speculation_length(slots, len(states), spec.scorer)
     out = np.zeros(len(states), dtype=np.int64)
     for r, st in enumerate(states):
