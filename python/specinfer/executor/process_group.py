@@ -1,0 +1,92 @@
+"""Joining the torch.distributed world: rendezvous, the two process groups, worker error reports.
+
+- the default group (gloo on CPU, NCCL on CUDA, HCCL on Gaudi: `Platform.distributed_backend`)
+  carries the model's collectives, under the executor's timeout: a rank that stops answering
+  turns a collective into an error on the others within `timeout_s`;
+- a gloo "control" group carries the driver's messages (broadcast_object_list from rank 0); its
+  timeout is long, since workers wait on it while the engine is idle;
+- the rendezvous store carries worker error reports (`report_error` / `read_errors`).
+
+Rendezvous: `tcp://` at an address and port the driver chose (workers it spawned), or `env://`
+(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE: torchrun, one or many machines).
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+CONTROL_TIMEOUT = timedelta(days=7)  # workers idle on the control group between steps
+ERROR_KEY = "specinfer_tp/error/{rank}"
+
+
+@dataclass
+class DistributedWorld:
+    rank: int
+    world_size: int
+    backend: str
+    control_group: object  # gloo group for the driver's messages
+    store: object  # the rendezvous store (error reports)
+
+
+def launched_by_torchrun() -> bool:
+    """True when this process is one rank of a torchrun / env:// launch (RANK and WORLD_SIZE set)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the environment torchrun sets."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def init_world(backend: str, rank: int, world_size: int, timeout_s: float, *, store=None) -> DistributedWorld:
+    """Join the world through `store` (a TCPStore the spawning driver made) or env:// (torchrun)."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
+                           "engine per process (close the previous Generator first)")
+    if backend == "hccl":  # pragma: no cover - needs Gaudi
+        import habana_frameworks.torch.distributed.hccl  # noqa: F401 - registers the backend
+    timeout = timedelta(seconds=timeout_s)
+    if store is not None:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+        store = dist.distributed_c10d._get_default_store()
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return DistributedWorld(rank, world_size, backend, control, store)
+
+
+def report_error(store, rank: int, text: str) -> None:
+    """A worker's last words: read by the driver when a collective fails."""
+    try:
+        store.set(ERROR_KEY.format(rank=rank), text.encode())
+    except Exception:  # noqa: BLE001 - the store (on the driver) may be gone already
+        pass
+
+
+def read_errors(store, world_size: int, wait_s: float = 2.0) -> dict[int, str]:
+    """Error reports of ranks 1..N-1, waiting up to wait_s for one to arrive."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = {}
+        for r in range(1, world_size):
+            key = ERROR_KEY.format(rank=r)
+            try:
+                if store.check([key]):
+                    found[r] = store.get(key).decode(errors="replace")
+            except Exception:  # noqa: BLE001 - a broken store has nothing more to tell
+                return found
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.05)
+
+
+def destroy_world() -> None:
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - tearing down after a failure
+            pass
