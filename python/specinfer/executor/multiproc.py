@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -24,8 +25,8 @@ import torch.distributed as dist
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.executor import messages as m
 from specinfer.executor.device_move import to_device
-from specinfer.executor.process_group import (destroy_world, env_rank, init_world, launched_by_torchrun,
-                                              read_errors)
+from specinfer.executor.process_group import (READY_KEY, STARTUP_TIMEOUT_S, destroy_world, env_rank, init_world,
+                                              launched_by_torchrun, read_errors)
 from specinfer.executor.rank_worker import RankWorker
 from specinfer.executor.worker import serve, spawned_worker_main
 
@@ -53,7 +54,8 @@ class MultiprocExecutor:
                                  "launch one rank per shard")
             self.world = init_world(backend, rank, N, self.timeout_s)
         else:
-            store = dist.TCPStore("127.0.0.1", 0, N, True, timeout=timedelta(seconds=self.timeout_s),
+            store = dist.TCPStore("127.0.0.1", 0, N, True, timeout=timedelta(seconds=max(self.timeout_s,
+                                                                                         STARTUP_TIMEOUT_S)),
                                   wait_for_workers=False)
             ctx = torch.multiprocessing.get_context("spawn")
             for r in range(1, N):
@@ -63,11 +65,12 @@ class MultiprocExecutor:
                 p.start()
                 self.procs.append(p)
             try:
+                self._await_workers(store)
                 self.world = init_world(backend, 0, N, self.timeout_s, store=store)
             except BaseException:
                 self._kill_workers()
                 raise
-        self.rank = RankWorker(0, N, platform)
+        self.rank = RankWorker(self.world, platform)
         self._roles: dict[int, str] = {}  # id(model) -> role
         atexit.register(self.shutdown)
 
@@ -149,6 +152,20 @@ class MultiprocExecutor:
         if error is not None and not reports and not _is_collective_error(error):
             raise error  # the driver's own error (a bad argument, say): as it is
         raise TensorParallelError(f"tensor-parallel executor stopped: {self._failure}") from error
+
+    def _await_workers(self, store) -> None:
+        """Until every spawned worker has reached the store: one that exits first is an error now,
+        not a rendezvous timeout later."""
+        keys = [READY_KEY.format(rank=r) for r in range(1, self.tensor_parallel_size)]
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not store.check(keys):
+            dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+            if dead or time.monotonic() > deadline:
+                what = (", ".join(f"worker rank {r} exited with code {c} while starting" for r, c in dead)
+                        or f"workers did not start within {STARTUP_TIMEOUT_S:g} s")
+                raise TensorParallelError(f"tensor-parallel executor did not start: {what} (its traceback, if any, "
+                                          "is on stderr)")
+            time.sleep(0.05)
 
     def _kill_workers(self, grace_s: float = 0.0) -> None:
         for p in self.procs:

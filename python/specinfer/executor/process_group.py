@@ -1,8 +1,10 @@
 """Joining the torch.distributed world: rendezvous, the two process groups, worker error reports.
 
 - the default group (gloo on CPU, NCCL on CUDA, HCCL on Gaudi: `Platform.distributed_backend`)
-  carries the model's collectives, under the executor's timeout: a rank that stops answering
-  turns a collective into an error on the others within `timeout_s`;
+  meets at rendezvous and after loading (barriers), under STARTUP_TIMEOUT: starting processes
+  and loading weights may legitimately take minutes;
+- the compute group (same backend, same ranks) carries the model's collectives under the
+  executor's timeout: a rank that stops answering turns a step into an error within `timeout_s`;
 - a gloo "control" group carries the driver's messages (broadcast_object_list from rank 0); its
   timeout is long, since workers wait on it while the engine is idle;
 - the rendezvous store carries worker error reports (`report_error` / `read_errors`).
@@ -20,7 +22,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 CONTROL_TIMEOUT = timedelta(days=7)  # workers idle on the control group between steps
+STARTUP_TIMEOUT_S = 900.0  # rendezvous and model loading (at least the executor's timeout)
 ERROR_KEY = "specinfer_tp/error/{rank}"
+READY_KEY = "specinfer_tp/ready/{rank}"  # a spawned worker reached the store
 
 
 @dataclass
@@ -29,6 +33,8 @@ class DistributedWorld:
     world_size: int
     backend: str
     control_group: object  # gloo group for the driver's messages
+    compute_group: object  # the model's collectives, under the executor's timeout
+    timeout_s: float
     store: object  # the rendezvous store (error reports)
 
 
@@ -49,14 +55,17 @@ def init_world(backend: str, rank: int, world_size: int, timeout_s: float, *, st
                            "engine per process (close the previous Generator first)")
     if backend == "hccl":  # pragma: no cover - needs Gaudi
         import habana_frameworks.torch.distributed.hccl  # noqa: F401 - registers the backend
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
     if store is not None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
         store = dist.distributed_c10d._get_default_store()
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return DistributedWorld(rank, world_size, backend, control, store)
+    # a gloo group's timeout is each rank's own: workers wait for messages as long as the engine
+    # idles, while the driver's sends give up on a silent worker after timeout_s
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if rank == 0 else CONTROL_TIMEOUT)
+    compute = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return DistributedWorld(rank, world_size, backend, control, compute, timeout_s, store)
 
 
 def report_error(store, rank: int, text: str) -> None:

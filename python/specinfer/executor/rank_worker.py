@@ -7,6 +7,8 @@ collectives inside the model (all-reduce, all-gather) keep them in step.
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 
 from specinfer.engine.kv_cache import allocate_kv_caches
@@ -18,9 +20,10 @@ from specinfer.models.tensor_parallel import TensorParallelGroup, shard_model
 
 
 class RankWorker:
-    def __init__(self, rank: int, world_size: int, platform):
-        self.rank = rank
-        self.world_size = world_size
+    def __init__(self, world, platform):
+        self.world = world  # process_group.DistributedWorld
+        self.rank = rank = world.rank
+        self.world_size = world.world_size
         self.platform = platform
         self.device = platform.device
         self.loaded: dict[str, object] = {}  # role -> LoadedModel (this rank's shard); absent: not in its group
@@ -36,7 +39,8 @@ class RankWorker:
         if self.world_size > 1 and type(msg) in _SYNCED:  # no collective inside: fail here, not later
             import torch.distributed as dist
 
-            dist.barrier()
+            # after loading: the startup timeout (slow disks); after a method: the step timeout
+            dist.barrier(group=self.world.compute_group if isinstance(msg, m.CallMethod) else None)
         return out
 
     # ------------------------------------------------------------------ messages
@@ -47,7 +51,8 @@ class RankWorker:
         size = msg.tp_size
         group = None
         if self.world_size > 1 and size > 1:
-            group = None if size == self.world_size else dist.new_group(ranks=list(range(size)))
+            group = (self.world.compute_group if size == self.world_size else
+                     dist.new_group(ranks=list(range(size)), timeout=timedelta(seconds=self.world.timeout_s)))
         if self.rank >= size:
             return None
         self.groups[msg.role] = tp = TensorParallelGroup(self.rank, size, group)

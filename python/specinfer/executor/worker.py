@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from specinfer.executor import messages as m
-from specinfer.executor.process_group import destroy_world, init_world, report_error
+from specinfer.executor.process_group import READY_KEY, STARTUP_TIMEOUT_S, destroy_world, init_world, report_error
 from specinfer.executor.rank_worker import RankWorker
 
 
 def serve(world, platform) -> None:
     """The worker loop; returns on Shutdown, raises on failure (after reporting it)."""
-    worker = RankWorker(world.rank, world.world_size, platform)
+    worker = RankWorker(world, platform)
     try:
         while True:
             box = [None]
@@ -50,7 +50,8 @@ def spawned_worker_main(rank: int, world_size: int, host: str, port: int, device
 
     code = 0
     try:
-        store = dist.TCPStore(host, port, world_size, False, timeout=_td(timeout_s))
+        store = dist.TCPStore(host, port, world_size, False, timeout=_td(max(timeout_s, STARTUP_TIMEOUT_S)))
+        store.set(READY_KEY.format(rank=rank), b"1")
         world = init_world(backend, rank, world_size, timeout_s, store=store)
         serve(world, resolve_platform(device))
     except BaseException:  # noqa: BLE001 - reported through the store by serve(); exit non-zero

@@ -1,0 +1,216 @@
+"""Tensor parallelism (executor/): the target sharded over 2 ranks (gloo on CPU, a spawned worker
+process) gives the tokens of the unsharded engine, greedy and seeded sampling, with chunked
+prefill and preemption, for no speculation, ngram and a draft model sharded over 2 or 1 ranks; a
+worker's exception reaches the user, a killed or stopped worker fails the Generator within a
+bounded time, and no worker process outlives its Generator."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from spec_cases import prompts
+from specinfer import Generator, SamplingParams
+from specinfer.executor.multiproc import TensorParallelError
+
+# chunked prefill (a 24-token budget under prompts of up to ~90 tokens) and preemption (36
+# blocks of 4 tokens for 8 requests)
+SETTINGS = dict(block_size=4, max_num_batched_tokens=24, num_kv_blocks=36, max_model_len=128)
+N_PROMPTS = 8
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+SEEDED = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1000 + i) for i in range(N_PROMPTS)]
+
+
+def _children() -> list[int]:
+    """Live child processes of this process (from /proc; zombies count as gone), but for
+    multiprocessing's resource tracker (one per process, started with the first spawn, it ends
+    with this process)."""
+    me, out = os.getpid(), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z" and not _is_resource_tracker(pid):
+            out.append(int(pid))
+    return out
+
+
+def _is_resource_tracker(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"resource_tracker" in f.read()
+    except OSError:
+        return False
+
+
+def _run(target, tp: int, spec=None, vocab: int = 256, **kw) -> dict:
+    """Greedy and seeded outputs of one Generator (closed afterwards), plus what it did."""
+    before = set(_children())
+    gen = Generator(str(target), tensor_parallel_size=tp, speculative=spec, distributed_timeout_s=60,
+                    **{**SETTINGS, **kw})
+    try:
+        if tp > 1:
+            assert len(set(_children()) - before) == tp - 1  # the worker processes
+        ps = [[t % vocab for t in p] for p in prompts(N_PROMPTS)]
+        greedy = [o.token_ids for o in gen.generate(ps, GREEDY, use_tqdm=False)]
+        seeded = [o.token_ids for o in gen.generate(ps, SEEDED, use_tqdm=False)]
+        core = gen.engine.core
+        assert core.num_free_blocks() == core.num_total_blocks()
+        stats = dict(greedy=greedy, seeded=seeded, preempted=core.stats()["num_preemptions"],
+                     metrics=gen.spec_metrics())
+    finally:
+        gen.close()
+    assert set(_children()) - before == set(), "a worker process outlived close()"
+    return stats
+
+
+def _check_same(tp1: dict, tp2: dict) -> None:
+    assert tp2["greedy"] == tp1["greedy"]
+    assert tp2["seeded"] == tp1["seeded"]
+    assert tp2["preempted"] > 0, "no request was preempted"
+    assert tp2["greedy"] != tp2["seeded"]  # the seeded run really sampled
+
+
+def test_tp2_equals_tp1_without_speculation(tiny_dir):
+    target, _ = tiny_dir("llama", False)
+    _check_same(_run(target, 1), _run(target, 2))
+
+
+def test_tp2_ngram_with_replicated_kv_heads_bias_padded_vocab(tiny_dir):
+    """qwen2 (q/k/v bias) with one KV head (replicated on both ranks), tied embeddings and a
+    vocabulary of 251 rows (the vocab-parallel shards are padded)."""
+    target, _ = tiny_dir("qwen2", True, kv_heads=1, vocab=251)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    tp1, tp2 = _run(target, 1, spec, vocab=251), _run(target, 2, spec, vocab=251)
+    _check_same(tp1, tp2)
+    assert tp2["metrics"]["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("draft_tp", [2, 1])
+def test_tp2_draft_model(target_and_draft, draft_tp):
+    """A draft model sharded over both ranks, or kept whole on the driver (draft TP 1)."""
+    target, draft = target_and_draft
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+            "draft_tensor_parallel_size": draft_tp}
+    tp2 = _run(target, 2, spec)
+    tp1 = _run(target, 1, {**spec, "draft_tensor_parallel_size": None})
+    _check_same(tp1, tp2)
+    assert tp2["metrics"]["num_accepted_tokens"] > 0
+    for key in ("num_draft_tokens", "num_accepted_tokens"):
+        assert tp2["metrics"][key] == tp1["metrics"][key]
+
+
+def _started(target, timeout_s: float = 60):
+    before = set(_children())
+    gen = Generator(str(target), tensor_parallel_size=2, distributed_timeout_s=timeout_s, **SETTINGS)
+    workers = sorted(set(_children()) - before)
+    assert len(workers) == 1
+    return gen, workers[0], before
+
+
+def test_worker_exception_reaches_user(tiny_dir):
+    gen, _, before = _started(tiny_dir("llama", False)[0])
+    gen.generate(prompts(2), GREEDY, use_tqdm=False)
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 failed: RuntimeError: boom on the worker"):
+        gen.engine.executor.collective_rpc("raise_error", "boom on the worker")
+    assert set(_children()) - before == set()
+    with pytest.raises(TensorParallelError, match="shut down"):
+        gen.generate(prompts(1), GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("how", ["between_steps", "mid_generation"])
+def test_worker_killed_gives_an_error_not_a_hang(tiny_dir, how):
+    gen, worker, before = _started(tiny_dir("llama", False)[0])
+    many = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)] * 4
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"worker rank 1|collective"):
+        if how == "between_steps":
+            stream = gen.stream(prompts(4), many)
+            next(stream)
+            os.kill(worker, signal.SIGKILL)
+            for _ in stream:
+                pass
+        else:
+            threading.Timer(1.0, os.kill, (worker, signal.SIGKILL)).start()
+            gen.generate(prompts(4) * 4, many * 4, use_tqdm=False)
+    assert time.monotonic() - t0 < 30
+    assert set(_children()) - before == set()
+    # the failed step was cancelled in the core; the executor refuses further work with a clear error
+    gen.engine.core.check_invariants()
+    with pytest.raises(TensorParallelError, match="shut down"):
+        gen.generate(prompts(1), GREEDY, use_tqdm=False)
+
+
+def test_stopped_worker_times_out(tiny_dir):
+    """A worker that stops answering (SIGSTOP) fails the step after distributed_timeout_s."""
+    gen, worker, before = _started(tiny_dir("llama", False)[0], timeout_s=4)
+    gen.generate(prompts(1), GREEDY, use_tqdm=False)
+    os.kill(worker, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError, match=r"timed out|collective"):
+            gen.generate(prompts(2), GREEDY, use_tqdm=False)
+    finally:
+        try:
+            os.kill(worker, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    assert time.monotonic() - t0 < 25
+    assert set(_children()) - before == set()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(tensor_parallel_size="2"), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=2, distributed_timeout_s=0), "distributed_timeout_s"),
+    (dict(tensor_parallel_size=2, speculative={"method": "draft_model", "model": "x",
+                                               "draft_tensor_parallel_size": 3}), "draft_tensor_parallel_size"),
+    (dict(speculative={"method": "ngram", "draft_tensor_parallel_size": 1}), "draft_tensor_parallel_size"),
+    (dict(tensor_parallel_size=2, speculative={"method": "medusa", "model": "x"}), "speculative.method"),
+])
+def test_bad_parallel_settings_name_the_field(tiny_dir, kwargs, field):
+    before = set(_children())
+    with pytest.raises(ValueError, match=field):
+        Generator(str(tiny_dir("llama", False)[0]), **kwargs)
+    assert set(_children()) - before == set()
+
+
+def test_unshardable_heads_name_the_field():
+    from specinfer.models.config import ModelConfig  # noqa: F401 - the config the check reads
+    from specinfer.models.tensor_parallel import check_shardable, kv_heads_of_rank
+
+    class Cfg:
+        num_heads, num_kv_heads, intermediate_size = 4, 2, 128
+
+    check_shardable(Cfg, 2)
+    check_shardable(Cfg, 4)  # two KV heads, each replicated on two ranks
+    with pytest.raises(ValueError, match="tensor_parallel_size=3"):
+        check_shardable(Cfg, 3)
+    assert [kv_heads_of_rank(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [kv_heads_of_rank(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+
+
+def test_in_process_kv_copies_move_k_and_v_of_every_pool():
+    from specinfer.executor import InProcessExecutor
+    from specinfer.platform import resolve_platform
+
+    ex = InProcessExecutor(resolve_platform("cpu"))
+    pools = [[torch.randn(2, 3, 4, 2, 8) for _ in range(2)], [torch.randn(2, 3, 4, 1, 8)]]
+    ex._kv_caches = pools
+    want = [[c.clone() for c in pool] for pool in pools]
+    src, dst = torch.tensor([5, 6]), torch.tensor([1, 11])
+    ex.apply_kv_copies(src, dst)
+    for pool, ref in zip(pools, want):
+        for c, r in zip(pool, ref):
+            flat, rflat = c.view(2, 12, *c.shape[3:]), r.view(2, 12, *r.shape[3:])
+            assert torch.equal(flat[:, [1, 11]], rflat[:, [5, 6]])
+            rflat[:, [1, 11]] = rflat[:, [5, 6]]
+            assert torch.equal(c, r)  # nothing else changed
