@@ -20,9 +20,9 @@ from specinfer.executor.multiproc import TensorParallelError
 # chunked prefill (a 24-token budget under prompts of up to ~90 tokens) and preemption (36
 # blocks of 4 tokens for 8 requests)
 SETTINGS = dict(block_size=4, max_num_batched_tokens=24, num_kv_blocks=36, max_model_len=128)
-N_PROMPTS = 8
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-SEEDED = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1000 + i) for i in range(N_PROMPTS)]
+N_PROMPTS = 6
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+SEEDED = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1000 + i) for i in range(N_PROMPTS)]
 
 
 def _children() -> list[int]:
@@ -94,6 +94,9 @@ def test_tp2_ngram_with_replicated_kv_heads_bias_padded_vocab(tiny_dir):
     assert tp2["metrics"]["num_draft_tokens"] > 0
 
 
+_TP1_DRAFT_RUNS: dict = {}
+
+
 @pytest.mark.parametrize("draft_tp", [2, 1])
 def test_tp2_draft_model(target_and_draft, draft_tp):
     """A draft model sharded over both ranks, or kept whole on the driver (draft TP 1)."""
@@ -101,7 +104,10 @@ def test_tp2_draft_model(target_and_draft, draft_tp):
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
             "draft_tensor_parallel_size": draft_tp}
     tp2 = _run(target, 2, spec)
-    tp1 = _run(target, 1, {**spec, "draft_tensor_parallel_size": None})
+    key = (str(target), str(draft))
+    if key not in _TP1_DRAFT_RUNS:  # the same TP=1 reference for both draft TPs
+        _TP1_DRAFT_RUNS[key] = _run(target, 1, {**spec, "draft_tensor_parallel_size": None})
+    tp1 = _TP1_DRAFT_RUNS[key]
     _check_same(tp1, tp2)
     assert tp2["metrics"]["num_accepted_tokens"] > 0
     for key in ("num_draft_tokens", "num_accepted_tokens"):
@@ -116,9 +122,30 @@ def _started(target, timeout_s: float = 60):
     return gen, workers[0], before
 
 
-def test_worker_exception_reaches_user(tiny_dir):
-    gen, _, before = _started(tiny_dir("llama", False)[0])
-    gen.generate(prompts(2), GREEDY, use_tqdm=False)
+def test_ctrl_c_cancels_the_step_then_a_worker_exception_reaches_user(tiny_dir):
+    """Ctrl-C in the driver mid-generation: KeyboardInterrupt at a step boundary, every rank still
+    in step (the next generate gives the reference tokens). Then a worker's exception: its message
+    in the driver's error, every worker gone, further calls refused."""
+    target = tiny_dir("llama", False)[0]
+    ps = prompts(4)
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in Generator(str(target), **SETTINGS).generate(ps, long, use_tqdm=False)]
+    gen, _, before = _started(target)
+    rank0 = gen.engine.executor.rank
+    handle, calls = rank0.handle, []
+
+    def ctrl_c_in_the_fifth_step(msg):  # SIGINT lands while every rank is inside the step
+        calls.append(msg)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return handle(msg)
+
+    rank0.handle = ctrl_c_in_the_fifth_step
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(ps, long, use_tqdm=False)
+    rank0.handle = handle
+    assert len(calls) == 5
+    assert [o.token_ids for o in gen.generate(ps, long, use_tqdm=False)] == want
     with pytest.raises(TensorParallelError, match=r"worker rank 1 failed: RuntimeError: boom on the worker"):
         gen.engine.executor.collective_rpc("raise_error", "boom on the worker")
     assert set(_children()) - before == set()
@@ -214,3 +241,64 @@ def test_in_process_kv_copies_move_k_and_v_of_every_pool():
             assert torch.equal(flat[:, [1, 11]], rflat[:, [5, 6]])
             rflat[:, [1, 11]] = rflat[:, [5, 6]]
             assert torch.equal(c, r)  # nothing else changed
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+import torch
+torch.set_num_threads(1)
+from specinfer import Generator, SamplingParams
+gen = Generator(sys.argv[1], tensor_parallel_size=2, distributed_timeout_s=60, **json.loads(sys.argv[2]))
+outs = gen.generate(json.loads(sys.argv[3]), SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+print("TOKENS", json.dumps([o.token_ids for o in outs]), flush=True)
+gen.close()
+"""
+
+
+def test_torchrun_env_rendezvous(tiny_dir, tmp_path):
+    """The multi-machine path (torchrun, env:// rendezvous, every rank runs the script and rank 1
+    turns into a worker inside Generator(...)) with both ranks on this machine."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    target, _ = tiny_dir("llama", False)
+    ps = prompts(3)
+    want = Generator(str(target), **SETTINGS).generate(ps, SamplingParams(max_tokens=12, temperature=0.0),
+                                                       use_tqdm=False)
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(__import__("specinfer").__path__[0].rsplit("/", 1)[0]),
+                                                     os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={port}", str(script), str(target), json.dumps(SETTINGS),
+           json.dumps(ps)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("TOKENS ")]
+    assert len(lines) == 1, done.stdout  # only the driver (rank 0) returns from Generator(...)
+    assert json.loads(lines[0][len("TOKENS "):]) == [o.token_ids for o in want]
+
+
+def test_cli_flags_reach_the_engine(tiny_dir):
+    import argparse
+
+    from specinfer.cli import options
+    from specinfer.cli.errors import CliError
+
+    target, _ = tiny_dir("llama", False)
+    p = argparse.ArgumentParser()
+    options.add_speculative_arguments(p)
+    options.add_engine_arguments(p)
+    args = p.parse_args(["--tensor-parallel-size", "2", "--draft", str(target), "--draft-tensor-parallel-size", "1"])
+    assert options.engine_kwargs(args)["tensor_parallel_size"] == 2
+    assert options.speculative_config(args).draft_tensor_parallel_size == 1
+    with pytest.raises(CliError, match="--tensor-parallel-size must be >= 1"):
+        options.engine_kwargs(p.parse_args(["--tensor-parallel-size", "0"]))
+    with pytest.raises(CliError, match="--draft-tensor-parallel-size is only used by --method draft_model"):
+        options.speculative_config(p.parse_args(["--method", "ngram", "--draft-tensor-parallel-size", "1"]))
