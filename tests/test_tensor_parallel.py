@@ -302,3 +302,15 @@ def test_cli_flags_reach_the_engine(tiny_dir):
         options.engine_kwargs(p.parse_args(["--tensor-parallel-size", "0"]))
     with pytest.raises(CliError, match="--draft-tensor-parallel-size is only used by --method draft_model"):
         options.speculative_config(p.parse_args(["--method", "ngram", "--draft-tensor-parallel-size", "1"]))
+
+
+@pytest.mark.slow
+def test_tp4_with_draft_tp2(target_and_draft):
+    """Four ranks (each of the two KV heads replicated on two), the draft over ranks 0-1: a
+    draft group that is neither 1 nor N."""
+    target, draft = target_and_draft
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+            "draft_tensor_parallel_size": 2}
+    tp4 = _run(target, 4, spec)
+    _check_same(_run(target, 1, {**spec, "draft_tensor_parallel_size": None}), tp4)
+    assert tp4["metrics"]["num_accepted_tokens"] > 0
