@@ -2,8 +2,8 @@
 
 There is no per-field broadcast: a rank receives the very object the driver built, so a field
 the driver has is a field every worker has (the class of bug behind vLLM's
-``KeyError: 'num_seq_groups'`` cannot happen). Tensors in a message are on the CPU; each rank
-moves them to its own device (executor/device_move.py).
+``KeyError: 'num_seq_groups'`` cannot happen). Tensors travel as numpy arrays (WireTensor: cheap
+to pickle); each rank turns them into tensors on its own device (executor/device_move.py).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class BindKv:
 class ExecuteModel:
     """One step of the target: forward over the whole mixed batch, logits at batch.logits_indices."""
 
-    batch: object  # engine.batch.ModelBatch (CPU tensors)
+    batch: object  # engine.batch.ModelBatch (tensors as WireTensor)
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class RunForward:
     role: str
     input_ids: torch.Tensor  # int64[T]
     positions: torch.Tensor  # int64[T]
-    attn: object  # AttentionMetadata (CPU tensors)
+    attn: object  # AttentionMetadata (tensors as WireTensor)
     model_kwargs: dict = field(default_factory=dict)
 
 

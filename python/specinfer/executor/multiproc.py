@@ -24,14 +24,11 @@ import torch.distributed as dist
 
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.executor import messages as m
-from specinfer.executor.device_move import to_device
+from specinfer.executor.device_move import to_wire
 from specinfer.executor.process_group import (READY_KEY, STARTUP_TIMEOUT_S, destroy_world, env_rank, init_world,
                                               launched_by_torchrun, read_errors)
 from specinfer.executor.rank_worker import RankWorker
 from specinfer.executor.worker import serve, spawned_worker_main
-
-_CPU = torch.device("cpu")
-
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel worker failed, exited or stopped answering; the executor is shut down."""
@@ -97,11 +94,11 @@ class MultiprocExecutor:
     def execute_model(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Target forward + logits over one step's ModelBatch on every rank; rank 0's full hidden
         states [T, hidden] and gathered float32 logits [L, vocab] come back."""
-        return self._call(m.ExecuteModel(to_device(batch, _CPU)))
+        return self._call(m.ExecuteModel(to_wire(batch)))
 
     def apply_kv_copies(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if len(src):
-            self._call(m.ApplyKvCopies(to_device(src, _CPU), to_device(dst, _CPU)))
+            self._call(m.ApplyKvCopies(to_wire(src), to_wire(dst)))
 
     def collective_rpc(self, name: str, *args):
         """RankWorker.<name>(*args) on every rank; rank 0's result."""
@@ -190,11 +187,11 @@ class ShardedRunner:
         return self.local.last_aux
 
     def forward(self, input_ids, positions, attn, prepared=None, **model_kwargs):
-        return self.executor._call(m.RunForward(self.role, to_device(input_ids, _CPU), to_device(positions, _CPU),
-                                                to_device(attn, _CPU), model_kwargs))
+        return self.executor._call(m.RunForward(self.role, to_wire(input_ids), to_wire(positions),
+                                                to_wire(attn), model_kwargs))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.executor._call(m.RunLogits(self.role, to_device(hidden, _CPU)))
+        return self.executor._call(m.RunLogits(self.role, to_wire(hidden)))
 
 
 def run_torchrun_worker(parallel, platform) -> None:
