@@ -5,6 +5,7 @@ worker's exception reaches the user, a killed or stopped worker fails the Genera
 bounded time, and no worker process outlives its Generator."""
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -51,11 +52,13 @@ def _is_resource_tracker(pid: str) -> bool:
         return False
 
 
-def _run(target, tp: int, spec=None, vocab: int = 256, **kw) -> dict:
-    """Greedy and seeded outputs of one Generator (closed afterwards), plus what it did."""
+def _run(target, tp: int, spec=None, vocab: int = 256, drop: bool = False, **kw) -> dict:
+    """Greedy and seeded outputs of one Generator (closed afterwards, or with drop=True only
+    dropped: its finalizer must stop the workers), plus what it did."""
     before = set(_children())
     gen = Generator(str(target), tensor_parallel_size=tp, speculative=spec, distributed_timeout_s=60,
                     **{**SETTINGS, **kw})
+    core = None
     try:
         if tp > 1:
             assert len(set(_children()) - before) == tp - 1  # the worker processes
@@ -67,8 +70,12 @@ def _run(target, tp: int, spec=None, vocab: int = 256, **kw) -> dict:
         stats = dict(greedy=greedy, seeded=seeded, preempted=core.stats()["num_preemptions"],
                      metrics=gen.spec_metrics())
     finally:
-        gen.close()
-    assert set(_children()) - before == set(), "a worker process outlived close()"
+        if drop:
+            gen = core = None  # noqa: F841 - the last references
+            gc.collect()
+        else:
+            gen.close()
+    assert set(_children()) - before == set(), "a worker process outlived its Generator"
     return stats
 
 
@@ -81,15 +88,17 @@ def _check_same(tp1: dict, tp2: dict) -> None:
 
 def test_tp2_equals_tp1_without_speculation(tiny_dir):
     target, _ = tiny_dir("llama", False)
-    _check_same(_run(target, 1), _run(target, 2))
+    _check_same(_run(target, 1), _run(target, 2, drop=True))
 
 
-def test_tp2_ngram_with_replicated_kv_heads_bias_padded_vocab(tiny_dir):
-    """qwen2 (q/k/v bias) with one KV head (replicated on both ranks), tied embeddings and a
-    vocabulary of 251 rows (the vocab-parallel shards are padded)."""
+def test_tp2_ngram_int8_with_replicated_kv_heads_bias_padded_vocab(tiny_dir):
+    """qwen2 (q/k/v bias) with one KV head (replicated on both ranks), tied embeddings, a
+    vocabulary of 251 rows (the vocab-parallel shards are padded), int8 weights (sliced with their
+    scales)."""
     target, _ = tiny_dir("qwen2", True, kv_heads=1, vocab=251)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    tp1, tp2 = _run(target, 1, spec, vocab=251), _run(target, 2, spec, vocab=251)
+    tp1 = _run(target, 1, spec, vocab=251, quantization="int8")
+    tp2 = _run(target, 2, spec, vocab=251, quantization="int8")
     _check_same(tp1, tp2)
     assert tp2["metrics"]["num_draft_tokens"] > 0
 
@@ -314,3 +323,10 @@ def test_tp4_with_draft_tp2(target_and_draft):
     tp4 = _run(target, 4, spec)
     _check_same(_run(target, 1, {**spec, "draft_tensor_parallel_size": None}), tp4)
     assert tp4["metrics"]["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_tp2_on_the_emulated_gaudi_path(tiny_dir):
+    """hpu-emulated: the Rust packer pads to buckets, flat block-list attention, eager shards."""
+    target, _ = tiny_dir("llama", False)
+    _check_same(_run(target, 1), _run(target, 2, device="hpu-emulated"))

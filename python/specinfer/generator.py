@@ -10,6 +10,7 @@ re-raises; the other calls' requests go on (the step was cancelled, see LLMEngin
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -52,6 +53,8 @@ class Generator:
             max_logprobs=max_logprobs, attention_backend=attention_backend,
             gpu_memory_utilization=gpu_memory_utilization, quantization=quantization,
             tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s)
+        # a Generator dropped without close() still stops its tensor-parallel workers
+        weakref.finalize(self, self.engine.close)
         self._counter = 0
         self._mailboxes: dict[str, deque[RequestOutput]] = {}  # request name -> undelivered outputs
         self._mail_lock = threading.Lock()

@@ -166,7 +166,8 @@ class MultiprocExecutor:
 
     def _kill_workers(self, grace_s: float = 0.0) -> None:
         for p in self.procs:
-            p.join(timeout=grace_s) if grace_s else None
+            if grace_s:
+                p.join(timeout=grace_s)
             if p.is_alive():
                 p.kill()
             p.join(timeout=5.0)
