@@ -123,23 +123,25 @@ def test_tp2_draft_model(target_and_draft, draft_tp):
         assert tp2["metrics"][key] == tp1["metrics"][key]
 
 
-def _started(target, timeout_s: float = 60):
+def _started(target, timeout_s: float = 60, spec=None):
     before = set(_children())
-    gen = Generator(str(target), tensor_parallel_size=2, distributed_timeout_s=timeout_s, **SETTINGS)
+    gen = Generator(str(target), tensor_parallel_size=2, distributed_timeout_s=timeout_s, speculative=spec,
+                    **SETTINGS)
     workers = sorted(set(_children()) - before)
     assert len(workers) == 1
     return gen, workers[0], before
 
 
 def test_ctrl_c_cancels_the_step_then_a_worker_exception_reaches_user(tiny_dir):
-    """Ctrl-C in the driver mid-generation: KeyboardInterrupt at a step boundary, every rank still
-    in step (the next generate gives the reference tokens). Then a worker's exception: its message
-    in the driver's error, every worker gone, further calls refused."""
+    """With layer_skip drafting through the sharded target's first layer (greedy: the target's
+    tokens): Ctrl-C in the driver mid-generation gives KeyboardInterrupt at a step boundary, every
+    rank still in step (the next generate gives the reference tokens). Then a worker's exception:
+    its message in the driver's error, every worker gone, further calls refused."""
     target = tiny_dir("llama", False)[0]
     ps = prompts(4)
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     want = [o.token_ids for o in Generator(str(target), **SETTINGS).generate(ps, long, use_tqdm=False)]
-    gen, _, before = _started(target)
+    gen, _, before = _started(target, spec={"method": "layer_skip", "exit_layer": 1, "num_speculative_tokens": 3})
     rank0 = gen.engine.executor.rank
     handle, calls = rank0.handle, []
 
@@ -155,6 +157,7 @@ def test_ctrl_c_cancels_the_step_then_a_worker_exception_reaches_user(tiny_dir):
     rank0.handle = handle
     assert len(calls) == 5
     assert [o.token_ids for o in gen.generate(ps, long, use_tqdm=False)] == want
+    assert gen.spec_metrics()["num_accepted_tokens"] > 0
     with pytest.raises(TensorParallelError, match=r"worker rank 1 failed: RuntimeError: boom on the worker"):
         gen.engine.executor.collective_rpc("raise_error", "boom on the worker")
     assert set(_children()) - before == set()

@@ -49,6 +49,9 @@ class ProposerContext:
     device: torch.device
     max_num_batched_tokens: int  # the most tokens a proposer's catch-up forward may take per step
     make_runner: object  # callable(model, kv_caches, backend) -> ModelRunner: the platform's runner
+    # callable(model, kv_caches, backend) -> an eager runner passing model kwargs (exit_layer) through;
+    # over every rank of the model's group under tensor parallelism
+    make_eager_runner: object = None
 
 
 class LLMEngine:
@@ -93,7 +96,8 @@ class LLMEngine:
         if self.spec is not None:
             ctx = ProposerContext(self.loaded, lambda path: load(path, "draft"), cache_cfg.block_size, self.device,
                                   sched_cfg.max_num_batched_tokens,
-                                  lambda m, kv, be: self.executor.make_runner(m, kv, be, self._limits))
+                                  lambda m, kv, be: self.executor.make_runner(m, kv, be, self._limits),
+                                  self.executor.make_eager_runner)
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size

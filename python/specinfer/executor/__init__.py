@@ -34,7 +34,7 @@ def make_executor(parallel, platform):
 
 
 
-TENSOR_PARALLEL_METHODS = ("ngram", "draft_model")  # proposers that run with a sharded target
+TENSOR_PARALLEL_METHODS = ("ngram", "draft_model", "layer_skip")  # proposers that run with a sharded target
 
 
 def check_parallel_support(parallel, spec) -> None:

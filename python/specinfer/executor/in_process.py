@@ -40,6 +40,10 @@ class InProcessExecutor:
             self.target_runner = runner
         return runner
 
+    def make_eager_runner(self, model, kv_caches, backend) -> ModelRunner:
+        """A plain runner (model kwargs such as exit_layer pass through), e.g. layer_skip's."""
+        return ModelRunner(model, kv_caches, backend)
+
     def execute_model(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """batch: engine.batch.ModelBatch -> (hidden [T, hidden], float32 logits [L, vocab])."""
         runner = self.target_runner

@@ -87,6 +87,11 @@ class MultiprocExecutor:
         if aux_layers:
             raise ValueError("tensor_parallel_size > 1 does not support proposers that read the target's "
                              "intermediate layers (eagle3)")
+        return self.make_eager_runner(model, kv_caches, backend)
+
+    def make_eager_runner(self, model, kv_caches, backend):
+        """The model's runner on every rank of its group (layer_skip: the target's, exit_layer
+        passed through to each shard)."""
         role = self._roles[id(model)]
         local = self.rank.runners[role]
         return ShardedRunner(self, role, local) if self.rank.groups[role].size > 1 else local
