@@ -27,29 +27,27 @@ SEEDED = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1000 +
 
 
 def _children() -> list[int]:
-    """Live child processes of this process (from /proc; zombies count as gone), but for
-    multiprocessing's resource tracker (one per process, started with the first spawn, it ends
-    with this process)."""
-    me, out = os.getpid(), []
+    """Live descendants of this process (from /proc; zombies count as gone), but for
+    multiprocessing's resource tracker and fork server (one each per process, they end with it;
+    the workers are the fork server's children and are counted)."""
+    stat = {}
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z" and not _is_resource_tracker(pid):
-            out.append(int(pid))
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            helper = int(fields[1]) == os.getpid() and (b"resource_tracker" in cmd or b"forkserver" in cmd)
+            stat[int(pid)] = (int(fields[1]), fields[0], helper)
+    out, parents = [], {os.getpid()}
+    while parents:
+        kids = {pid for pid, (ppid, _, _) in stat.items() if ppid in parents}
+        out += [pid for pid in kids if stat[pid][1] != "Z" and not stat[pid][2]]
+        parents = kids
     return out
-
-
-def _is_resource_tracker(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"resource_tracker" in f.read()
-    except OSError:
-        return False
 
 
 def _run(target, tp: int, spec=None, vocab: int = 256, drop: bool = False, **kw) -> dict:

@@ -54,7 +54,7 @@ class MultiprocExecutor:
             store = dist.TCPStore("127.0.0.1", 0, N, True, timeout=timedelta(seconds=max(self.timeout_s,
                                                                                          STARTUP_TIMEOUT_S)),
                                   wait_for_workers=False)
-            ctx = torch.multiprocessing.get_context("spawn")
+            ctx = _worker_context()
             for r in range(1, N):
                 p = ctx.Process(target=spawned_worker_main, name=f"specinfer-tp-rank{r}", daemon=True,
                                 args=(r, N, "127.0.0.1", store.port, _worker_device(platform, r), backend,
@@ -223,6 +223,20 @@ def run_torchrun_worker(parallel, platform) -> None:
         destroy_world()
     sys.stdout.flush()
     os._exit(code)
+
+
+def _worker_context():
+    """How workers start: "forkserver" (default: one clean server process, started once per driver
+    with torch and specinfer imported, forks each worker in milliseconds; nothing of the driver's
+    state, CUDA included, is inherited) or "spawn" (a fresh interpreter per worker), chosen by
+    SPECINFER_TP_START_METHOD."""
+    method = os.environ.get("SPECINFER_TP_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"SPECINFER_TP_START_METHOD={method!r}: use 'forkserver' or 'spawn'")
+    ctx = torch.multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["specinfer.executor.worker"])
+    return ctx
 
 
 def _worker_device(platform, rank: int, base_index: int | None = None) -> str:
