@@ -212,6 +212,7 @@ def test_stopped_worker_times_out(tiny_dir):
                                                "draft_tensor_parallel_size": 3}), "draft_tensor_parallel_size"),
     (dict(speculative={"method": "ngram", "draft_tensor_parallel_size": 1}), "draft_tensor_parallel_size"),
     (dict(tensor_parallel_size=2, speculative={"method": "medusa", "model": "x"}), "speculative.method"),
+    (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide the model's 4 attention heads"),
 ])
 def test_bad_parallel_settings_name_the_field(tiny_dir, kwargs, field):
     before = set(_children())

@@ -142,8 +142,13 @@ class MultiprocExecutor:
             self._fail(None, ", ".join(f"worker rank {r} exited with code {c}" for r, c in dead))
 
     def _fail(self, error: BaseException | None, what: str | None = None):
-        reports = read_errors(self.world.store, self.tensor_parallel_size,
-                              wait_s=2.0 if error is None or _is_collective_error(error) else 0.2)
+        if error is not None and not _is_collective_error(error):
+            # the driver's own error (a bad setting the workers met too, Ctrl-C outside the main
+            # thread): as it is, once every worker is stopped
+            self._failure = f"{type(error).__name__}: {error}"
+            self.shutdown()
+            raise error
+        reports = read_errors(self.world.store, self.tensor_parallel_size, wait_s=2.0)
         if reports:
             what = "; ".join(f"worker rank {r} failed: {text.strip()}" for r, text in sorted(reports.items()))
         elif what is None and error is not None and _is_collective_error(error):
@@ -151,8 +156,6 @@ class MultiprocExecutor:
                     f"answering ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
         self._failure = what or f"{type(error).__name__}: {error}"
         self.shutdown()
-        if error is not None and not reports and not _is_collective_error(error):
-            raise error  # the driver's own error (a bad argument, say): as it is
         raise TensorParallelError(f"tensor-parallel executor stopped: {self._failure}") from error
 
     def _await_workers(self, store) -> None:
