@@ -332,3 +332,48 @@ def test_tp2_on_the_emulated_gaudi_path(tiny_dir):
     """hpu-emulated: the Rust packer pads to buckets, flat block-list attention, eager shards."""
     target, _ = tiny_dir("llama", False)
     _check_same(_run(target, 1), _run(target, 2, device="hpu-emulated"))
+
+
+DRIVER_SCRIPT = """
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from specinfer import Generator, SamplingParams
+if __name__ == "__main__":  # workers re-import this module: the guard keeps them from running it
+    gen = Generator(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
+    gen.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
+    print("WORKERS", json.dumps([p.pid for p in gen.engine.executor.procs]), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_killed_driver_leaves_no_worker(tiny_dir, tmp_path):
+    """The driver process SIGKILLed (no atexit, no close): its workers end by themselves."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_dir("llama", False)[0]), json.dumps(SETTINGS)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("WORKERS "), line
+        workers = json.loads(line[len("WORKERS "):])
+        assert len(workers) == 1 and os.path.exists(f"/proc/{workers[0]}")
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in workers), "a worker outlived its killed driver"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
