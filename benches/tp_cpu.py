@@ -1,14 +1,14 @@
 """Tensor parallelism on CPU: TP=N vs TP=1 throughput side by side (gloo, worker processes), and
-the driver's per-step cost of sending the step's batch to the workers (pickle + broadcast of one
-ExecuteModel message), in microseconds.
+the driver's per-step cost of sending the step's batch to the workers (pickle + asynchronous
+broadcast of one ExecuteModel message, executor/control_channel.py), in microseconds.
 
     python benches/tp_cpu.py --model smollm2-135m --tp 2 --threads 1 --repeats 3 [--json out.json]
     python benches/tp_cpu.py --tiny --tp 2          # a random tiny model (needs transformers)
 
 Each repeat runs TP=1 then TP=N on the same prompts (greedy, ignore_eos, fixed output length),
-so the ratio is measured side by side; medians over repeats. The send overhead is timed around
-torch.distributed.broadcast_object_list in the driver during the TP=N runs (ExecuteModel only),
-with the pickled size. Every rank runs `--threads` torch threads: on a 2-core machine TP=2 with
+so the ratio is measured side by side; medians over repeats. The send overhead is the driver's
+time in ControlChannel.send + flush per ExecuteModel during the TP=N runs, with pickling alone
+and the pickled size. Every rank runs `--threads` torch threads: on a 2-core machine TP=2 with
 1 thread each uses the same cores as TP=1 with 2 threads (compare both).
 """
 from __future__ import annotations
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 
 def build_tiny(path: Path) -> str:
@@ -35,35 +34,49 @@ def build_tiny(path: Path) -> str:
 
 
 class SendTimer:
-    """Wraps broadcast_object_list in the driver: wall time and pickled bytes per ExecuteModel."""
+    """Times the driver's side of sending each ExecuteModel: ControlChannel.send (pickle + start
+    of the asynchronous broadcast) plus the flush after the driver's own forward (0 when the
+    broadcast finished meanwhile); also pickling alone and the pickled size."""
 
     def __init__(self):
         self.us: list[float] = []
         self.pickle_us: list[float] = []
         self.bytes: list[int] = []
-        self._orig = dist.broadcast_object_list
 
     def __enter__(self):
+        from specinfer.executor.control_channel import ControlChannel
         from specinfer.executor.messages import ExecuteModel
 
-        def timed(objs, src=0, group=None, device=None):
-            if objs and isinstance(objs[0], ExecuteModel):
-                t0 = time.perf_counter()
-                blob = pickle.dumps(objs[0])
-                t1 = time.perf_counter()
-                self._orig(objs, src=src, group=group, device=device)
-                t2 = time.perf_counter()
-                self.pickle_us.append((t1 - t0) * 1e6)
-                self.us.append((t2 - t1) * 1e6)
-                self.bytes.append(len(blob))
-                return None
-            return self._orig(objs, src=src, group=group, device=device)
+        self._cls = ControlChannel
+        self._send, self._flush = ControlChannel.send, ControlChannel.flush
+        timer, send, flush = self, self._send, self._flush
+        state = {"t": 0.0, "step": False}
 
-        dist.broadcast_object_list = timed
+        def timed_send(chan, msg):
+            state["step"] = isinstance(msg, ExecuteModel)
+            if state["step"]:
+                t0 = time.perf_counter()
+                blob = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+                timer.pickle_us.append((time.perf_counter() - t0) * 1e6)
+                timer.bytes.append(len(blob))
+            t0 = time.perf_counter()
+            send(chan, msg)
+            state["t"] = time.perf_counter() - t0
+            return None
+
+        def timed_flush(chan):
+            t0 = time.perf_counter()
+            flush(chan)
+            if state["step"]:
+                timer.us.append((state["t"] + time.perf_counter() - t0) * 1e6)
+                state["step"] = False
+            return None
+
+        ControlChannel.send, ControlChannel.flush = timed_send, timed_flush
         return self
 
     def __exit__(self, *exc):
-        dist.broadcast_object_list = self._orig
+        self._cls.send, self._cls.flush = self._send, self._flush
 
 
 def run(model: str, tp: int, prompts, params, args) -> float:

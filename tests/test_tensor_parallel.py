@@ -156,6 +156,10 @@ def test_ctrl_c_cancels_the_step_then_a_worker_exception_reaches_user(tiny_dir):
     assert len(calls) == 5
     assert [o.token_ids for o in gen.generate(ps, long, use_tqdm=False)] == want
     assert gen.spec_metrics()["num_accepted_tokens"] > 0
+    # messages past the control channel's fixed broadcast take a second one; every rank gets all
+    ex = gen.engine.executor
+    assert ex.collective_rpc("total_payload_bytes", bytes(100)) == 2 * 100
+    assert ex.collective_rpc("total_payload_bytes", bytes(100_000)) == 2 * 100_000
     with pytest.raises(TensorParallelError, match=r"worker rank 1 failed: RuntimeError: boom on the worker"):
         gen.engine.executor.collective_rpc("raise_error", "boom on the worker")
     assert set(_children()) - before == set()

@@ -1,8 +1,8 @@
 """The multiprocess executor: the target sharded over N ranks, a draft model over ranks
 0..d-1, through torch.distributed. This process (the driver) is rank 0: it owns the Rust
 scheduler, sampling and proposing, computes its own shard, and sends every call to the other
-ranks as ONE pickled message (broadcast_object_list on a gloo control group), then handles the
-same message itself (executor/rank_worker.py): no per-field broadcast exists to forget a field in.
+ranks as ONE pickled message (broadcast on a gloo control group: executor/control_channel.py),
+then handles the same message itself (executor/rank_worker.py): no per-field broadcast exists to forget a field in.
 
 Failure is bounded: every collective runs under `timeout_s`; a worker that exits is noticed
 before the next call (its exit code) or by the collective it abandons; its exception text (sent
@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.executor import messages as m
+from specinfer.executor.control_channel import ControlChannel
 from specinfer.executor.device_move import to_wire
 from specinfer.executor.process_group import (READY_KEY, STARTUP_TIMEOUT_S, destroy_world, env_rank, init_world,
                                               launched_by_torchrun, read_errors)
@@ -68,6 +69,7 @@ class MultiprocExecutor:
                 self._kill_workers()
                 raise
         self.rank = RankWorker(self.world, platform)
+        self.channel = ControlChannel(self.world.control_group)
         self._roles: dict[int, str] = {}  # id(model) -> role
         atexit.register(self.shutdown)
 
@@ -117,7 +119,8 @@ class MultiprocExecutor:
         atexit.unregister(self.shutdown)
         if self._failure is None:
             try:
-                dist.broadcast_object_list([m.Shutdown()], src=0, group=self.world.control_group)
+                self.channel.send(m.Shutdown())
+                self.channel.flush()
             except Exception:  # noqa: BLE001 - a worker already gone; kill the rest below
                 pass
         self._kill_workers(grace_s=5.0 if self._failure is None else 0.0)
@@ -131,8 +134,10 @@ class MultiprocExecutor:
         self._check_workers()
         with deferred_keyboard_interrupt():
             try:
-                dist.broadcast_object_list([msg], src=0, group=self.world.control_group)
-                return self.rank.handle(msg)
+                self.channel.send(msg)  # asynchronous: overlaps with this rank's own handling
+                out = self.rank.handle(msg)
+                self.channel.flush()
+                return out
             except BaseException as e:  # noqa: BLE001 - every rank must stop: the ranks are out of step
                 self._fail(e)
 

@@ -5,7 +5,7 @@
   and loading weights may legitimately take minutes;
 - the compute group (same backend, same ranks) carries the model's collectives under the
   executor's timeout: a rank that stops answering turns a step into an error within `timeout_s`;
-- a gloo "control" group carries the driver's messages (broadcast_object_list from rank 0); its
+- a gloo "control" group carries the driver's messages (broadcasts from rank 0); its
   timeout is long, since workers wait on it while the engine is idle;
 - the rendezvous store carries worker error reports (`report_error` / `read_errors`).
 

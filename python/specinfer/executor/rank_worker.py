@@ -109,6 +109,13 @@ class RankWorker:
     def ping(self) -> int:
         return self.rank
 
+    def total_payload_bytes(self, blob: bytes) -> int:  # tests: every rank got the whole message
+        import torch.distributed as dist
+
+        n = torch.tensor([len(blob)], dtype=torch.int64)
+        dist.all_reduce(n, group=self.world.compute_group)
+        return int(n.item())
+
     def raise_error(self, text: str):  # tests: a worker exception must reach the user
         if self.rank > 0:
             raise RuntimeError(text)

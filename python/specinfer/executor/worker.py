@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from specinfer.executor import messages as m
+from specinfer.executor.control_channel import ControlChannel
 from specinfer.executor.process_group import READY_KEY, STARTUP_TIMEOUT_S, destroy_world, init_world, report_error
 from specinfer.executor.rank_worker import RankWorker
 
@@ -25,11 +26,10 @@ from specinfer.executor.rank_worker import RankWorker
 def serve(world, platform) -> None:
     """The worker loop; returns on Shutdown, raises on failure (after reporting it)."""
     worker = RankWorker(world, platform)
+    channel = ControlChannel(world.control_group)
     try:
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=world.control_group)
-            msg = box[0]
+            msg = channel.recv()
             if isinstance(msg, m.Shutdown):
                 return
             with torch.inference_mode():
