@@ -54,7 +54,9 @@ def init_world(backend: str, rank: int, world_size: int, timeout_s: float, *, st
         raise RuntimeError("torch.distributed is already initialized in this process: one tensor-parallel "
                            "engine per process (close the previous Generator first)")
     if backend == "hccl":  # pragma: no cover - needs Gaudi
-        import habana_frameworks.torch.distributed.hccl  # noqa: F401 - registers the backend
+        from specinfer.kernels.hpu.device import register_hccl
+
+        register_hccl()
     timeout = timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S))
     if store is not None:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
