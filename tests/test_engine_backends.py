@@ -36,10 +36,15 @@ def _prompts(n):
 TIGHT, ROOMY = (4, 16, 24), (16, 256, 64)
 
 
-def _spec(method, draft, k, scorer):
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]  # a static token tree (Medusa-choices paths)
+
+
+def _spec(method, draft, k, scorer, tree=None):
     if method is None:
         return None
     s = {"method": method, "num_speculative_tokens": k, "scorer": scorer}
+    if tree is not None:
+        s["token_tree"] = tree
     if method == "draft_model":
         s["model"] = draft
     else:
@@ -47,11 +52,11 @@ def _spec(method, draft, k, scorer):
     return s
 
 
-def _run(models, backend, setting, method=None, scorer="mqa", k=3, params=GREEDY, n=4):
+def _run(models, backend, setting, method=None, scorer="mqa", k=3, params=GREEDY, n=4, tree=None):
     target, draft = models
     bs, budget, blocks = setting
     gen = Generator(target, attention_backend=backend, block_size=bs, max_num_batched_tokens=budget,
-                    num_kv_blocks=blocks, max_model_len=96, speculative=_spec(method, draft, k, scorer))
+                    num_kv_blocks=blocks, max_model_len=96, speculative=_spec(method, draft, k, scorer, tree))
     outs = gen.generate(_prompts(n), params, use_tqdm=False)
     core = gen.engine.core
     assert core.num_free_blocks() == core.num_total_blocks()
@@ -117,3 +122,26 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         CpuPlatform().choose_attention_backend("triton")
+
+
+@pytest.mark.parametrize("backend,scorer,setting", [
+    ("cpu_native", "mqa", TIGHT), ("cpu_native", "batch_expansion", ROOMY), ("triton", "mqa", ROOMY),
+    ("hpu_flat", "mqa", TIGHT), ("hpu_flat", "batch_expansion", ROOMY)])
+def test_token_trees_greedy_equal_torch_ref(models, reference, backend, scorer, setting, monkeypatch):
+    """Token trees (target and draft forwards with tree masks) through each backend: greedy tokens
+    equal plain decoding's; the tight setting cuts trees by the token budget and preempts."""
+    from specinfer.attention import get_backend
+
+    cls, branching = type(get_backend(backend)), []
+    prepare = cls.prepare
+
+    def spy(self, meta):  # a chain's masks are 2^(i+1) - 1; a branching tree has others
+        if meta.has_tree:
+            branching.append(any(m and m & (m + 1) for m in meta.tree_mask.tolist()))
+        return prepare(self, meta)
+
+    monkeypatch.setattr(cls, "prepare", spy)
+    got, gen = _run(models, backend, setting, "draft_model", scorer, tree=TREE)
+    assert got == reference[setting], (backend, scorer, setting)
+    assert gen.engine.runner.backend.name == backend
+    assert any(branching), "no branching tree reached the backend"

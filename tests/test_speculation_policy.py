@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from specinfer.spec_decode.policy import (AcceptanceEstimates, StepCostModel, choose_num_drafts,
+from specinfer.spec_decode.policy import (GoodputPolicy, AcceptanceEstimates, StepCostModel, choose_num_drafts,
                                           expected_emitted)
 
 
@@ -143,3 +143,32 @@ def test_policy_is_validated():
 
     with pytest.raises(ValueError, match="speculative.policy"):
         SpeculativeConfig(method="ngram", policy="fastest")
+
+
+def test_a_request_held_at_zero_drafts_is_probed_again():
+    """Exploration: after its drafts all failed, a request gets none, but its estimate drifts
+    back so that within a bounded number of steps it drafts again; a request whose probes keep
+    failing stays mostly at zero."""
+    pol = GoodputPolicy(k=4, probe_after=8, max_probe_after=64)
+    for _ in range(pol.cost.min_steps):  # c0 = 10 ms, 1 ms per target token, 1 ms per drafted token
+        pol.observe_step(1, 0, 0.011)
+        pol.observe_step(5, 4, 0.019)
+        pol.observe_step(3, 0, 0.013)
+    for _ in range(20):  # request 7's drafts always fail
+        pol.observe_verification([7], [4], [0])
+    assert pol.num_drafts([7], np.array([4]), 1)[0] == 0
+    probes = []
+    for step in range(200):
+        d = int(pol.num_drafts([7], np.array([4]), 1)[0])
+        if d:
+            probes.append(step)
+            pol.observe_verification([7], [d], [0])  # the probe fails again
+    assert probes, "never probed again"
+    gaps = np.diff([-1] + probes)  # 20 failed verifications already backed the wait off to its cap
+    assert gaps.max() <= 64 and len(probes) <= 4  # one draft per 64 steps while probes fail
+    # an accepted probe resets the wait and lets the estimate recover
+    for _ in range(100):
+        d = int(pol.num_drafts([7], np.array([4]), 1)[0])
+        if d:
+            pol.observe_verification([7], [d], [d])
+    assert pol.num_drafts([7], np.array([4]), 1)[0] > 0

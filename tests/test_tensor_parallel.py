@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -248,7 +249,7 @@ def test_in_process_kv_copies_move_k_and_v_of_every_pool():
     pools = [[torch.randn(2, 3, 4, 2, 8) for _ in range(2)], [torch.randn(2, 3, 4, 1, 8)]]
     ex._kv_caches = pools
     want = [[c.clone() for c in pool] for pool in pools]
-    src, dst = torch.tensor([5, 6]), torch.tensor([1, 11])
+    src, dst = np.array([5, 6]), np.array([1, 11])
     ex.apply_kv_copies(src, dst)
     for pool, ref in zip(pools, want):
         for c, r in zip(pool, ref):

@@ -5,12 +5,16 @@ dense [Q, K] attention over its whole context gathered from the paged cache. To 
 static, every multi-token sequence of the batch is padded to one bucket (B, Q, N): B sequences,
 Q query tokens, N context blocks each (K = N * BS keys). Padded query rows and padded sequences
 see key 0 only (a finite softmax, results discarded); padded block table entries read block 0.
+Token trees (specinfer.attention.metadata) only change the bias: a tree row sees the keys before
+its sequence's tree_start and the tree slots its mask's bits name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from specinfer.attention.metadata import tree_visibility
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ def build_dense_metadata(
     padded_batch: int,  # B >= b
     padded_query: int,  # Q >= max query length
     padded_blocks: int,  # N >= max blocks per sequence
+    tree_mask: torch.Tensor | None = None,  # int64[b, Q'] per query row (Q' <= Q; 0: causal row); None: no tree
+    tree_start: torch.Tensor | None = None,  # int[b] KV position of each sequence's tree root
 ) -> DenseBlockMetadata:
     b = int(seq_lens.shape[0])
     q_lens, lens = query_lens.to(torch.int64), seq_lens.to(torch.int64)
@@ -51,6 +57,14 @@ def build_dense_metadata(
     q_pos = full_l.unsqueeze(1) - full_q.unsqueeze(1) + qi.unsqueeze(0)  # [B, Q] context position of each row
     q_pos = torch.where(qi.unsqueeze(0) < full_q.unsqueeze(1), q_pos, torch.zeros_like(q_pos))  # padding rows: key 0
     allowed = kpos.view(1, 1, K) <= q_pos.unsqueeze(2)  # [B, Q, K]; q_pos < seq_len, so no key past the end
+    if tree_mask is not None and b:
+        tm = torch.zeros(padded_batch, padded_query, dtype=torch.int64)
+        tm[:b, : tree_mask.shape[1]] = tree_mask.to(torch.int64)
+        ts = torch.zeros(padded_batch, dtype=torch.int64)
+        ts[:b] = tree_start.to(torch.int64)
+        tree = tree_visibility(tm, ts.unsqueeze(1).expand(padded_batch, padded_query), kpos)  # [B, Q, K]
+        tree &= kpos.view(1, 1, K) < full_l.view(-1, 1, 1)
+        allowed = torch.where((tm != 0).unsqueeze(2), tree, allowed)
     bias = torch.zeros(padded_batch, 1, padded_query, K).masked_fill_(~allowed.unsqueeze(1), float("-inf"))
     return DenseBlockMetadata(table, bias, padded_batch, padded_query)
 

@@ -18,12 +18,16 @@ one scatter_reduce) and runs on CPU too.
 
 Batch-expanded verification (the `batch_expansion` scorer) is also just this: each of a request's
 1 + k tokens is a single-token query with its own sequence length over the same block table row.
+Token trees too: a tree row's block_bias also masks the tree slots its tree_mask does not name
+(specinfer.attention.metadata); a block may then be fully masked (its max is -inf, its terms 0).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from specinfer.attention.metadata import tree_visibility
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ def build_flat_metadata(
     block_size: int,
     padded_batch: int,  # B >= b
     padded_blocks: int,  # NB >= total blocks of the batch
+    tree_mask: torch.Tensor | None = None,  # int64[b] per row (0: causal row); None: no tree row
+    tree_start: torch.Tensor | None = None,  # int[b] KV position of each row's tree root
 ) -> FlatBlockMetadata:
     b = int(seq_lens.shape[0])
     assert padded_batch >= b, f"padded_batch {padded_batch} < batch {b}"
@@ -62,7 +68,12 @@ def build_flat_metadata(
     first_pos = (torch.arange(W) * block_size).unsqueeze(0).expand(b, W)[used]  # [n]
     pos = first_pos.unsqueeze(1) + torch.arange(block_size).unsqueeze(0)  # [n, BS]
     block_bias = torch.zeros(padded_blocks, block_size)
-    block_bias[:n].masked_fill_(pos >= seq_lens[block_groups[:n]].unsqueeze(1), float("-inf"))
+    hidden = pos >= seq_lens[block_groups[:n]].unsqueeze(1)  # [n, BS]
+    if tree_mask is not None:
+        tm = tree_mask.to(torch.int64)[block_groups[:n]]  # [n]
+        ts = tree_start.to(torch.int64)[block_groups[:n]]
+        hidden |= (tm != 0).unsqueeze(1) & ~tree_visibility(tm, ts, pos)
+    block_bias[:n].masked_fill_(hidden, float("-inf"))
     block_mapping = torch.zeros(padded_blocks, padded_batch + 1)
     block_mapping[torch.arange(padded_blocks), block_groups] = 1.0
     return FlatBlockMetadata(block_list, block_groups, block_mapping[:, :padded_batch].contiguous(),
@@ -89,7 +100,7 @@ def flat_paged_attention(
     values = kv_cache[1].index_select(0, meta.block_list).to(f32)
     scores = torch.matmul(q_blocks, keys.permute(0, 2, 3, 1)) * scale  # [NB, Hkv, G, BS]
     scores = scores + meta.block_bias.view(NB, 1, 1, BS)
-    block_max = scores.amax(-1)  # [NB, Hkv, G]; finite: every listed block holds a context token
+    block_max = scores.amax(-1)  # [NB, Hkv, G]; -inf only for a block a tree row sees none of
     seq_max = torch.full((B + 1, Hkv, G), float("-inf"), dtype=f32, device=query.device)
     seq_max = seq_max.scatter_reduce(0, meta.block_groups.view(NB, 1, 1).expand(NB, Hkv, G), block_max, "amax")
     p = torch.exp(scores - seq_max.index_select(0, meta.block_groups).unsqueeze(-1))  # [NB, Hkv, G, BS]

@@ -13,6 +13,12 @@ It walks the context in BLOCK_N-token tiles, reading each token's physical block
 table (so block_size is free: any size >= 1, tokens of a tile may span blocks), and keeps an online
 softmax (running max m, running sum l, fp32 accumulator). Programs past a sequence's query length
 exit at once. head_dim is padded to a power of two (>= 16) with masked loads.
+
+Token trees (HAS_TREE; specinfer.attention.metadata): a row whose tree_mask is nonzero sees key
+position p (< seq_len) iff p < tree_start[seq] or bit p - tree_start[seq] of its mask is set,
+wherever the row itself sits (a proposer drafting a tree depth by depth queries nodes that need
+not be the context's last tokens), so a tile holding tree rows walks the whole context. Without
+trees the constexpr flag compiles the plain causal kernel.
 """
 from __future__ import annotations
 
@@ -37,6 +43,8 @@ def _paged_attention_kernel(
     block_table_ptr,  # int32[S, W]
     query_start_loc_ptr,  # int32[S + 1]
     seq_lens_ptr,  # int32[S]
+    tree_mask_ptr,  # int64[T] (HAS_TREE only)
+    tree_start_ptr,  # int32[S] (HAS_TREE only)
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
@@ -47,6 +55,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: numpy cannot matmul bf16, so dot in fp32 (same products)
+    HAS_TREE: tl.constexpr,
 ):
     qb = tl.program_id(0)
     seq = tl.program_id(1)
@@ -70,6 +79,12 @@ def _paged_attention_kernel(
     # a row's token sits at context position ctx_len - q_len + tok; padding rows see key 0 only (no NaN)
     q_pos = tl.where(row_valid, ctx_len - q_len + tok, 0)
     kv_end = tl.minimum(ctx_len, ctx_len - q_len + (qb + 1) * BLOCK_Q)  # last key this tile needs, + 1
+    if HAS_TREE:
+        tmask = tl.load(tree_mask_ptr + row_off, mask=row_valid, other=0).to(tl.int64)  # [BLOCK_M]
+        is_tree = tmask != 0
+        tstart = tl.load(tree_start_ptr + seq)
+        tile_has_tree = tl.max(is_tree.to(tl.int32), 0) > 0
+        kv_end = tl.where(tile_has_tree, ctx_len, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -86,6 +101,11 @@ def _paged_attention_kernel(
             s = tl.dot(q, k, input_precision=DOT_PRECISION)
         s = s * scale  # [BLOCK_M, BLOCK_N] fp32
         allowed = nmask[None, :] & (n[None, :] <= q_pos[:, None])
+        if HAS_TREE:
+            rel = n - tstart  # [BLOCK_N] key position relative to the tree root
+            bit = (tmask[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
+            seen = (rel[None, :] < 0) | ((rel[None, :] < 64) & (bit != 0))
+            allowed = tl.where(is_tree[:, None], nmask[None, :] & seen, allowed)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -116,8 +136,12 @@ def paged_attention(
     max_query_len: int,  # >= every query_start_loc[s+1] - query_start_loc[s]
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]; allocated contiguous when None
+    tree_mask: torch.Tensor | None = None,  # int64[T] token-tree masks (0: causal token); None: no tree
+    tree_start: torch.Tensor | None = None,  # int32[S] each sequence's tree root position
 ) -> torch.Tensor:  # [T, H, D]
-    """Causal paged attention of a mixed batch whose K/V already sit in kv_cache.
+    """Causal paged attention of a mixed batch whose K/V already sit in kv_cache. With token-tree
+    masks (specinfer.attention.metadata; every tree token must see key 0, i.e. tree_start > 0 or
+    bit 0 set, as the contract's masks do) tree tokens see the prefix and their mask's tree slots.
 
     Memory contract: q, kv_cache and out share one dtype (fp32, bf16 or fp16) and device; q/out
     may be strided views with unit stride along head_dim; kv_cache has unit stride along head_dim;
@@ -141,6 +165,13 @@ def paged_attention(
     assert block_table.dtype == torch.int32 and block_table.dim() == 2 and block_table.shape[0] == S \
         and block_table.stride(1) == 1, f"block_table must be int32[{S}, W] with unit column stride"
     assert len({t.device for t in (q, kv_cache, block_table, query_start_loc, seq_lens)}) == 1, "devices differ"
+    has_tree = tree_mask is not None
+    if has_tree:
+        assert tree_mask.dtype == torch.int64 and tree_mask.is_contiguous() and tree_mask.shape == (T,), \
+            f"tree_mask must be contiguous int64[{T}]"
+        assert tree_start is not None and tree_start.dtype == torch.int32 and tree_start.is_contiguous() \
+            and tree_start.shape == (S,), f"tree_start must be contiguous int32[{S}] with tree_mask"
+        assert tree_mask.device == q.device and tree_start.device == q.device, "devices differ"
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out must match q, unit stride on D"
@@ -155,7 +186,8 @@ def paged_attention(
     block_m = block_q * group_pad
     grid = (triton.cdiv(max_query_len, block_q), S, Hkv)
     _paged_attention_kernel[grid](
-        q, out, kv_cache, block_table, query_start_loc, seq_lens, float(scale),
+        q, out, kv_cache, block_table, query_start_loc, seq_lens,
+        tree_mask if has_tree else seq_lens, tree_start if has_tree else seq_lens, float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0), block_size,
@@ -163,5 +195,6 @@ def paged_attention(
         HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreting(),
+        HAS_TREE=has_tree,
     )
     return out

@@ -8,6 +8,9 @@ no padding, no mask tensor. The kernel threads over (sequence, kv head, query ti
 variable SPECINFER_ATTENTION_THREADS), and uses AVX-512, AVX2+FMA or portable code as the CPU
 allows (`isa` forces one; `specinfer._core.cpu_kernel_isa()` says what this CPU has).
 
+Token trees (`meta.tree_mask` / `tree_start`, see attention/metadata.py) go to the kernel with
+the layout and are applied inside it; without them the kernel runs its plain causal code.
+
 One exception, measured: over a bfloat16 cache, query runs of at least SDPA_MIN_QUERY_LEN tokens
 (long prefill chunks) go to torch's SDPA (as in torch_ref: keys gathered per sequence), whose
 bf16 kernel (AMX / avx512_bf16) beat this f32-arithmetic kernel 2.5x on a 512-token chunk; the
@@ -69,7 +72,7 @@ class CpuNativeBackend:
     def prepare(self, meta: AttentionMetadata) -> CpuNativePrepared:
         assert meta.slot_mapping.device.type == "cpu", "cpu_native: metadata must be on the CPU"
         batch = CpuPagedBatch(meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
-                              meta.block_table.numpy(), meta.block_size)
+                              meta.block_table.numpy(), meta.block_size, None, *_tree_arrays(meta))
         return CpuNativePrepared(batch, meta.num_tokens, meta.block_size, meta)
 
     def forward(self, q, k, v, kv_cache, prepared: CpuNativePrepared, scale: float) -> torch.Tensor:
@@ -117,7 +120,10 @@ class CpuNativeBackend:
             meta = prepared.meta
             qsl = meta.query_start_loc.tolist()
             lens = meta.seq_lens.tolist()
-            skip = [qsl[s + 1] - qsl[s] >= min_len for s in range(len(lens))]
+            tree = meta.tree_mask.tolist() if meta.has_tree else None
+            # tree runs (<= 64 tokens) stay in the kernel, which applies their masks
+            skip = [qsl[s + 1] - qsl[s] >= min_len and not (tree and any(tree[qsl[s]:qsl[s + 1]]))
+                    for s in range(len(lens))]
             runs = []
             for s in (s for s, long in enumerate(skip) if long):
                 L, n = lens[s], qsl[s + 1] - qsl[s]
@@ -126,7 +132,7 @@ class CpuNativeBackend:
                 mask = None if n == L else pos.unsqueeze(0) <= torch.arange(L - n, L).unsqueeze(1)  # [n, L]
                 runs.append((qsl[s], qsl[s + 1], slots, mask))
             batch = CpuPagedBatch(meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
-                                  meta.block_table.numpy(), meta.block_size, skip)
+                                  meta.block_table.numpy(), meta.block_size, skip, *_tree_arrays(meta))
             prepared.split[min_len] = (batch, tuple(runs))
         return prepared.split[min_len]
 
@@ -138,6 +144,14 @@ class CpuNativeBackend:
         if prepared.fallback is None:
             prepared.fallback = ref.prepare(prepared.meta)
         return ref.forward(q, k, v, kv_cache, prepared.fallback, scale)
+
+
+def _tree_arrays(meta: AttentionMetadata) -> tuple:
+    """(tree_mask int64[T], tree_start int32[S]) as numpy for the kernel, or (None, None)."""
+    if not meta.has_tree:
+        return None, None
+    assert meta.tree_start is not None, "cpu_native: tree_mask without tree_start"
+    return meta.tree_mask.to(torch.int64).numpy(), meta.tree_start.to(torch.int32).numpy()
 
 
 def _sdpa_runs(q, kv_flat, runs, scale: float, gqa: bool, out: torch.Tensor) -> None:

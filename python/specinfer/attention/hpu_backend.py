@@ -14,6 +14,9 @@ BucketPlanner. Two layouts for multi-token queries (prefill chunks, mqa verifica
   which a warm-up can cover completely. The price: a prefill chunk of q tokens lists its context
   blocks q times (cheap for short chunks and verification runs, costly for long prefills).
 
+Token trees (AttentionMetadata.tree_mask / tree_start) enter both paths as part of their masks
+(the flat path's block_bias, the dense path's attn_bias): no shape changes, so no new buckets.
+
 The token count T itself and the KV store's shape come from the model's input, which the packer
 pads to the platform's token buckets (the backend does not change T; padded rows have no
 sequence and get zeros).
@@ -62,16 +65,21 @@ class HpuFlatBackend:
         q_lens = qsl[1:] - qsl[:-1]
         seq_lens = meta.seq_lens.to(torch.int64).cpu()
         table = meta.block_table.cpu()
+        tree = None  # (tree_mask int64[T], tree_start int64[S]) on the host
+        if meta.has_tree:
+            tree = (meta.tree_mask.to(torch.int64).cpu(), meta.tree_start.to(torch.int64).cpu())
         if self.multi_token_path == "flat":
             return HpuPrepared(meta.slot_mapping.to(torch.int64), T,
-                               self._all_flat(T, bs, qsl, q_lens, seq_lens, table, device), None)
+                               self._all_flat(T, bs, qsl, q_lens, seq_lens, table, device, tree), None)
         dec = torch.nonzero(q_lens == 1).flatten()
         multi = torch.nonzero(q_lens > 1).flatten()
         decode = None
         if len(dec):
             B = self.planner.pad(len(dec), "batch")
             total_blocks = int(((seq_lens[dec] + bs - 1) // bs).sum())
-            flat = build_flat_metadata(seq_lens[dec], table[dec], bs, B, self.planner.pad(total_blocks, "blocks"))
+            tm, ts = (tree[0][qsl[dec]], tree[1][dec]) if tree else (None, None)
+            flat = build_flat_metadata(seq_lens[dec], table[dec], bs, B, self.planner.pad(total_blocks, "blocks"),
+                                       tm, ts)
             gather, scatter = torch.zeros(B, dtype=torch.int64), torch.full((B,), T, dtype=torch.int64)
             gather[: len(dec)] = scatter[: len(dec)] = qsl[dec]
             decode = (flat.to(device), _Rows(gather.to(device), scatter.to(device)))
@@ -80,27 +88,36 @@ class HpuFlatBackend:
             B = self.planner.pad(len(multi), "batch")
             Q = self.planner.pad(int(q_lens[multi].max()), "query")
             N = self.planner.pad(int(((seq_lens[multi] + bs - 1) // bs).max()), "context_blocks")
-            dm = build_dense_metadata(q_lens[multi], seq_lens[multi], table[multi], bs, B, Q, N)
             qi = torch.arange(Q)
             valid = torch.zeros(B, Q, dtype=torch.bool)
             valid[: len(multi)] = qi.unsqueeze(0) < q_lens[multi].unsqueeze(1)
             rows = torch.zeros(B, Q, dtype=torch.int64)
             rows[: len(multi)] = qsl[multi].unsqueeze(1) + qi.unsqueeze(0)
+            tm = ts = None
+            if tree:
+                real = valid[: len(multi)]
+                tm = torch.where(real, tree[0][rows[: len(multi)].clamp(max=T - 1)], 0)  # [b, Q]
+                ts = tree[1][multi]
+            dm = build_dense_metadata(q_lens[multi], seq_lens[multi], table[multi], bs, B, Q, N, tm, ts)
             gather = torch.where(valid, rows, torch.zeros_like(rows)).flatten()
             scatter = torch.where(valid, rows, torch.full_like(rows, T)).flatten()
             dense = (dm.to(device), _Rows(gather.to(device), scatter.to(device)))
         return HpuPrepared(meta.slot_mapping.to(torch.int64), T, decode, dense)
 
-    def _all_flat(self, T, bs, qsl, q_lens, seq_lens, table, device):
-        """Every query token as a single-token row of the flat path, padded to (tokens, blocks)."""
+    def _all_flat(self, T, bs, qsl, q_lens, seq_lens, table, device, tree=None):
+        """Every query token as a single-token row of the flat path, padded to (tokens, blocks).
+        A tree token's row keeps its sequence's tree_start and its own mask."""
         n = int(qsl[-1])  # real tokens; rows n..T-1 are the packer's padding (no sequence)
         if n == 0:
             return None
         seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [n]
         lens = seq_lens[seq_of] - q_lens[seq_of] + (torch.arange(n) - qsl[seq_of]) + 1  # [n] causal context
+        if tree:  # a tree token's query need not sit at the context's end: its mask bounds it, not lens
+            lens = torch.where(tree[0][:n] != 0, seq_lens[seq_of], lens)
         B = self.planner.pad(max(T, n), "tokens")
         total_blocks = int(((lens + bs - 1) // bs).sum())
-        flat = build_flat_metadata(lens, table[seq_of], bs, B, self.planner.pad(total_blocks, "blocks"))
+        tm, ts = (tree[0][:n], tree[1][seq_of]) if tree else (None, None)
+        flat = build_flat_metadata(lens, table[seq_of], bs, B, self.planner.pad(total_blocks, "blocks"), tm, ts)
         gather, scatter = torch.zeros(B, dtype=torch.int64), torch.full((B,), T, dtype=torch.int64)
         gather[:n] = scatter[:n] = torch.arange(n)
         return flat.to(device), _Rows(gather.to(device), scatter.to(device))

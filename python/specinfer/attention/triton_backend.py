@@ -2,6 +2,7 @@
 
 Registered as "triton" (lazy: importing specinfer.attention does not import triton). On a CPU
 machine it runs under TRITON_INTERPRET=1, which is how the tests check it against torch_ref.
+Token-tree masks (AttentionMetadata.tree_mask / tree_start) go to the attention kernel as they are.
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ class TritonPrepared:
     seq_lens: torch.Tensor  # int32[S] contiguous
     block_table: torch.Tensor  # int32[S, W], unit column stride
     max_query_len: int
+    tree_mask: torch.Tensor | None = None  # int64[T] contiguous; None: no tree token
+    tree_start: torch.Tensor | None = None  # int32[S] contiguous
 
 
 class TritonBackend:
@@ -33,6 +36,8 @@ class TritonBackend:
             seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
             block_table=meta.block_table.to(torch.int32).contiguous(),
             max_query_len=int(meta.max_query_len),
+            tree_mask=meta.tree_mask.to(torch.int64).contiguous() if meta.has_tree else None,
+            tree_start=meta.tree_start.to(torch.int32).contiguous() if meta.has_tree else None,
         )
 
     def forward(self, q, k, v, kv_cache, prepared: TritonPrepared, scale: float) -> torch.Tensor:
@@ -40,9 +45,10 @@ class TritonBackend:
         if k.dtype != kv_cache.dtype:
             k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
         reshape_and_cache(k, v, kv_cache, prepared.slot_mapping)
+        tree = dict(tree_mask=prepared.tree_mask, tree_start=prepared.tree_start)
         if q.dtype != kv_cache.dtype:
             out = paged_attention(q.to(kv_cache.dtype), kv_cache, prepared.block_table, prepared.query_start_loc,
-                                  prepared.seq_lens, prepared.max_query_len, scale)
+                                  prepared.seq_lens, prepared.max_query_len, scale, **tree)
             return out.to(q.dtype)
         return paged_attention(q, kv_cache, prepared.block_table, prepared.query_start_loc,
-                               prepared.seq_lens, prepared.max_query_len, scale)
+                               prepared.seq_lens, prepared.max_query_len, scale, **tree)

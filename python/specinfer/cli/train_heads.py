@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-HELP = "train a draft head (medusa, mlp_speculator, eagle) for a target by self-distillation"
+HELP = "train a draft head (medusa, mlp_speculator, eagle, eagle3) for a target by self-distillation"
 DESCRIPTION = HELP + """
 
 The target greedily continues prompts (specinfer's bench prompt sets, then chunks of the Python
@@ -16,7 +16,8 @@ the same command resumes from --out/train_state.pt. Ends with a held-out accepta
 
 def add_arguments(p) -> None:
     p.add_argument("model", metavar="TARGET", help="target model (pack name, HF directory or .gguf)")
-    p.add_argument("--method", required=True, choices=("medusa", "mlp_speculator", "eagle"), help="head type")
+    p.add_argument("--method", required=True, choices=("medusa", "mlp_speculator", "eagle", "eagle3"),
+                   help="head type")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (the head's checkpoint)")
     p.add_argument("--num-heads", type=int, default=4, metavar="K", help="heads / stages (max drafts), default 4")
     p.add_argument("--prompts", type=int, default=400, metavar="N", help="training prompts (default 400)")
@@ -26,6 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=64, metavar="N")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--draft-vocab-size", type=int, default=8192, metavar="N",
+                   help="eagle3: draft vocabulary size (the target's most frequent tokens), default 8192")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -37,10 +40,15 @@ def run(args) -> int:
 
     check_model(args.model, "target")
     cfg = TrainConfig(args.method, num_heads=args.num_heads, steps=args.steps, batch_size=args.batch_size,
-                      lr=args.lr, seed=args.seed, max_seconds=None if args.minutes is None else 60 * args.minutes)
+                      lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size, max_seconds=None if args.minutes is None else 60 * args.minutes)
     gen = Generator(args.model, max_num_seqs=64)
     print(f"generating {args.prompts} continuations of {args.max_tokens} tokens with the target ...", file=sys.stderr)
-    seqs = build_sequences(gen, text_prompts(args.prompts), args.max_tokens)
+    aux = ()
+    if args.method == "eagle3":  # the three target layers an EAGLE-3 head reads
+        from specinfer.spec_decode.eagle3_training import training_aux_layers
+
+        aux = training_aux_layers(gen.engine.loaded.config.num_layers)
+    seqs = build_sequences(gen, text_prompts(args.prompts), args.max_tokens, aux)
     report = train(gen.engine.loaded, seqs, args.out, cfg, progress=not args.no_progress)
     h = report["held_out"]
     print(json.dumps(report, indent=2))

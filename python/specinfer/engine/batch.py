@@ -23,6 +23,8 @@ def _t(a: np.ndarray, device) -> torch.Tensor:
 
 
 def model_batch_from_schedule(out, block_size: int, device: torch.device) -> ModelBatch:
+    tree_mask = getattr(out, "tree_mask", None)
+    tree = tree_mask is not None and len(tree_mask) > 0  # the batch holds a token tree (docs/trees.md)
     attn = AttentionMetadata(
         slot_mapping=_t(out.slot_mapping, device),
         query_start_loc=_t(out.query_start_loc, device),
@@ -31,6 +33,8 @@ def model_batch_from_schedule(out, block_size: int, device: torch.device) -> Mod
         block_size=block_size,
         max_query_len=int(out.max_query_len),
         max_seq_len=int(out.max_seq_len),
+        tree_mask=_t(tree_mask, device) if tree else None,
+        tree_start=_t(out.tree_start, device) if tree else None,
     )
     return ModelBatch(_t(out.input_ids, device), _t(out.positions, device), _t(out.logits_indices, device), attn)
 
@@ -55,4 +59,38 @@ def attention_metadata_for_runs(block_table: np.ndarray, starts: np.ndarray, len
         slot_mapping=_t(slots, device), query_start_loc=_t(cu, device), seq_lens=_t(seq_lens, device),
         block_table=_t(np.ascontiguousarray(block_table, dtype=np.int32), device), block_size=block_size,
         max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()))
+    return attn, positions
+
+
+def attention_metadata_for_tree_nodes(block_table: np.ndarray, tree_starts: np.ndarray, node_counts: np.ndarray,
+                                      node_slots: np.ndarray, node_depths: np.ndarray, node_masks: np.ndarray,
+                                      block_size: int, device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:
+    """Metadata for query runs made of token-tree nodes (a proposer drafting a tree depth by depth).
+
+    Sequence s (block_table int32[S, W] row s) has node_counts[s] query tokens (int64[S], >= 1), all
+    nodes of one tree whose root sits at KV position tree_starts[s] (int64[S]; its KV is written).
+    Query token t (T = sum of node_counts, sequences one after another) is written at KV slot
+    position ``tree_starts[s] + 1 + node_slots[t]`` (int64[T], node_slots[t] < 63), has RoPE position
+    ``tree_starts[s] + node_depths[t]`` (int64[T], depth 1 = a child of the root) and sees the
+    prefix before the root plus the slots whose bits are set in node_masks[t] (int64[T]; bit 0 =
+    the root, bit j + 1 = slot position tree_starts[s] + 1 + j; it must include the token's own
+    bit). Slots need not be contiguous. Returns the metadata and the RoPE positions int64[T].
+    """
+    node_counts = node_counts.astype(np.int64)
+    cu = np.zeros(len(node_counts) + 1, dtype=np.int32)
+    np.cumsum(node_counts, out=cu[1:])
+    seq_of_token = np.repeat(np.arange(len(node_counts)), node_counts)
+    starts = tree_starts.astype(np.int64)
+    slot_pos = starts[seq_of_token] + 1 + node_slots.astype(np.int64)  # [T]
+    assert (node_masks.astype(np.int64) >> (node_slots.astype(np.int64) + 1) & 1).all(), "a node must see itself"
+    blocks = block_table[seq_of_token, slot_pos // block_size].astype(np.int64)
+    slots = blocks * block_size + slot_pos % block_size
+    seq_lens = np.zeros(len(node_counts), dtype=np.int32)
+    np.maximum.at(seq_lens, seq_of_token, (slot_pos + 1).astype(np.int32))
+    positions = starts[seq_of_token] + node_depths.astype(np.int64)
+    attn = AttentionMetadata(
+        slot_mapping=_t(slots, device), query_start_loc=_t(cu, device), seq_lens=_t(seq_lens, device),
+        block_table=_t(np.ascontiguousarray(block_table, dtype=np.int32), device), block_size=block_size,
+        max_query_len=int(node_counts.max()), max_seq_len=int(seq_lens.max()),
+        tree_mask=_t(node_masks.astype(np.int64), device), tree_start=_t(starts.astype(np.int32), device))
     return attn, positions

@@ -27,6 +27,7 @@ from specinfer.engine.batch import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.engine.kv_cache import activation_bytes, budget_blocks, bytes_per_block, choose_num_blocks
+from specinfer.engine.propose_step import propose_next_step
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
 from specinfer.executor import check_parallel_support, make_executor, shutdown_executor_on_error
@@ -37,7 +38,6 @@ from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.policy import GoodputPolicy
-from specinfer.spec_decode.proposer import ProposalInput, TargetHidden
 from specinfer.spec_decode.registry import proposer_class
 
 
@@ -101,7 +101,7 @@ class LLMEngine:
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size
-        k = self.spec.num_speculative_tokens if self.spec else 0
+        k = self.spec.num_draft_slots if self.spec else 0  # drafts verified per request and step
         reserve = activation_bytes([m.config for m in kv_models], sched_cfg.max_num_batched_tokens,
                                    sched_cfg.max_num_seqs * (1 + k), self.dtype)
         budget = dict(block_bytes=bytes_per_block(kv_models, self.block_size, self.dtype),
@@ -314,6 +314,8 @@ class LLMEngine:
                 with deferred_keyboard_interrupt():
                     upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
                     committed = True
+                    # accepted tree paths move into their sequences' slots (docs/trees.md)
+                    self.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)
                     self.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
                     self._record_spec(states, emitted)
                     outputs += self._apply_update(sched, states, emitted, upd, final_only)
@@ -429,65 +431,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.forget(core_ids)
 
-    def _spend_verified_drafts(self, states, emitted) -> np.ndarray:
-        """Drop the draft probabilities of proposals verified this step; a split proposal whose
-        verified drafts were all accepted keeps the rest (the core kept its tokens).
-        Returns bool[R]: the request still has a pending proposal."""
-        d = emitted.num_draft_tokens
-        kept = (emitted.num_rows == d) & (d > 0) & (emitted.num_accepted == d)
-        for r, st in enumerate(states):
-            if emitted.num_rows[r] == 0:
-                continue  # a prefill chunk verified nothing; a kept proposal waits
-            q = self._draft_probs.pop(st.core_id, None)
-            if kept[r] and q is not None:
-                self._draft_probs[st.core_id] = q[int(d[r]):]
-        return kept
-
     def _propose(self, sched, states, emitted, hidden) -> None:
-        R = len(states)
-        kept = self._spend_verified_drafts(states, emitted)
-        alive = np.array([not st.finished for st in states])
-        sampled = (np.diff(emitted.cu_num_emitted) > 0) & alive
-        disabled = (self.spec.disable_by_batch_size is not None
-                    and self.core.num_running() >= self.spec.disable_by_batch_size)
-        # a seeded request's tokens must not depend on the load: it is never disabled
-        wants = np.array([st.params.speculate and (not disabled or st.params.seed is not None)
-                          for st in states], dtype=bool)
-        # EAGLE's draft KV takes in every step's target states (they exist only now), drafting or not
-        sees_every_step = getattr(self.proposer, "sees_every_step", False)
-        if not wants.any() and not sees_every_step:
-            return
-        k = self.platform.speculation_length(self.spec.num_speculative_tokens, len(states), self.spec.scorer)
-        max_drafts = np.zeros(R, dtype=np.int64)
-        for r, st in enumerate(states):
-            out_left = st.params.max_tokens - len(st.output_token_ids) - 1
-            len_left = self.max_model_len - st.num_tokens - 1
-            max_drafts[r] = max(0, min(k, out_left, len_left))
-        speculate = sampled & wants & ~kept & (max_drafts > 0)
-        if self.policy is not None:  # unseeded requests: drafts chosen for goodput (seeded keep k)
-            free = np.flatnonzero(speculate & np.array([st.params.seed is None for st in states], dtype=bool))
-            chosen = self.policy.num_drafts([states[r].core_id for r in free], max_drafts[free], int(alive.sum()))
-            max_drafts[free] = chosen
-            speculate &= max_drafts > 0
-        inp = ProposalInput(
-            states, np.asarray(sched.num_computed_tokens, np.int64), np.asarray(sched.num_scheduled_tokens, np.int64),
-            emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64),
-            emitted.num_rows.astype(np.int64), sampled, np.where(speculate, max_drafts, 0),
-            alive if sees_every_step else wants & alive, _request_block_rows(sched),
-            TargetHidden(hidden, self.runner.last_aux))
-        prop = self.proposer.propose(inp)
-        self._num_drafted = len(prop.draft_token_ids)
-        if len(prop.core_ids) == 0:
-            return
-        self.core.set_draft_tokens(prop.core_ids, prop.cu_num_draft, prop.draft_token_ids)
-        if prop.draft_probs is not None:
-            for cid, q in zip(prop.core_ids.tolist(), prop.draft_probs):
-                if q is not None:
-                    self._draft_probs[cid] = q
+        propose_next_step(self, sched, states, emitted, hidden)
 
 
-def _request_block_rows(sched) -> np.ndarray:
-    """int32[R, W]: each request's block-table row (its first query sequence's row)."""
-    seq_req = np.asarray(sched.seq_req_indices)
-    first = np.searchsorted(seq_req, np.arange(len(sched.req_ids)))
-    return np.asarray(sched.block_table)[first]

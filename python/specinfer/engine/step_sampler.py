@@ -5,12 +5,20 @@ final prefill chunk) owns one row; a verification of k drafts owns 1 + k rows (o
 position plus the bonus row), or k rows when the token budget split its proposal (no bonus
 row: the core verifies one draft past the query, scored by the last row). Emitted tokens per
 request = accepted drafts + one recovered or bonus token (none after a fully accepted split).
+
+Token trees (docs/trees.md): ``sched.draft_parents`` int32[sum num_draft_tokens] gives each
+draft's parent (-1 = the root; chains are -1, 0, 1, ...). A request whose parents are not a chain
+owns 1 + m rows (row 0 = root, row 1 + i = node i; never split) and is verified by
+``sample.tree_verify`` (or typical acceptance over trees); its draft probabilities are q rows of
+independently sampled children, or missing = deterministic top-k children (one-hot q). Chains
+take the chain verifier, untouched. ``Emitted.tree_paths`` holds each tree request's accepted
+node indices, so the engine can reorder hidden states and the core's copy list matches.
 Logprobs always come from the target's raw logits. Randomness comes from each request's
 counter-based streams (seed, output position), see specinfer.sample.random_streams.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -18,7 +26,11 @@ import torch
 
 from specinfer.sample import (LogprobsTensors, RandomStreams, Sampler, SamplingMetadata, compute_logprobs,
                               probs_from_logits, rejection_sample)
+from specinfer.sample.tree_layout import is_chain_request, node_depths
+from specinfer.sample.tree_typical_acceptance import tree_typical_acceptance_sample
+from specinfer.sample.tree_verify import tree_rejection_sample
 from specinfer.sample.typical_acceptance import typical_acceptance_sample
+from specinfer.spec_decode.proposer import DETERMINISTIC
 
 
 @dataclass
@@ -26,9 +38,12 @@ class Emitted:
     token_ids: np.ndarray  # int64[N] all emitted tokens, request after request
     cu_num_emitted: np.ndarray  # int32[R + 1] over every scheduled request (0 for prefill chunks)
     num_draft_tokens: np.ndarray  # int32[R] drafts verified per request
-    num_accepted: np.ndarray  # int32[R] accepted drafts per request
+    num_accepted: np.ndarray  # int32[R] accepted drafts per request (a tree's: its path length)
     num_rows: np.ndarray  # int32[R] logits rows per request (a split proposal has no bonus row)
     logprobs: list  # per scheduled request: list[dict[int, float]] aligned with its tokens, or None
+    # scheduled request index -> int64[num_accepted] node indices of its accepted path (tree
+    # requests only; chains are absent): emitted token j + 1 came from node tree_paths[r][j]
+    tree_paths: dict = field(default_factory=dict)
 
 
 def sampling_metadata(states, rows_per_request=None, device=None, positions=None) -> SamplingMetadata:
@@ -52,9 +67,12 @@ def stop_ids_blocked(state, eos_token_ids) -> list[int]:
     return ids + list(state.params.stop_token_ids or ())
 
 
-def mask_min_tokens(logits: torch.Tensor, cu_logits, sampling, states, eos_token_ids) -> torch.Tensor:
+def mask_min_tokens(logits: torch.Tensor, cu_logits, sampling, states, eos_token_ids,
+                    row_offsets: dict | None = None) -> torch.Tensor:
     """logits [L, V] -> the same (or a masked copy) with stop tokens at -inf on rows whose token
-    would land before the request's min_tokens (as HF's MinNewTokensLogitsProcessor does)."""
+    would land before the request's min_tokens (as HF's MinNewTokensLogitsProcessor does).
+    Row j of request i decides output offset j, or ``row_offsets[i][j]`` (a tree: 0, then the
+    depth of each node)."""
     rows, cols = [], []
     for i in sampling:
         st = states[i]
@@ -62,7 +80,11 @@ def mask_min_tokens(logits: torch.Tensor, cu_logits, sampling, states, eos_token
         if need <= 0:
             continue
         blocked = stop_ids_blocked(st, eos_token_ids)
-        for j in range(min(need, int(cu_logits[i + 1] - cu_logits[i]))):
+        n = int(cu_logits[i + 1] - cu_logits[i])
+        offsets = row_offsets[i] if row_offsets and i in row_offsets else range(n)
+        for j in range(n):
+            if offsets[j] >= need:
+                continue
             rows += [int(cu_logits[i]) + j] * len(blocked)
             cols += blocked
     if not rows:
@@ -78,10 +100,11 @@ class StepSampler:
         self.sampler = Sampler()
         self.disable_logprobs = bool(spec and spec.disable_logprobs)
         if spec is None or spec.acceptance_method == "rejection_sampler":
-            self.verify = rejection_sample
+            self.verify, self.verify_tree = rejection_sample, tree_rejection_sample
         else:
-            self.verify = partial(typical_acceptance_sample, posterior_threshold=spec.posterior_threshold,
-                                  posterior_alpha=spec.posterior_alpha)
+            typical = dict(posterior_threshold=spec.posterior_threshold, posterior_alpha=spec.posterior_alpha)
+            self.verify = partial(typical_acceptance_sample, **typical)
+            self.verify_tree = partial(tree_typical_acceptance_sample, **typical)
 
     def __call__(self, logits: torch.Tensor, sched, states, draft_probs: dict) -> Emitted:
         cu_logits = sched.cu_num_logits
@@ -97,7 +120,10 @@ class StepSampler:
             return Emitted(np.zeros(0, np.int64), cu, num_draft, accepted, rows_i32, logprobs)
         s_states = [states[i] for i in sampling]
         raw_logits = logits  # logprobs are reported from the model's raw distribution
-        logits = mask_min_tokens(logits, cu_logits, sampling, states, self.eos_token_ids)
+        trees = _tree_requests(sched, num_draft, n_rows)  # scheduled index -> its parents
+        offsets = {i: np.concatenate([[0], node_depths(par)]) for i, par in trees.items()}
+        logits = mask_min_tokens(logits, cu_logits, sampling, states, self.eos_token_ids, offsets)
+        tree_paths = {}
         if num_draft.sum() == 0:
             if all(st.params.temperature == 0.0 for st in s_states):
                 tokens = logits.argmax(dim=-1)  # all greedy: nothing else to do
@@ -106,51 +132,121 @@ class StepSampler:
             counts = np.ones(len(sampling), dtype=np.int32)
             flat = tokens.cpu().numpy()
         else:
-            flat, counts, acc = self._verify(logits, sched, s_states, sampling, n_rows, num_draft, draft_probs)
+            flat, counts, acc, tree_paths = self._verify(logits, sched, s_states, sampling, n_rows, num_draft,
+                                                         draft_probs, trees)
             accepted[sampling] = acc
         cu[1:] = np.cumsum(np.bincount(sampling, weights=counts, minlength=R).astype(np.int32))
         want = [i for i in sampling if states[i].params.logprobs is not None]
         if want and not (self.disable_logprobs and num_draft.sum() > 0):
-            self._logprobs(raw_logits, cu_logits, cu, flat, want, states, logprobs)
-        return Emitted(flat.astype(np.int64), cu, num_draft, accepted, rows_i32, logprobs)
+            self._logprobs(raw_logits, cu_logits, cu, flat, want, states, logprobs, tree_paths)
+        return Emitted(flat.astype(np.int64), cu, num_draft, accepted, rows_i32, logprobs, tree_paths)
 
-    def _verify(self, logits, sched, s_states, sampling, n_rows, num_draft, draft_probs):
+    def _verify(self, logits, sched, s_states, sampling, n_rows, num_draft, draft_probs, trees):
+        """-> flat emitted tokens, emitted and accepted counts per sampled request, tree paths."""
         rows = n_rows[sampling]
         d = num_draft[sampling]
         meta = sampling_metadata(s_states, rows.tolist(), device=logits.device)
         target_probs = probs_from_logits(logits, meta)  # [L, V]
-        draft_ids = torch.from_numpy(np.asarray(sched.draft_token_ids, dtype=np.int64))
+        draft_ids = np.asarray(sched.draft_token_ids, dtype=np.int64)
+        is_tree = np.array([int(i) in trees for i in sampling], dtype=bool)
+        if not is_tree.any():  # chains only: today's path
+            out, n_emit, acc = self._verify_chains(target_probs, draft_ids, rows, d, s_states, draft_probs)
+            flat = out[np.arange(out.shape[1])[None, :] < n_emit[:, None]]
+            return flat, n_emit, acc, {}
+        cu_rows = np.concatenate([[0], np.cumsum(rows)])
+        cu_d = np.concatenate([[0], np.cumsum(d)])
+
+        def span(cu, idx):  # the concatenated ranges cu[i] .. cu[i + 1] of the given requests
+            return np.concatenate([np.arange(cu[i], cu[i + 1]) for i in idx] + [np.zeros(0, np.int64)])
+
+        per_request = [None] * len(sampling)
+        n_emit = np.zeros(len(sampling), dtype=np.int32)
+        acc = np.zeros(len(sampling), dtype=np.int32)
+        chains = np.flatnonzero(~is_tree)
+        if len(chains):
+            sel = torch.from_numpy(span(cu_rows, chains)).to(target_probs.device)
+            out, n_c, a_c = self._verify_chains(target_probs[sel], draft_ids[span(cu_d, chains)], rows[chains],
+                                                d[chains], [s_states[j] for j in chains], draft_probs)
+            for k, j in enumerate(chains):
+                per_request[j] = out[k, : n_c[k]]
+            n_emit[chains], acc[chains] = n_c, a_c
+        tree_idx = np.flatnonzero(is_tree)
+        sel = torch.from_numpy(span(cu_rows, tree_idx)).to(target_probs.device)
+        res = self._verify_trees(target_probs[sel], draft_ids[span(cu_d, tree_idx)], d[tree_idx],
+                                 [trees[int(sampling[j])] for j in tree_idx], [s_states[j] for j in tree_idx],
+                                 draft_probs)
+        out = res.token_ids.cpu().numpy()
+        n_t = res.num_emitted.cpu().numpy().astype(np.int32)
+        nodes = res.accepted_nodes.cpu().numpy()
+        tree_paths = {}
+        for k, j in enumerate(tree_idx):
+            per_request[j] = out[k, : n_t[k]]
+            tree_paths[int(sampling[j])] = nodes[k, : n_t[k] - 1].astype(np.int64)
+        n_emit[tree_idx], acc[tree_idx] = n_t, n_t - 1
+        return np.concatenate(per_request), n_emit, acc, tree_paths
+
+    def _verify_chains(self, target_probs, draft_ids, rows, d, s_states, draft_probs):
+        """Chain verification of the given requests (rows: their logits rows, in order)."""
         cu_draft = torch.from_numpy(np.concatenate([[0], np.cumsum(d)]).astype(np.int64))
         has_bonus = torch.from_numpy(rows > d)  # a split proposal has no bonus row
         q = None
-        if draft_probs:
+        if draft_probs and d.sum() > 0:  # (beside trees, the chains may be plain decodes only)
             V = target_probs.shape[1]
             q = target_probs.new_zeros(int(d.sum()), V)
             start = 0
             for st, k in zip(s_states, d.tolist()):
                 probs = draft_probs.get(st.core_id)
-                if probs is not None and k:
+                if probs is DETERMINISTIC and k:  # deterministic drafts: q = one-hot
+                    q[torch.arange(start, start + k, device=q.device),
+                      torch.from_numpy(draft_ids[start:start + k]).to(q.device)] = 1.0
+                elif probs is not None and k:
                     q[start:start + k] = probs[:k].to(q.dtype)
                 elif k and st.params.temperature != 0.0:
                     raise RuntimeError(f"request {st.request_id!r} verifies drafts without their draft probabilities")
                 start += k
         greedy = torch.tensor([s.params.temperature == 0.0 for s in s_states])
         streams = RandomStreams.build([s.seed for s in s_states], [len(s.output_token_ids) for s in s_states])
-        out, n_emit = self.verify(draft_ids, cu_draft, q, target_probs, greedy, streams, has_bonus)
+        out, n_emit = self.verify(torch.from_numpy(draft_ids), cu_draft, q, target_probs, greedy, streams, has_bonus)
         out = out.cpu().numpy()
         n_emit = n_emit.cpu().numpy().astype(np.int32)
-        flat = out[np.arange(out.shape[1])[None, :] < n_emit[:, None]]
-        return flat, n_emit, _num_accepted(out, n_emit, d, np.asarray(sched.draft_token_ids))
+        return out, n_emit, _num_accepted(out, n_emit, d, draft_ids)
+
+    def _verify_trees(self, target_probs, draft_ids, d, parents, s_states, draft_probs):
+        """Tree verification: target_probs [sum(1 + m), V]; q rows where the proposer gave them,
+        one-hot (deterministic top-k children) where not."""
+        if target_probs.shape[0] != int(d.sum()) + len(d):
+            raise RuntimeError("a tree request must own 1 + m logits rows (trees are never split)")
+        V = target_probs.shape[1]
+        one_hot = torch.ones(len(d), dtype=torch.bool)
+        q = None
+        start = 0
+        for r, (st, k) in enumerate(zip(s_states, d.tolist())):
+            probs = draft_probs.get(st.core_id) if draft_probs else None
+            if probs is not None and probs is not DETERMINISTIC:
+                if q is None:
+                    q = target_probs.new_zeros(int(d.sum()), V)
+                q[start:start + k] = probs[:k].to(q.dtype)
+                one_hot[r] = False
+            start += k
+        greedy = torch.tensor([s.params.temperature == 0.0 for s in s_states])
+        streams = RandomStreams.build([s.seed for s in s_states], [len(s.output_token_ids) for s in s_states])
+        cu_draft = torch.from_numpy(np.concatenate([[0], np.cumsum(d)]).astype(np.int64))
+        return self.verify_tree(torch.from_numpy(draft_ids), torch.from_numpy(np.concatenate(parents)), cu_draft,
+                                q, target_probs, greedy, streams, one_hot=one_hot)
 
     @staticmethod
-    def _logprobs(logits, cu_logits, cu, flat, want, states, logprobs):
+    def _logprobs(logits, cu_logits, cu, flat, want, states, logprobs, tree_paths=None):
         """Raw logprobs of every emitted token of the requests in `want` (one batched call)."""
         rows, toks, spans = [], [], []
         for i in want:
             n = int(cu[i + 1] - cu[i])  # emitted tokens = the first n of the request's logits rows
             if n:
                 spans.append((i, len(toks), n))
-                rows.extend(range(int(cu_logits[i]), int(cu_logits[i]) + n))
+                if tree_paths and i in tree_paths:  # a tree: the root row, then its path's rows
+                    local = [0] + (np.asarray(tree_paths[i]) + 1).tolist()
+                else:
+                    local = range(n)
+                rows.extend(int(cu_logits[i]) + j for j in local)
                 toks.extend(flat[cu[i]: cu[i + 1]].tolist())
         if not spans:
             return
@@ -161,6 +257,20 @@ class StepSampler:
             part = LogprobsTensors(lp.token_ids[start:start + n], lp.logprobs[start:start + n],
                                    lp.sampled_token_ranks[start:start + n])
             logprobs[i] = part.entries(states[i].params.logprobs)
+
+
+def _tree_requests(sched, num_draft, n_rows) -> dict:
+    """Scheduled request index -> its draft parents (int64[m]), for requests whose proposal is a
+    tree (not a chain). Empty when ``sched`` has no ``draft_parents`` or only chains."""
+    parents = getattr(sched, "draft_parents", None)
+    if parents is None or num_draft.sum() == 0:
+        return {}
+    parents = np.asarray(parents, dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(num_draft, dtype=np.int64)])
+    if parents.shape != (int(cu[-1]),):
+        raise RuntimeError(f"sched.draft_parents has shape {parents.shape}, expected [{int(cu[-1])}]")
+    tree = ~is_chain_request(parents, cu) & (n_rows > 0)
+    return {int(i): parents[cu[i]:cu[i + 1]] for i in np.flatnonzero(tree)}
 
 
 def _num_accepted(out: np.ndarray, n_emit: np.ndarray, d: np.ndarray, drafts: np.ndarray) -> np.ndarray:

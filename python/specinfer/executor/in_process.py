@@ -7,6 +7,7 @@ import torch
 from specinfer.engine.kv_cache import allocate_kv_caches
 from specinfer.engine.model_loading import load_any
 from specinfer.engine.model_runner import ModelRunner
+from specinfer.engine.tree_steps import apply_kv_copies
 
 
 class InProcessExecutor:
@@ -51,14 +52,10 @@ class InProcessExecutor:
         return hidden, runner.logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
-    def apply_kv_copies(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """K and V of flat slots src int64[C] -> slots dst int64[C], in every layer of every pool."""
-        if len(src) == 0:
-            return
-        for caches in self._kv_caches:
-            for cache in caches:  # [2, num_blocks, block_size, Hkv, D]
-                flat = cache.view(2, -1, *cache.shape[3:])
-                flat[:, dst] = flat[:, src]
+    def apply_kv_copies(self, src, dst) -> None:
+        """K and V of flat slots src int64[C] -> slots dst int64[C] (the core's copy list after a
+        tree verification), in every layer of every pool."""
+        apply_kv_copies(self._kv_caches, src, dst)
 
     def shutdown(self) -> None:
         pass

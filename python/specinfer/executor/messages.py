@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -62,8 +63,8 @@ class RunLogits:
 class ApplyKvCopies:
     """Copy K and V from slots src to slots dst in every KV pool (tree compaction)."""
 
-    src: torch.Tensor  # int64[C]
-    dst: torch.Tensor  # int64[C]
+    src: np.ndarray  # int64[C] flat slots (block * block_size + offset)
+    dst: np.ndarray  # int64[C]
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import sys
 import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -103,9 +104,10 @@ class MultiprocExecutor:
         states [T, hidden] and gathered float32 logits [L, vocab] come back."""
         return self._call(m.ExecuteModel(to_wire(batch)))
 
-    def apply_kv_copies(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def apply_kv_copies(self, src, dst) -> None:
+        """The core's copy list (int64[C] flat slots) applied on every rank's pools."""
         if len(src):
-            self._call(m.ApplyKvCopies(to_wire(src), to_wire(dst)))
+            self._call(m.ApplyKvCopies(np.asarray(src, np.int64), np.asarray(dst, np.int64)))
 
     def collective_rpc(self, name: str, *args):
         """RankWorker.<name>(*args) on every rank; rank 0's result."""

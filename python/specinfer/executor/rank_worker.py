@@ -14,6 +14,7 @@ import torch
 from specinfer.engine.kv_cache import allocate_kv_caches
 from specinfer.engine.model_loading import load_any
 from specinfer.engine.model_runner import ModelRunner
+from specinfer.engine.tree_steps import apply_kv_copies
 from specinfer.executor import messages as m
 from specinfer.executor.device_move import to_device
 from specinfer.models.tensor_parallel import TensorParallelGroup, shard_model
@@ -93,14 +94,7 @@ class RankWorker:
     @torch.inference_mode()
     def apply_kv_copies(self, msg: m.ApplyKvCopies):
         """K and V of slots src -> slots dst, in every layer of every pool this rank holds."""
-        if len(msg.src) == 0:
-            return None
-        src, dst = to_device((msg.src, msg.dst), self.device)
-        for caches in self.kv_caches.values():
-            for cache in caches:  # [2, num_blocks, block_size, Hkv, D]
-                flat = cache.view(2, -1, *cache.shape[3:])
-                flat[:, dst] = flat[:, src]
-        return None
+        apply_kv_copies(list(self.kv_caches.values()), msg.src, msg.dst)
 
     def call_method(self, msg: m.CallMethod):
         return getattr(self, msg.name)(*msg.args)

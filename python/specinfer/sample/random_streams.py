@@ -11,7 +11,11 @@ draw is addressed by the output position it decides and what it is for:
 - ``SAMPLE``: the token emitted at an output position (a plain sample, or the recovered or
   bonus token of a verification);
 - ``ACCEPT``: the acceptance test of the draft at an output position;
-- ``DRAFT``: a proposer's random choice of its draft at an output position.
+- ``DRAFT``: a proposer's random choice of its draft at an output position;
+- tree verification (:mod:`.tree_verify`): the j-th sibling tried under a node whose children
+  decide output position t is tested against ``U(seed, t, sibling_accept_purpose(j))``;
+  sibling 0 uses ``ACCEPT`` (so a chain verified as a tree meets the chain's draws) and
+  sibling j >= 1 the purpose ``SIBLING_ACCEPT_BASE + j``.
 
 Soundness under speculation: a verification step decides positions ``P .. P + m`` (m
 accepted drafts, then the recovered or bonus token at ``P + m``) and its outcome depends only
@@ -34,6 +38,14 @@ import numpy as np
 import torch
 
 SAMPLE, ACCEPT, DRAFT = 1, 2, 3
+SIBLING_ACCEPT_BASE = 1 << 16  # + j: the acceptance test of the j-th sibling (j >= 1) of a tree node
+
+
+def sibling_accept_purpose(j: int) -> int:
+    """Purpose of the acceptance draw of the j-th child tried under a tree node (j >= 0)."""
+    if j < 0:
+        raise ValueError(f"sibling index must be >= 0, got {j}")
+    return ACCEPT if j == 0 else SIBLING_ACCEPT_BASE + j
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

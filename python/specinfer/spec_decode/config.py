@@ -95,6 +95,11 @@ class SpeculativeConfig:
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"speculative.disable_by_batch_size must be an integer >= 1 or None (got {d!r})")
 
+    @property
+    def num_draft_slots(self) -> int:
+        """Drafts one request may have verified per step: the tree's node count, else k."""
+        return self.token_tree.num_nodes if self.token_tree is not None else self.num_speculative_tokens
+
     @classmethod
     def from_any(cls, value) -> "SpeculativeConfig | None":
         if value is None or isinstance(value, SpeculativeConfig):

@@ -26,8 +26,8 @@ class DraftKvRecords:
     def forget(self, core_id: int) -> None:
         self._chain.pop(core_id, None)
 
-    def _chain_keys(self, state, num_blocks: int) -> list[int]:
-        keys = self._chain.setdefault(state.core_id, [])
+    def _chain_keys(self, state, num_blocks: int, keep: bool = True) -> list[int]:
+        keys = self._chain.setdefault(state.core_id, []) if keep else list(self._chain.get(state.core_id, ()))
         bs = self.block_size
         while len(keys) < num_blocks:
             i = len(keys)
@@ -59,3 +59,32 @@ class DraftKvRecords:
         keys = self._chain_keys(state, last)
         for i in range(start // bs, last):
             self._key_of_block[int(block_row[i])] = keys[i]
+
+
+# Private draft-KV blocks past the shared pool (EAGLE's copy-on-write of a shared last cached block)
+NUM_PRIVATE_BLOCKS = 32
+
+
+class PairRecords(DraftKvRecords):
+    """EAGLE's pairs: pair position p holds (token p + 1, target feature f_p), so the last pair of
+    a full block depends on the token after the block. For every full block whose last pair it
+    wrote, the proposer records the block's prefix key, that next token and f at the block's last
+    position: a request reusing the block (prefix-cache hit) with another next token can rewrite
+    its own copy of that pair without the target recomputing f (EagleProposer)."""
+
+    def __init__(self, block_size: int):
+        super().__init__(block_size)
+        self._last: dict[int, tuple[int, int, object]] = {}  # block id -> (prefix key, next token, feature [H])
+
+    def wrote_last_pair(self, state, block: int, block_index: int, next_token: int, feature, keep: bool) -> None:
+        key = self._chain_keys(state, block_index + 1, keep)[block_index]
+        self._last[int(block)] = (key, int(next_token), feature.detach().clone())
+
+    def last_pair(self, state, block_row, num_cached: int):
+        """(next token, feature [H]) recorded for the block ending at num_cached (a multiple of the
+        block size) if it holds this request's prefix; None when unknown."""
+        i = num_cached // self.block_size - 1
+        rec = self._last.get(int(block_row[i]))
+        if rec is None or rec[0] != self._chain_keys(state, i + 1)[i]:
+            return None
+        return rec[1], rec[2]

@@ -13,19 +13,26 @@ pause is caught up over several steps (a request drafts once it is level). On a
 request's first sight, prefix-cache blocks are reused only where this draft wrote their KV for
 the same prefix (DraftKvRecords). Draft tokens are sampled from q by inverse CDF with the
 request's counter-based draw ``U(seed, output position, DRAFT)``.
+
+With a ``token_tree`` the drafts are a tree (spec_decode/tree_drafting.py): the root is the last
+token of the catch-up, each depth's nodes that have children go through the draft in one batched
+forward with a tree mask, written at the slots the target's tree run uses (node i at root + 1 + i).
+Children are top-k choices (q = one-hot, ``draft_probs=None``) also for temperature > 0: the
+verifier's one-hot variant keeps them lossless. Catch-up always restarts at the root + 1, so the
+accepted path (compacted by the engine's KV copies or not) and the bonus token are recomputed.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from specinfer.engine.batch import attention_metadata_for_runs
+from specinfer.engine.batch import attention_metadata_for_runs, attention_metadata_for_tree_nodes
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.step_sampler import sampling_metadata
-from specinfer.sample import probs_from_logits
-from specinfer.sample.random_streams import DRAFT, sample_from_weights
+from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.draft_kv_records import DraftKvRecords
 from specinfer.spec_decode.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tree_proposal
 
 
 class DraftModelProposer:
@@ -36,7 +43,9 @@ class DraftModelProposer:
         self.loaded = ctx.load_model(spec.model)
         _check_same_vocabulary(ctx.target, self.loaded, spec.model)
         self.kv_models = [self.loaded.model]
-        self.num_lookahead_tokens = self.k
+        self.tree = spec.token_tree  # StaticTree | DynamicTree | None (chains)
+        # slots past the root: the target's tree nodes, and the draft's fed nodes at root + 1 + slot
+        self.num_lookahead_tokens = self.k if self.tree is None else tree_lookahead(self.tree, 1)
         self.block_size = ctx.block_size
         self.device = ctx.device
         self.max_catch_up_tokens = ctx.max_num_batched_tokens
@@ -100,7 +109,30 @@ class DraftModelProposer:
         rows = np.flatnonzero(drafting)
         last_rows = np.array([last_row_of[row_in_live[int(r)]] for r in rows], dtype=np.int64)
         logits = self.runner.logits(hidden[torch.from_numpy(last_rows).to(self.device)])
+        if self.tree is not None:
+            return self._draft_tree(inp, rows, ends[rows] - 1, logits)
         return self._draft(inp, rows, ends[rows], logits)
+
+    def _draft_tree(self, inp, rows, roots, logits) -> Proposal:
+        """Trees under the roots (int64[P] KV positions of each drafting request's last token)."""
+        block_rows = inp.block_rows[rows]
+
+        def feed(req, slots, depths, masks, tokens, _hidden):
+            ids, counts = np.unique(req, return_counts=True)
+            for p, lo, hi in zip(ids, *_slot_ranges(req, slots, len(rows))):
+                if hi > lo:
+                    self.records.will_write(block_rows[p], int(roots[p] + 1 + lo), int(roots[p] + 2 + hi))
+            attn, positions = attention_metadata_for_tree_nodes(block_rows[ids], roots[ids], counts, slots, depths,
+                                                                masks, self.block_size, self.device)
+            hidden, _ = self.runner.forward(torch.from_numpy(tokens).to(self.device),
+                                            torch.from_numpy(positions).to(self.device), attn)
+            return self.runner.logits(hidden), None
+
+        cap = inp.max_drafts[rows]
+        # fed node slots must stay below root + lookahead (reserved) and max_model_len (cap <= len_left)
+        fed_cap = np.minimum(cap, self.num_lookahead_tokens) - 1
+        trees = draft_trees(self.tree, logits, None, cap, fed_cap, feed)
+        return tree_proposal(np.asarray([inp.requests[r].core_id for r in rows], np.uint64), trees)
 
     def _draft(self, inp, rows, next_pos, logits) -> Proposal:
         states = [inp.requests[r] for r in rows]
@@ -114,7 +146,7 @@ class DraftModelProposer:
         probs_out = []
         active = np.arange(len(rows))
         for i in range(steps):
-            tok, probs = self._sample(logits, meta, active, i, want_probs)
+            tok, probs = sample_drafts(logits, meta, active, i, want_probs)
             drafted[active, i] = tok.cpu().numpy()
             probs_out.append((active, probs))
             active = active[limit[active] > i + 1]
@@ -135,27 +167,17 @@ class DraftModelProposer:
         flat = np.concatenate([drafted[j, : counts[j]] for j in range(len(rows))])
         q = None
         if want_probs:
-            q = _gather_probs(probs_out, len(rows), counts)
+            q = gather_probs(probs_out, len(rows), counts)
         return Proposal(np.asarray([s.core_id for s in states], np.uint64), cu, flat, q)
 
-    def _sample(self, logits, meta, active, i, want_probs):
-        """Draft i of the active rows: argmax for greedy rows, else a sample from q."""
-        if not want_probs:
-            return logits.argmax(-1), None
-        sub = meta.take(active.tolist())
-        probs = probs_from_logits(logits, sub)  # [A, V], the draft's q for each row
-        u = sub.streams.uniform(DRAFT, i + 1, probs.device)[:, i]  # output position P + i
-        tok = torch.where(sub.is_greedy, logits.argmax(-1), sample_from_weights(probs, u))
-        return tok, probs
-
-
-def _gather_probs(probs_out, n, counts):
-    per = [[] for _ in range(n)]
-    for active, probs in probs_out:
-        for j, a in enumerate(active.tolist()):
-            if len(per[a]) < counts[a]:
-                per[a].append(probs[j])
-    return [torch.stack(p) if p else None for p in per]
+def _slot_ranges(req, slots, n):
+    """(lo int64[distinct req], hi) smallest and largest slot fed per request (req grouped, ascending)."""
+    lo = np.full(n, np.iinfo(np.int64).max, np.int64)
+    hi = np.full(n, -1, np.int64)
+    np.minimum.at(lo, req, slots)
+    np.maximum.at(hi, req, slots)
+    ids = np.unique(req)
+    return lo[ids], hi[ids]
 
 
 def _empty() -> Proposal:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
+from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
 from specinfer.models.llama import DecoderLayer
 from specinfer.models.rope import rope_factors, rope_table
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
@@ -47,7 +48,8 @@ class EagleDraft:
         self.rope_cos, self.rope_sin = cos.to(fc_w.device), sin.to(fc_w.device)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
-        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        # the proposer's private blocks follow the shared pool (EagleProposer, prefix-cache hits)
+        return (2, num_blocks + NUM_PRIVATE_BLOCKS, block_size, self.config.num_kv_heads, self.config.head_dim)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -65,6 +67,13 @@ class EagleDraft:
 
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P]
         return self.target_logits(h).argmax(-1)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> float32[P, V] over the target vocabulary
+        return self.target_logits(h)
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:

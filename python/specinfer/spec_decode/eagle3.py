@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
+from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
 from specinfer.models.llama import _rms_norm
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
@@ -53,7 +54,8 @@ class Eagle3Draft:
         self.target_draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # draft id -> target id
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
-        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        # the proposer's private blocks follow the shared pool (EagleProposer, prefix-cache hits)
+        return (2, num_blocks + NUM_PRIVATE_BLOCKS, block_size, self.config.num_kv_heads, self.config.head_dim)
 
     def target_features(self, hidden, rows: torch.Tensor) -> torch.Tensor:  # TargetHidden -> [T', H] g
         return F.linear(hidden.aux[rows].to(self.w["fc.weight"].dtype), self.w["fc.weight"])
@@ -77,10 +79,24 @@ class Eagle3Draft:
         u = F.silu(F.linear(u, w[m + "mlp.gate_proj.weight"])) * F.linear(u, w[m + "mlp.up_proj.weight"])
         return h + F.linear(u, w[m + "mlp.down_proj.weight"])
 
+    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, Vd] over the draft vocabulary
+        return F.linear(_rms_norm(h, (h.shape[-1],), self.w["norm.weight"], self.config.rms_norm_eps),
+                        self.w["lm_head.weight"])
+
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P] target ids
-        logits = F.linear(_rms_norm(h, (h.shape[-1],), self.w["norm.weight"], self.config.rms_norm_eps),
-                          self.w["lm_head.weight"])
-        return self.target_draft_ids[logits.argmax(-1)]
+        return self.target_draft_ids[self._draft_logits(h).argmax(-1)]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return len(self.d2t)
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[P, H] -> float32[P, V]: the draft logits at their target ids, -inf at ids outside the
+        draft vocabulary (probability 0 under any sampling parameters)."""
+        d = self._draft_logits(h).float()
+        out = torch.full((d.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32, device=d.device)
+        out[:, self.target_draft_ids] = d
+        return out
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:

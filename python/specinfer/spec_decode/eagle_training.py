@@ -114,15 +114,16 @@ class EagleTrainer:
 
 
 @torch.no_grad()
-def eagle_acceptance_estimate(trainer: EagleTrainer, seqs, K: int, per_seq: int = 6) -> dict:
-    """Chain acceptance at up to per_seq continuation positions of each held-out sequence."""
+def eagle_acceptance_estimate(trainer, seqs, K: int, per_seq: int = 6, feature: str = "final") -> dict:
+    """Chain acceptance at up to per_seq continuation positions of each held-out sequence; the
+    trainer drafts from (tokens, the sequence's `feature` states: "final", or "aux" for EAGLE-3)."""
     accepted = []
     for s in seqs:
         n = len(s.tokens)
         ends = torch.linspace(s.prompt_len, n - K - 1, steps=per_seq).long().unique().tolist() if n - K - 1 > \
             s.prompt_len else []
         for e in ends:  # history x_0..x_e: pairs i = 0..e-1, drafts predict x_{e+1}..x_{e+K}
-            d = trainer.drafts(s.tokens[1:e + 1], s.final[:e], K)
+            d = trainer.drafts(s.tokens[1:e + 1], getattr(s, feature)[:e], K)
             ok = [a == b for a, b in zip(d, s.tokens[e + 1:e + 1 + K].tolist())]
             accepted.append(next((i for i, x in enumerate(ok) if not x), K))
     acc = torch.tensor(accepted or [0], dtype=torch.float32)

@@ -9,7 +9,8 @@ from a generator seeded by (seed, step), so an interrupted and resumed run equal
 Methods: `medusa` (original layout, legacy heads: one zero-initialised ResBlock per head on the
 target's own lm_head, as Medusa-1 trains them) and `mlp_speculator` (IBM layout with tie_weights:
 proj.0, proj.1 and ln.0 trained; emb/head start as and stay the target's embedding and lm_head)
-and `eagle` (EAGLE-1 layout; eagle_training). EAGLE-3 training is not implemented.
+and `eagle` (EAGLE-1 layout; eagle_training) and `eagle3` (EAGLE-3 layout with a truncated draft
+vocabulary and training-time-test unrolling; eagle3_training).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 from specinfer.spec_decode.distill_data import DistillSequence
 
-TRAINABLE = ("medusa", "mlp_speculator", "eagle")
+TRAINABLE = ("medusa", "mlp_speculator", "eagle", "eagle3")
 EAGLE_SEQS_PER_BATCH = 4
 
 
@@ -38,12 +39,12 @@ class TrainConfig:
     seed: int = 0
     max_seconds: float | None = None  # stop (and save) after this much training time
     save_every: int = 50
+    draft_vocab_size: int = 8192  # eagle3: the draft vocabulary (most frequent target tokens)
 
     def __post_init__(self):
         if self.method not in TRAINABLE:
-            raise ValueError(f"train-heads --method must be one of {list(TRAINABLE)} (got {self.method!r}); "
-                             "EAGLE-3 training is not implemented")
-        for name in ("num_heads", "steps", "batch_size", "save_every"):
+            raise ValueError(f"train-heads --method must be one of {list(TRAINABLE)} (got {self.method!r})")
+        for name in ("num_heads", "steps", "batch_size", "save_every", "draft_vocab_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"train-heads {name} must be a positive integer (got {v!r})")
@@ -169,10 +170,17 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     out.mkdir(parents=True, exist_ok=True)
     n_held = max(1, len(seqs) // 10)
     train_seqs, held = seqs[:-n_held] or seqs, seqs[-n_held:]
-    if cfg.method == "eagle":
-        from specinfer.spec_decode.eagle_training import EagleTrainer
+    if cfg.method in ("eagle", "eagle3"):
+        if cfg.method == "eagle":
+            from specinfer.spec_decode.eagle_training import EagleTrainer
 
-        trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target))
+            trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target))
+        else:
+            from specinfer.spec_decode.eagle3_training import Eagle3Trainer
+
+            if any(s.aux is None for s in train_seqs):
+                raise ValueError("eagle3 training needs the aux layers' states (build_sequences(..., aux_layers))")
+            trainer = Eagle3Trainer(target, train_seqs, cfg.seed, cfg.draft_vocab_size, _dense_lm_head(target))
         num_positions = sum(len(s.tokens) - 1 for s in train_seqs)
 
         def batch_loss(g):
@@ -229,6 +237,12 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
 
         EagleDraft.load(out, target=target, dtype=torch.float32, device=torch.device("cpu"))  # the export loads
         held_out = eagle_acceptance_estimate(trainer, held, cfg.num_heads)
+    elif cfg.method == "eagle3":
+        from specinfer.spec_decode.eagle3 import Eagle3Draft
+        from specinfer.spec_decode.eagle_training import eagle_acceptance_estimate
+
+        Eagle3Draft.load(out, target=target, dtype=torch.float32, device=torch.device("cpu"))  # the export loads
+        held_out = eagle_acceptance_estimate(trainer, held, cfg.num_heads, feature="aux")
     else:
         held_out = acceptance_estimate(type(trainer).load(out, target), held, cfg.num_heads)
     report = {"method": cfg.method, "steps": step, "final_loss": loss, "train_positions": int(num_positions),

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
-from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer, checkpoint_dir
+from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer, checkpoint_dir, draft_chain
 
 ORIGINAL, VLLM = "medusa", "vllm"
 
@@ -45,18 +45,40 @@ class MedusaHeads:
         self.token_map = token_map  # int64[V_t] draft row -> target id, or None
         self.target_logits = target_logits  # callable [P, H] -> [P, V] (legacy shared head)
 
+    reads_parent = False  # head k sees only h_t, never the tokens drafted before
+
+    @property
+    def num_stages(self) -> int:
+        return self.cfg.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.cfg.truncated_vocab_size
+
+    def start(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, H]
+        return hidden.to(self.block_w[0][0].dtype)
+
+    def stage(self, k: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head k on h_t (state [P, H]; tokens ignored) -> (state, logits [P, V]) over the target's
+        vocabulary (-inf outside token_map)."""
+        x = state
+        for j in range(self.cfg.num_layers):
+            b = self.block_b[k][j] if self.block_b is not None else None
+            x = x + F.silu(F.linear(x, self.block_w[k][j], b))
+        logits = self.target_logits(x) if self.lm_heads is None else F.linear(x, self.lm_heads[k])
+        if self.token_map is not None:  # [P, V_t] -> [P, V]
+            full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
+            full[:, self.token_map] = logits
+            logits = full
+        return state, logits
+
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, steps: int) -> torch.Tensor:
         """hidden [P, H] (h_t) -> int64[P, steps]: head k's argmax predicts x_{t+2+k}."""
-        out = []
-        for k in range(steps):
-            x = hidden.to(self.block_w[k][0].dtype)
-            for j in range(self.cfg.num_layers):
-                b = self.block_b[k][j] if self.block_b is not None else None
-                x = x + F.silu(F.linear(x, self.block_w[k][j], b))
-            logits = self.target_logits(x) if self.lm_heads is None else F.linear(x, self.lm_heads[k])
-            tok = logits.argmax(-1)
-            out.append(tok if self.token_map is None else self.token_map[tok])
-        return torch.stack(out, dim=1)
+        return draft_chain(self, hidden, tokens, steps)
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -171,5 +193,6 @@ class MedusaProposer(HiddenStateHeadProposer):
         tcfg, target = ctx.target.config, ctx.target.model
         head = MedusaHeads.load(checkpoint_dir(spec.model), hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
                                 target_logits=target.compute_logits, dtype=target.norm.dtype, device=ctx.device)
+        self.check_tree(spec.token_tree, head, "Medusa heads (number of heads)", spec.model)
         self.check_k(spec.num_speculative_tokens, head.cfg.num_heads, "Medusa heads (number of heads)", spec.model)
-        super().__init__(head, spec.num_speculative_tokens)
+        super().__init__(head, spec.num_speculative_tokens, spec.token_tree)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
-from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer, checkpoint_dir
+from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer, checkpoint_dir, draft_chain
 
 _EPS = 1e-6
 _FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -37,7 +37,7 @@ class MLPSpeculatorConfig:
     n_predict: int  # stages
     tie_weights: bool = False
     scale_input: bool = False
-    top_k_tokens_per_head: tuple[int, ...] = ()  # kept for saving; drafting is top-1
+    top_k_tokens_per_head: tuple[int, ...] = ()  # kept for saving; trees come from speculative.token_tree
     n_candidates: int = 5
 
     @classmethod
@@ -88,20 +88,36 @@ class MLPSpeculator:
         proj = [rnd(D, E)] + (([rnd(D, D)] * (n - 1)) if cfg.tie_weights else [rnd(D, D) for _ in range(n - 1)])
         return cls(cfg, emb, proj, head, ln_w, ln_b)
 
-    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, steps: int) -> torch.Tensor:
-        """hidden [P, E] (h_t), tokens int64[P] (x_{t+1}) -> int64[P, steps] argmax drafts."""
+    reads_parent = True  # stage i reads the state and the token drafted before it
+
+    @property
+    def num_stages(self) -> int:
+        return self.cfg.n_predict
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def start(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [P, E] -> [P, E]
         s = hidden.to(self.proj[0].dtype)
         if self.cfg.scale_input:
             s = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + _EPS) / math.sqrt(2)
-        y = tokens
-        out = []
-        for i in range(steps):
-            u = F.linear(s, self.proj[i]) + self.emb_scale * F.embedding(y, self.emb[i])  # [P, D]
-            u = self.ln_w[i] * (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + _EPS)) + self.ln_b[i]
-            s = F.gelu(u)
-            y = F.linear(s, self.head[i]).argmax(-1)
-            out.append(y)
-        return torch.stack(out, dim=1)
+        return s
+
+    def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """state [P, E or D], tokens int64[P] (the previous token) -> (state [P, D], logits [P, V])."""
+        u = F.linear(state, self.proj[i]) + self.emb_scale * F.embedding(tokens, self.emb[i])  # [P, D]
+        u = self.ln_w[i] * (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + _EPS)) + self.ln_b[i]
+        s = F.gelu(u)
+        return s, F.linear(s, self.head[i])
+
+    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, steps: int) -> torch.Tensor:
+        """hidden [P, E] (h_t), tokens int64[P] (x_{t+1}) -> int64[P, steps] argmax drafts."""
+        return draft_chain(self, hidden, tokens, steps)
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -159,5 +175,6 @@ class MLPSpeculatorProposer(HiddenStateHeadProposer):
         tcfg = ctx.target.config
         head = MLPSpeculator.load(checkpoint_dir(spec.model), hidden_size=tcfg.hidden_size,
                                   vocab_size=tcfg.vocab_size, dtype=ctx.target.model.norm.dtype, device=ctx.device)
+        self.check_tree(spec.token_tree, head, "MLP speculator (n_predict)", spec.model)
         self.check_k(spec.num_speculative_tokens, head.cfg.n_predict, "MLP speculator (n_predict)", spec.model)
-        super().__init__(head, spec.num_speculative_tokens)
+        super().__init__(head, spec.num_speculative_tokens, spec.token_tree)

@@ -16,7 +16,12 @@ current goodput times its cost, then stopping, is optimal. A request whose first
 pay gets none (k = 0).
 
 Estimates. a_ij: a per-request exponentially weighted estimate per position, starting from the
-engine-wide estimate for that position (itself an EWMA, starting from a prior). Costs: an online
+engine-wide estimate for that position (itself an EWMA, starting from a prior). Exploration: a
+request that gets no draft is never observed, so a low estimate would stick for good although
+the text may have turned repetitive; so a request held at zero drafts for ``probe_after`` steps
+gets one draft (a probe). A probe that fails doubles the wait (up to ``max_probe_after``); one
+that is accepted resets it. The cost of exploring a request whose drafts keep failing is thus at
+most one draft every ``max_probe_after`` steps. Costs: an online
 least-squares fit of the measured step times with exponential forgetting. Until enough steps
 are measured the policy uses the configured k. The engine uses it with
 ``speculative={"policy": "goodput"}``; seeded requests keep the configured k (their tokens must
@@ -138,14 +143,20 @@ class AcceptanceEstimates:
 class GoodputPolicy:
     """What the engine holds: acceptance estimates, the step-cost fit, and the choice."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, probe_after: int = 8, max_probe_after: int = 64):
         self.acceptance = AcceptanceEstimates(k)
         self.cost = StepCostModel()
+        self.probe_after, self.max_probe_after = probe_after, max_probe_after
+        self._wait: dict[int, int] = {}  # core id -> steps held at zero drafts before the next probe
+        self._held: dict[int, int] = {}  # core id -> steps held at zero drafts so far
 
     def observe_verification(self, core_ids, num_verified, num_accepted) -> None:
         for cid, d, a in zip(core_ids, num_verified, num_accepted):
             if d:
-                self.acceptance.record(int(cid), int(d), int(a))
+                cid = int(cid)
+                self.acceptance.record(cid, int(d), int(a))
+                wait = self._wait.get(cid, self.probe_after)
+                self._wait[cid] = self.probe_after if a else min(2 * wait, self.max_probe_after)
 
     def observe_step(self, target_tokens: int, draft_tokens: int, seconds: float) -> None:
         self.cost.record(target_tokens, draft_tokens, seconds)
@@ -156,8 +167,20 @@ class GoodputPolicy:
         if cost is None or len(core_ids) == 0:
             return max_drafts
         accept = np.stack([self.acceptance.of(int(c)) for c in core_ids])
-        return choose_num_drafts(accept, max_drafts, base_tokens, cost)
+        chosen = choose_num_drafts(accept, max_drafts, base_tokens, cost)
+        for i, c in enumerate(core_ids):
+            c = int(c)
+            if chosen[i] or not max_drafts[i]:
+                self._held.pop(c, None)
+                continue
+            held = self._held.get(c, 0) + 1
+            if held >= self._wait.get(c, self.probe_after):
+                chosen[i], held = 1, 0  # a probe: one draft
+            self._held[c] = held
+        return chosen
 
     def forget(self, core_ids) -> None:
         for c in core_ids:
             self.acceptance.forget(int(c))
+            self._wait.pop(int(c), None)
+            self._held.pop(int(c), None)

@@ -82,6 +82,21 @@ class ProposalInput:
                            dtype=np.int64, count=len(rows))
 
 
+class _Deterministic:
+    """Marks a pending proposal whose drafts are deterministic (q = one-hot) although its request
+    samples: a token tree of top-k children, possibly cut by the budget to a chain-shaped prefix
+    that the chain verifier then checks. Slicing keeps the mark (a split proposal's rest)."""
+
+    def __getitem__(self, _):
+        return self
+
+    def __repr__(self) -> str:
+        return "DETERMINISTIC"
+
+
+DETERMINISTIC = _Deterministic()
+
+
 @dataclass(frozen=True)
 class Proposal:
     core_ids: np.ndarray  # uint64[P] requests that got a (possibly empty) proposal

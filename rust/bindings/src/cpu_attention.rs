@@ -54,9 +54,11 @@ pub struct CpuPagedBatch {
 #[pymethods]
 impl CpuPagedBatch {
     /// skip: per sequence, whether `forward` leaves its output rows to the caller (its K/V is
-    /// still stored).
+    /// still stored). tree_mask int64[T] / tree_start int32[S]: token-tree masks (both or
+    /// neither; see `specinfer.attention.metadata`).
     #[new]
-    #[pyo3(signature = (slot_mapping, query_start_loc, seq_lens, block_table, block_size, skip=None))]
+    #[pyo3(signature = (slot_mapping, query_start_loc, seq_lens, block_table, block_size, skip=None, tree_mask=None, tree_start=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         slot_mapping: PyArrayLike1<'_, i64, AllowTypeChange>,
         query_start_loc: PyArrayLike1<'_, i32, AllowTypeChange>,
@@ -64,6 +66,8 @@ impl CpuPagedBatch {
         block_table: PyArrayLike2<'_, i32, AllowTypeChange>,
         block_size: usize,
         skip: Option<Vec<bool>>,
+        tree_mask: Option<PyArrayLike1<'_, i64, AllowTypeChange>>,
+        tree_start: Option<PyArrayLike1<'_, i32, AllowTypeChange>>,
     ) -> PyResult<Self> {
         let table = block_table.as_array();
         let width = table.ncols();
@@ -78,6 +82,17 @@ impl CpuPagedBatch {
         .map_err(to_py)?;
         if let Some(skip) = skip {
             layout.skip_attention(skip).map_err(to_py)?;
+        }
+        match (tree_mask, tree_start) {
+            (None, None) => {}
+            (Some(mask), Some(start)) => layout
+                .set_tree_masks(mask.as_array().to_vec(), start.as_array().to_vec())
+                .map_err(to_py)?,
+            _ => {
+                return Err(PyValueError::new_err(
+                    "tree_mask, tree_start: give both or neither",
+                ))
+            }
         }
         Ok(CpuPagedBatch { layout })
     }

@@ -235,18 +235,35 @@ impl SchedulerCore {
         Ok(req.num_output_tokens())
     }
 
+    /// Stores proposals for the next step. `draft_parents` int32[sum] (parent index
+    /// within the proposal, -1 = the root) makes them token trees; None: chains.
+    #[pyo3(signature = (req_ids, cu_num_draft, draft_token_ids, draft_parents = None))]
     fn set_draft_tokens(
         &mut self,
         py: Python<'_>,
         req_ids: PyArrayLike1<'_, u64, AllowTypeChange>,
         cu_num_draft: PyArrayLike1<'_, i32, AllowTypeChange>,
         draft_token_ids: PyArrayLike1<'_, i64, AllowTypeChange>,
+        draft_parents: Option<PyArrayLike1<'_, i64, AllowTypeChange>>,
     ) -> PyResult<()> {
         let ids = req_ids.as_array().to_vec();
         let cu = cu_num_draft.as_array().to_vec();
         let drafts = token_ids("draft_token_ids", &draft_token_ids)?;
+        let parents = match draft_parents {
+            None => None,
+            Some(p) => Some(
+                p.as_array()
+                    .iter()
+                    .map(|&x| {
+                        i32::try_from(x).map_err(|_| {
+                            invalid("draft_parents", format!("parent {x} out of range"))
+                        })
+                    })
+                    .collect::<PyResult<Vec<i32>>>()?,
+            ),
+        };
         let inner = &mut self.inner;
-        py.detach(|| inner.set_draft_tokens(&ids, &cu, &drafts))
+        py.detach(|| inner.set_draft_tokens(&ids, &cu, &drafts, parents.as_deref()))
             .map_err(to_py)
     }
 
@@ -378,6 +395,8 @@ struct SchedulerOutput {
     num_computed_tokens: Py<PyArray1<i32>>,
     num_draft_tokens: Py<PyArray1<i32>>,
     draft_token_ids: Py<PyArray1<i64>>,
+    /// int32[sum num_draft_tokens]: parent of each verified draft (-1 = root; chains -1, 0, 1, ...)
+    draft_parents: Py<PyArray1<i32>>,
     cu_num_logits: Py<PyArray1<i32>>,
     logits_indices: Py<PyArray1<i64>>,
     input_ids: Py<PyArray1<i64>>,
@@ -385,6 +404,10 @@ struct SchedulerOutput {
     slot_mapping: Py<PyArray1<i64>>,
     query_start_loc: Py<PyArray1<i32>>,
     seq_lens: Py<PyArray1<i32>>,
+    /// int64[T] tree tokens' visible nodes (bit j = node j; 0: causal); empty without tree runs
+    tree_mask: Py<PyArray1<i64>>,
+    /// int32[S] KV position of each sequence's tree root (else seq_len - query_len); empty without tree runs
+    tree_start: Py<PyArray1<i32>>,
     block_table: Py<PyArray2<i32>>,
     seq_req_indices: Py<PyArray1<i32>>,
     preempted_req_ids: Py<PyArray1<u64>>,
@@ -408,6 +431,7 @@ impl SchedulerOutput {
             num_computed_tokens: o.num_computed_tokens.into_pyarray(py).unbind(),
             num_draft_tokens: o.num_draft_tokens.into_pyarray(py).unbind(),
             draft_token_ids: o.draft_token_ids.into_pyarray(py).unbind(),
+            draft_parents: o.draft_parents.into_pyarray(py).unbind(),
             cu_num_logits: o.cu_num_logits.into_pyarray(py).unbind(),
             logits_indices: o.logits_indices.into_pyarray(py).unbind(),
             input_ids: o.input_ids.into_pyarray(py).unbind(),
@@ -415,6 +439,8 @@ impl SchedulerOutput {
             slot_mapping: o.slot_mapping.into_pyarray(py).unbind(),
             query_start_loc: o.query_start_loc.into_pyarray(py).unbind(),
             seq_lens: o.seq_lens.into_pyarray(py).unbind(),
+            tree_mask: o.tree_mask.into_pyarray(py).unbind(),
+            tree_start: o.tree_start.into_pyarray(py).unbind(),
             block_table: recycled_array2(py, o.block_table, shape, pool)?.unbind(),
             seq_req_indices: o.seq_req_indices.into_pyarray(py).unbind(),
             preempted_req_ids: o.preempted_req_ids.into_pyarray(py).unbind(),
@@ -452,6 +478,10 @@ struct UpdateOutput {
     finished_req_ids: Py<PyArray1<u64>>,
     finish_reasons: Vec<&'static str>,
     stop_token: Py<PyArray1<i64>>,
+    /// int64[C] KV copies compacting verified trees' accepted paths (flat slots); apply
+    /// `cache[dst] = cache[src]` in order to every KV cache before the next forward.
+    kv_copy_src: Py<PyArray1<i64>>,
+    kv_copy_dst: Py<PyArray1<i64>>,
 }
 
 impl UpdateOutput {
@@ -463,6 +493,8 @@ impl UpdateOutput {
             finished_req_ids: o.finished_req_ids.into_pyarray(py).unbind(),
             finish_reasons: o.finish_reasons.iter().map(|r| r.as_str()).collect(),
             stop_token: o.stop_token.into_pyarray(py).unbind(),
+            kv_copy_src: o.kv_copy_src.into_pyarray(py).unbind(),
+            kv_copy_dst: o.kv_copy_dst.into_pyarray(py).unbind(),
         }
     }
 }

@@ -16,6 +16,12 @@
 //! and sum per query row, accumulator rescaled when the max grows), in f32 whatever the element
 //! type, with the vector primitives of the instruction set chosen at run time (`simd`).
 //!
+//! Token trees: a run may carry tree masks ([`BatchLayout::set_tree_masks`]). For a token with
+//! `tree_mask[t] != 0` of run s, key position p is visible iff `p < tree_start[s]`, or bit
+//! `p - tree_start[s]` (< 64) of its mask is set; every other token is causal as above. Items of
+//! runs without tree tokens take exactly the causal code path; tree items add one bit test per
+//! (row, key) of the <= 64 keys from `tree_start[s]` on.
+//!
 //! Costs: O(sum over runs of n * seq_len * num_heads * head_dim) arithmetic, reading each K/V row
 //! of a run once per (kv head, query tile); scratch O(tile rows * head_dim) per item.
 
@@ -172,9 +178,35 @@ pub struct BatchLayout {
     block_table: Vec<i32>,  // [S, table_width] row-major
     table_width: usize,
     block_size: usize,
-    max_block: i64,  // largest block id a run reads (-1: none)
-    max_slot: i64,   // largest slot a token writes (-1: none)
+    max_block: i64,          // largest block id a run reads (-1: none)
+    max_slot: i64,           // largest slot a token writes (-1: none)
     skip: Vec<bool>, // [S] runs `paged_attention` leaves to the caller (their KV is still stored)
+    tree: Option<TreeMasks>, // None: every token is causal
+}
+
+/// Tree masks of a batch (see the module doc), validated by `set_tree_masks`.
+#[derive(Clone, Debug)]
+struct TreeMasks {
+    mask: Vec<u64>, // [T] bit j: the key at tree_start + j is visible; 0: a causal token
+    start: Vec<usize>, // [S] KV position of each run's tree root
+    has_tree: Vec<bool>, // [S] whether the run has a tree token
+}
+
+/// Keys visible to tree masks hold at most this many positions past `tree_start`.
+pub const TREE_SLOTS: usize = 64;
+
+/// The last key position (< seq_len) a tree token may see: the prefix before `start` or the
+/// highest bit of its mask.
+#[inline(always)]
+fn tree_limit(mask: u64, start: usize, seq_len: usize) -> usize {
+    let high = start + (63 - mask.leading_zeros() as usize);
+    high.max(start.saturating_sub(1)).min(seq_len - 1)
+}
+
+/// Whether a tree token (mask != 0) of a run rooted at `start` sees key position `pos`.
+#[inline(always)]
+fn tree_visible(mask: u64, start: usize, pos: usize) -> bool {
+    pos < start || (pos - start < TREE_SLOTS && (mask >> (pos - start)) & 1 == 1)
 }
 
 impl BatchLayout {
@@ -273,7 +305,70 @@ impl BatchLayout {
             max_block,
             max_slot,
             skip: vec![false; s],
+            tree: None,
         })
+    }
+
+    /// Attach token-tree masks: `tree_mask` int64[T] (bit patterns; 0 = causal token) and
+    /// `tree_start` int32[S] (read only for runs with a tree token). Every tree token must see
+    /// key 0 (`tree_start > 0` or bit 0 set: the root), so no row is left without a key.
+    pub fn set_tree_masks(
+        &mut self,
+        tree_mask: Vec<i64>,
+        tree_start: Vec<i32>,
+    ) -> Result<(), AttentionError> {
+        let (t, s) = (self.num_tokens(), self.num_seqs());
+        if tree_mask.len() != t {
+            return err(
+                "tree_mask",
+                format!("has {} entries for {t} tokens", tree_mask.len()),
+            );
+        }
+        if tree_start.len() != s {
+            return err(
+                "tree_start",
+                format!("has {} entries for {s} sequences", tree_start.len()),
+            );
+        }
+        let mask: Vec<u64> = tree_mask.iter().map(|&m| m as u64).collect();
+        let mut has_tree = vec![false; s];
+        let mut start = vec![0usize; s];
+        for i in 0..s {
+            let tokens = self.query_start_loc[i] as usize..self.query_start_loc[i + 1] as usize;
+            has_tree[i] = mask[tokens.clone()].iter().any(|&m| m != 0);
+            if !has_tree[i] {
+                continue;
+            }
+            let (ts, len) = (tree_start[i], self.seq_lens[i]);
+            if ts < 0 || ts > len {
+                return err(
+                    "tree_start",
+                    format!("sequence {i}: {ts} is outside its context 0..={len}"),
+                );
+            }
+            start[i] = ts as usize;
+            if let Some(tok) = tokens.into_iter().find(|&tok| {
+                let m = mask[tok];
+                m != 0 && ts == 0 && m & 1 == 0
+            }) {
+                return err(
+                    "tree_mask",
+                    format!(
+                        "token {tok} (sequence {i}, tree_start 0) does not see its root (bit 0)"
+                    ),
+                );
+            }
+        }
+        self.tree = if has_tree.iter().any(|&h| h) {
+            Some(TreeMasks {
+                mask,
+                start,
+                has_tree,
+            })
+        } else {
+            None
+        };
+        Ok(())
     }
 
     /// Leave the flagged runs' output rows to the caller (who attends them some other way);
@@ -545,7 +640,11 @@ unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out
             limit[r] = context_start + it.q0 + i;
         }
     }
-    let num_keys = context_start + it.q1; // keys 0 .. num_keys-1 are visible to some row
+    let tree = item_tree(ctx, it, start, &mut limit, rows);
+    let num_keys = match &tree {
+        None => context_start + it.q1, // keys 0 .. num_keys-1 are visible to some row
+        Some(_) => limit.iter().max().map_or(0, |&l| l + 1),
+    };
     let mut acc = vec![0.0f32; rows * d];
     let mut run_max = vec![f32::NEG_INFINITY; rows];
     let mut run_sum = vec![0.0f32; rows];
@@ -558,7 +657,12 @@ unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out
             let off = offsets[c];
             let krow = E::row(&ctx.k_cache[off..off + d], &mut scratch);
             for r in 0..rows {
-                p[r * KEY_CHUNK + c] = if k0 + c <= limit[r] {
+                let visible = k0 + c <= limit[r]
+                    && match &tree {
+                        None => true,
+                        Some((ts, masks)) => masks[r] == 0 || tree_visible(masks[r], *ts, k0 + c),
+                    };
+                p[r * KEY_CHUNK + c] = if visible {
                     L::dot(&qt[r * d..(r + 1) * d], krow)
                 } else {
                     f32::NEG_INFINITY
@@ -642,8 +746,15 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
             limit[r] = context_start + it.q0 + i;
         }
     }
-    let first_limit = context_start + it.q0; // the smallest limit (the tile's first token)
-    let num_keys = context_start + it.q1;
+    let tree = item_tree(ctx, it, start, &mut limit, mp);
+    let (first_limit, num_keys) = match &tree {
+        // the smallest limit (the tile's first token), keys any row sees
+        None => (context_start + it.q0, context_start + it.q1),
+        Some(_) => (
+            limit[..rows].iter().copied().min().unwrap_or(0),
+            limit[..rows].iter().max().map_or(0, |&l| l + 1),
+        ),
+    };
     let mut acc = vec![0.0f32; rows * d];
     let mut run_max = vec![f32::NEG_INFINITY; mp];
     let mut run_sum = vec![0.0f32; mp];
@@ -683,6 +794,18 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
                 let pos = k0 + c;
                 for r in 0..rows {
                     if pos > limit[r] {
+                        p[c * mp + r] = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        if let Some((ts, masks)) = &tree {
+            // keys ts .. ts + 64 of this chunk: tree rows see only their mask's bits
+            let (lo, hi) = (k0.max(*ts), (k0 + kn).min(ts + TREE_SLOTS));
+            for pos in lo..hi {
+                let c = pos - k0;
+                for r in 0..rows {
+                    if masks[r] != 0 && (masks[r] >> (pos - ts)) & 1 == 0 {
                         p[c * mp + r] = f32::NEG_INFINITY;
                     }
                 }
@@ -742,6 +865,35 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
             }
         }
     }
+}
+
+/// The item's tree, when its run has tree tokens: (root position, mask per row r = i * group + j,
+/// `rows_padded` long, 0 for causal and padding rows). Tree rows' `limit` becomes their last
+/// visible key.
+fn item_tree<E>(
+    ctx: &Ctx<'_, E>,
+    it: &Item,
+    start: usize,
+    limit: &mut [usize],
+    rows_padded: usize,
+) -> Option<(usize, Vec<u64>)> {
+    let tree = ctx.layout.tree.as_ref()?;
+    if !tree.has_tree[it.seq] {
+        return None;
+    }
+    let (g, ts) = (ctx.group, tree.start[it.seq]);
+    let seq_len = ctx.layout.seq_lens[it.seq] as usize;
+    let mut masks = vec![0u64; rows_padded];
+    for i in 0..it.q1 - it.q0 {
+        let m = tree.mask[start + it.q0 + i];
+        if m != 0 {
+            for j in 0..g {
+                masks[i * g + j] = m;
+                limit[i * g + j] = tree_limit(m, ts, seq_len);
+            }
+        }
+    }
+    Some((ts, masks))
 }
 
 /// Cache offsets of key rows k0 .. k0 + out.len() of one kv head: one division per chunk,

@@ -125,6 +125,17 @@ fn view<'a, E>(data: &'a [E], b: &Batch, offset_heads: usize, heads: usize) -> S
 
 /// Dense causal attention in f64, [T, h, d].
 fn oracle(b: &Batch, qkv: &[f32], scale: f64) -> Vec<f64> {
+    oracle_masked(b, qkv, scale, &|s, i, p| p <= b.runs[s].0 + i)
+}
+
+/// Dense attention in f64, [T, h, d]: query token i of run s sees key position p iff
+/// `visible(s, i, p)` (p over the run's whole context).
+fn oracle_masked(
+    b: &Batch,
+    qkv: &[f32],
+    scale: f64,
+    visible: &dyn Fn(usize, usize, usize) -> bool,
+) -> Vec<f64> {
     let (h, hkv, d) = (b.geo.num_heads, b.geo.num_kv_heads, b.geo.head_dim);
     let g = h / hkv;
     let mut out = vec![];
@@ -134,9 +145,12 @@ fn oracle(b: &Batch, qkv: &[f32], scale: f64) -> Vec<f64> {
             for head in 0..h {
                 let kvh = head / g;
                 let q = &qkv[tok * b.qkv_stride + head * d..][..d];
-                let keys = c + i + 1;
+                let keys = c + n;
                 let scores: Vec<f64> = (0..keys)
                     .map(|p| {
+                        if !visible(s, i, p) {
+                            return f64::NEG_INFINITY;
+                        }
                         let k = &b.full_k[s][(p * hkv + kvh) * d..][..d];
                         q.iter()
                             .zip(k)
@@ -433,4 +447,178 @@ fn skipped_runs_are_left_untouched_and_the_rest_still_match() {
         }
         tok += n;
     }
+}
+
+/// A run's tree: its root sits at position `root` of the context; `nodes[i]` = the key positions
+/// (relative to the root) query token i of the run may see there, as an explicit list.
+struct TreeRun {
+    root: usize,
+    visible: Vec<Vec<usize>>,
+}
+
+/// Random parent arrays (parent < own index, -1 = child of the root) -> each node's explicit
+/// ancestor-or-self list, root (0) included; node i sits at relative position i + 1.
+fn random_tree(rng: &mut Rng, nodes: usize) -> Vec<Vec<usize>> {
+    let mut parents: Vec<i64> = vec![];
+    for i in 0..nodes {
+        let u = ((rng.next() + 1.0) * 0.5 * (i + 1) as f32) as i64;
+        parents.push(u.min(i as i64) - 1);
+    }
+    let mut lists = vec![vec![0usize]];
+    for i in 0..nodes {
+        let mut seen = vec![i + 1];
+        let mut p = parents[i];
+        while p >= 0 {
+            seen.push(p as usize + 1);
+            p = parents[p as usize];
+        }
+        seen.push(0);
+        lists.push(seen);
+    }
+    lists
+}
+
+fn mask_bits(list: &[usize]) -> i64 {
+    list.iter().fold(0u64, |m, &j| m | (1u64 << j)) as i64
+}
+
+/// Mixed batches with token trees next to causal runs: MQA tree runs (root + nodes as one run)
+/// and batch-expanded nodes (single-token runs whose context ends at the node), against the
+/// oracle with explicit visibility lists.
+fn check_trees(
+    cached: &[usize],
+    bs: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    isa: Isa,
+    threads: usize,
+    seed: u64,
+) {
+    let mut rng = Rng(seed | 1);
+    // runs: a prefill chunk, a decode, a chain verification, then trees (the tree sizes
+    // include 63 nodes: bit 63, the sign bit of the int64 mask)
+    let mut runs: Vec<(usize, usize)> = vec![(cached[0], 37), (cached[1], 1), (cached[2], 5)];
+    let mut trees: Vec<Option<TreeRun>> = vec![None, None, None];
+    for (k, &nodes) in [63usize, 9, 1, 30].iter().enumerate() {
+        let c = cached[(3 + k) % cached.len()];
+        let lists = random_tree(&mut rng, nodes);
+        runs.push((c, nodes + 1)); // MQA: root + every node in one run
+        trees.push(Some(TreeRun {
+            root: c,
+            visible: lists.clone(),
+        }));
+        // the same tree queried in reverse: a row's mask may name slots after its own position
+        // (a proposer's query need not be the context's last tokens)
+        runs.push((c, nodes + 1));
+        trees.push(Some(TreeRun {
+            root: c,
+            visible: lists.iter().rev().cloned().collect(),
+        }));
+        for node in [nodes, nodes / 2] {
+            // batch expansion: node `node` alone, its context ending at its own position
+            runs.push((c + node, 1));
+            trees.push(Some(TreeRun {
+                root: c,
+                visible: vec![lists[node].clone()],
+            }));
+        }
+    }
+    let mut b = make_batch(&runs, bs, h, hkv, d, seed);
+    let mut mask = vec![];
+    let mut start = vec![];
+    for (s, &(c, n)) in runs.iter().enumerate() {
+        match &trees[s] {
+            None => {
+                mask.extend(std::iter::repeat_n(0i64, n));
+                start.push(c as i32);
+            }
+            Some(t) => {
+                mask.extend(t.visible.iter().map(|l| mask_bits(l)));
+                start.push(t.root as i32);
+            }
+        }
+    }
+    b.layout.set_tree_masks(mask, start).unwrap();
+    let scale = 1.0 / (d as f32).sqrt();
+    let qkv = b.qkv.clone();
+    store_kv(
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, h, hkv),
+        view(&qkv, &b, h + hkv, hkv),
+        &mut b.cache,
+    )
+    .unwrap();
+    let mut out = vec![0.0f32; b.layout.num_tokens() * h * d];
+    paged_attention(
+        isa,
+        threads,
+        &b.layout,
+        &b.geo,
+        view(&qkv, &b, 0, h),
+        &b.cache,
+        &mut out,
+        scale,
+    )
+    .unwrap();
+    let visible = |s: usize, i: usize, p: usize| match &trees[s] {
+        None => p <= runs[s].0 + i,
+        Some(t) => p < t.root || t.visible[i].contains(&(p - t.root)),
+    };
+    let want = oracle_masked(&b, &qkv, scale as f64, &visible);
+    for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
+        assert!(
+            (o as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(),
+            "{isa:?} threads={threads} cached={cached:?} bs={bs} h={h} hkv={hkv} d={d}: element {i}: {o} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn tree_masks_match_dense_oracle_in_mixed_batches() {
+    for isa in Isa::supported() {
+        for (bs, cached) in [(1, [0, 5, 3, 0]), (4, [7, 0, 12, 2]), (16, [40, 3, 70, 31])] {
+            for (h, hkv) in [(4, 4), (8, 2), (8, 1)] {
+                for d in [8, 32] {
+                    let seed = (bs * 31 + h * 7 + hkv * 3 + d) as u64;
+                    check_trees(&cached, bs, h, hkv, d, isa, 1, seed);
+                }
+            }
+        }
+        check_trees(&[33, 1, 64, 2], 8, 4, 2, 64, isa, 3, 77);
+    }
+}
+
+#[test]
+fn bad_tree_masks_are_refused_naming_the_field() {
+    let mut layout = BatchLayout::new(vec![0, 1], vec![0, 2], vec![2], vec![0], 1, 4).unwrap();
+    assert_eq!(
+        layout.set_tree_masks(vec![1], vec![0]).unwrap_err().field,
+        "tree_mask"
+    );
+    assert_eq!(
+        layout
+            .set_tree_masks(vec![1, 3], vec![0, 0])
+            .unwrap_err()
+            .field,
+        "tree_start"
+    );
+    assert_eq!(
+        layout
+            .set_tree_masks(vec![1, 3], vec![3])
+            .unwrap_err()
+            .field,
+        "tree_start"
+    );
+    assert_eq!(
+        layout
+            .set_tree_masks(vec![1, 2], vec![0])
+            .unwrap_err()
+            .field,
+        "tree_mask" // the second token cannot see key 0: a row without keys
+    );
+    layout.set_tree_masks(vec![1, 3], vec![0]).unwrap();
+    layout.set_tree_masks(vec![0, 0], vec![-5]).unwrap(); // no tree token: tree_start unread
+    assert!(layout.tree.is_none());
 }

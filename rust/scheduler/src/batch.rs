@@ -4,8 +4,14 @@
 //! L = logits rows, W = widest block table row in the batch). With
 //! `batch_expansion`, a verification run of `1 + k` tokens becomes `1 + k`
 //! single-token sequences sharing the request's block table row; otherwise S == R.
+//!
+//! A tree run (docs/trees.md) is the root at position c plus its m nodes: node i
+//! (root = 0) has KV slot position c + i, RoPE position (`positions`) c + depth(i),
+//! a logits row, and `tree_mask` bit j set for every node j it may see. `tree_mask`
+//! and `tree_start` are allocated only when the batch holds a tree run.
 
 use crate::request::{Request, RequestId};
+use crate::tree::TreeLayout;
 
 /// One request's share of a step, decided by the scheduler.
 #[derive(Debug, Clone, Copy)]
@@ -25,6 +31,9 @@ pub struct ScheduledRun {
     pub sampled: bool,
     /// The run is a prompt chunk (see `Request::is_prefilling`).
     pub is_prefill: bool,
+    /// The run verifies a token tree: root + `num_draft_tokens` >= 1 nodes (the first
+    /// ones of the request's tree proposal).
+    pub is_tree: bool,
     /// Prefix-cache hit tokens found on this admission, else 0.
     pub num_cached_tokens: u32,
     /// Admitted from the waiting queue by this step (undone by `cancel_step`).
@@ -41,13 +50,16 @@ pub struct SchedulerOutput {
     pub num_computed_tokens: Vec<i32>,  // [R]
     pub num_draft_tokens: Vec<i32>,     // [R] drafts verified (rows - 1, or rows when split)
     pub draft_token_ids: Vec<i64>,      // [sum num_draft_tokens] the verified drafts
+    pub draft_parents: Vec<i32>,        // [sum num_draft_tokens] -1: root; chains -1, 0, 1..
     pub cu_num_logits: Vec<i32>,        // [R + 1]
     pub logits_indices: Vec<i64>,       // [L] rows of the token batch, request order
     pub input_ids: Vec<i64>,            // [T]
-    pub positions: Vec<i64>,            // [T]
+    pub positions: Vec<i64>,            // [T] RoPE positions
     pub slot_mapping: Vec<i64>,         // [T] block_id * block_size + pos % block_size
     pub query_start_loc: Vec<i32>,      // [S + 1]
-    pub seq_lens: Vec<i32>,             // [S] context incl. this query
+    pub seq_lens: Vec<i32>,             // [S] KV context incl. this query
+    pub tree_mask: Vec<i64>,            // [T] bit j: sees tree node j; 0: causal; [] if no tree
+    pub tree_start: Vec<i32>,           // [S] root's KV position (seq_len - query_len if no tree)
     pub block_table: Vec<i32>,          // [S * W] row-major, padded with 0
     pub block_table_width: usize,       // W
     pub seq_req_indices: Vec<i32>,      // [S]
@@ -111,15 +123,16 @@ pub fn pack(
         .map(|x| req(x).block_ids.len())
         .max()
         .unwrap_or(0);
+    let num_verified: usize = runs.iter().map(|x| x.num_verified_drafts as usize).sum();
+    let has_tree = runs.iter().any(|x| x.is_tree);
 
     let mut out = SchedulerOutput {
         req_ids: Vec::with_capacity(r),
         num_scheduled_tokens: Vec::with_capacity(r),
         num_computed_tokens: Vec::with_capacity(r),
         num_draft_tokens: Vec::with_capacity(r),
-        draft_token_ids: Vec::with_capacity(
-            runs.iter().map(|x| x.num_verified_drafts as usize).sum(),
-        ),
+        draft_token_ids: Vec::with_capacity(num_verified),
+        draft_parents: Vec::with_capacity(num_verified),
         cu_num_logits: Vec::with_capacity(r + 1),
         logits_indices: Vec::with_capacity(
             runs.iter()
@@ -146,6 +159,12 @@ pub fn pack(
         seq_req_indices: Vec::with_capacity(s),
         preempted_req_ids: preempted,
         num_cached_tokens: Vec::with_capacity(r),
+        tree_mask: if has_tree { vec![0; t] } else { Vec::new() },
+        tree_start: if has_tree {
+            Vec::with_capacity(s)
+        } else {
+            Vec::new()
+        },
         total_num_scheduled_tokens: t,
         ..Default::default()
     };
@@ -169,11 +188,34 @@ pub fn pack(
                 .map(|&t| t as i64),
         );
         out.num_cached_tokens.push(run.num_cached_tokens as i32);
+        let v = run.num_verified_drafts as usize;
+        let tree = if run.is_tree {
+            debug_assert!(c + 1 == rq.num_tokens() && n == 1 + v);
+            let parents = &rq.draft_parents[..v];
+            out.draft_parents.extend_from_slice(parents);
+            Some(TreeLayout::new(parents))
+        } else {
+            out.draft_parents.extend(-1..v as i32 - 1);
+            None
+        };
         for pos in c..c + n {
             out.input_ids.push(rq.token_with_spec(pos) as i64);
-            out.positions.push(pos as i64);
             let block = rq.block_ids[pos / bs] as i64;
             out.slot_mapping.push(block * bs as i64 + (pos % bs) as i64);
+        }
+        match &tree {
+            None => out.positions.extend(c as i64..(c + n) as i64),
+            Some(tl) => {
+                // a tree run starts at its root: token i is tree node i
+                out.positions
+                    .extend(tl.depth[..n].iter().map(|&d| (c + d as usize) as i64));
+                for (dst, &m) in out.tree_mask[start_tok..start_tok + n]
+                    .iter_mut()
+                    .zip(&tl.mask[..n])
+                {
+                    *dst = m as i64;
+                }
+            }
         }
         if run.sampled {
             let k = run.num_draft_tokens as usize;
@@ -202,6 +244,11 @@ pub fn pack(
             };
             out.query_start_loc.push(q_end as i32);
             out.seq_lens.push(seq_len as i32);
+            if has_tree {
+                let q_len = if expand { 1 } else { n };
+                let root = if tree.is_some() { c } else { seq_len - q_len };
+                out.tree_start.push(root as i32);
+            }
             out.seq_req_indices.push(row as i32);
             // one write per entry: the row, then its zero padding
             out.block_table

@@ -7,11 +7,13 @@ use crate::error::{CoreError, Result};
 use crate::kv_cache_manager::cdiv;
 use crate::request::RequestStatus;
 use crate::scheduler::Scheduler;
+use crate::tree::{is_chain, MAX_TREE_NODES};
 
 impl Scheduler {
     /// Describes the first broken invariant: free-list integrity, ref counts equal
     /// to block-table references (no leaks), free + used == total, computed <=
-    /// tokens, queue membership, caps.
+    /// tokens, queue membership, caps, draft trees well formed and only on
+    /// decoding requests.
     pub fn check_invariants(&self) -> Result<()> {
         let broken = |msg: String| Err(CoreError::InvariantViolation(msg));
         let pool = &self.kv.pool;
@@ -66,6 +68,29 @@ impl Scheduler {
                         "request {}: computed tokens without KV slots",
                         req.id
                     ));
+                }
+                if req.has_draft_tree() {
+                    let (d, p) = (&req.draft_token_ids, &req.draft_parents);
+                    let valid = p.len() == d.len()
+                        && p.len() <= MAX_TREE_NODES
+                        && p.iter().enumerate().all(|(k, &x)| x >= -1 && x < k as i32)
+                        && !is_chain(p);
+                    if !valid {
+                        return broken(format!(
+                            "request {}: draft tree with parents {p:?} for {} drafts",
+                            req.id,
+                            d.len()
+                        ));
+                    }
+                    // set only when decoding; dropped by preemption
+                    if status == RequestStatus::Waiting
+                        || req.num_computed_tokens + 1 < req.num_tokens()
+                    {
+                        return broken(format!(
+                            "request {}: a draft tree on a request that is not decoding",
+                            req.id
+                        ));
+                    }
                 }
                 if req.block_hashes.len() > req.block_ids.len() {
                     return broken(format!("request {}: more block hashes than blocks", req.id));

@@ -15,6 +15,7 @@ pub mod ngram;
 pub mod padding;
 pub mod request;
 pub mod scheduler;
+pub mod tree;
 pub mod update;
 
 pub use batch::{ScheduledRun, SchedulerOutput};
@@ -24,4 +25,5 @@ pub use error::{CoreError, Result};
 pub use padding::TokenPadding;
 pub use request::{FinishReason, Request, RequestId, RequestStatus, StopParams};
 pub use scheduler::{Scheduler, SchedulerStats};
+pub use tree::MAX_TREE_NODES;
 pub use update::UpdateOutput;

@@ -10,7 +10,9 @@
 //! - they write their K/V into the **null block**, one block past the pool
 //!   (`null_block >= num_blocks`), which the KV cache allocates but the pool never hands out,
 //!   so no real KV slot is ever read or written by a padded row;
-//! - `input_ids` 0, `positions` 0: any valid embedding row and rotary angle.
+//! - `input_ids` 0, `positions` 0: any valid embedding row and rotary angle;
+//! - `tree_mask` 0 (when the batch has tree runs): ordinary tokens; `tree_start`, per
+//!   sequence, is untouched.
 //!
 //! `total_num_scheduled_tokens` stays the real count; `input_ids.len() - total` is the padding.
 
@@ -76,6 +78,9 @@ impl TokenPadding {
         let base = self.null_block as i64 * block_size as i64;
         out.input_ids.resize(t + n, 0);
         out.positions.resize(t + n, 0);
+        if !out.tree_mask.is_empty() {
+            out.tree_mask.resize(t + n, 0);
+        }
         out.slot_mapping.reserve(n);
         for j in 0..n {
             out.slot_mapping.push(base + (j % block_size) as i64);
@@ -124,6 +129,20 @@ mod tests {
             (out.logits_indices, out.total_num_scheduled_tokens),
             (vec![4], 5)
         );
+    }
+
+    #[test]
+    fn a_tree_batch_pads_its_tree_mask_with_causal_zeros() {
+        let p = TokenPadding::new(vec![8], 7, 7).unwrap();
+        let mut out = batch(5);
+        out.tree_mask = vec![0, 0, 1, 3, 5];
+        out.tree_start = vec![2];
+        assert_eq!(p.pad(&mut out, 2), 3);
+        assert_eq!(out.tree_mask, vec![0, 0, 1, 3, 5, 0, 0, 0]);
+        assert_eq!(out.tree_start, vec![2]);
+        let mut chain = batch(5); // no tree run: the tree arrays stay empty
+        p.pad(&mut chain, 2);
+        assert!(chain.tree_mask.is_empty() && chain.tree_start.is_empty());
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //!   emitted token is the next query.
 //! - `draft_token_ids` are appended virtually: `num_tokens_with_spec()` counts them,
 //!   and a verification run is the last token plus the drafts.
+//! - `draft_parents` (empty = a chain) makes the proposal a token tree (see `tree`):
+//!   the drafts then sit at consecutive KV slots after the root but at RoPE positions
+//!   root + depth, and only the accepted path is kept.
 
 use crate::block_pool::{BlockHash, BlockId};
 
@@ -63,6 +66,9 @@ pub struct Request {
     pub num_computed_tokens: usize,
     /// The proposal awaiting verification; cleared after the step that verified it.
     pub draft_token_ids: Vec<u32>,
+    /// Parent of each draft (-1 = the root) when the proposal is a tree that is not a
+    /// chain; empty for a chain (and for no proposal).
+    pub draft_parents: Vec<i32>,
     pub stop: StopParams,
     pub status: RequestStatus,
     /// The request's block table row: block i holds positions [i*bs, (i+1)*bs).
@@ -81,6 +87,7 @@ impl Request {
             token_ids: prompt,
             num_computed_tokens: 0,
             draft_token_ids: Vec::new(),
+            draft_parents: Vec::new(),
             stop,
             status: RequestStatus::Waiting,
             block_ids: Vec::new(),
@@ -95,6 +102,18 @@ impl Request {
 
     pub fn num_output_tokens(&self) -> usize {
         self.token_ids.len() - self.num_prompt_tokens
+    }
+
+    /// Whether the pending proposal is a tree (not a chain).
+    #[inline]
+    pub fn has_draft_tree(&self) -> bool {
+        !self.draft_parents.is_empty()
+    }
+
+    /// Drops the pending proposal (chain or tree).
+    pub fn clear_drafts(&mut self) {
+        self.draft_token_ids.clear();
+        self.draft_parents.clear();
     }
 
     pub fn num_tokens_with_spec(&self) -> usize {

@@ -8,7 +8,9 @@
 //!    token budget. A budget cut splits a verification: the run verifies the drafts
 //!    in its query plus the next one (scored by its last row), and the rest of the
 //!    proposal waits for the next step, so a cut never changes what is emitted
-//!    (the same drafts meet the same verification, only later). If its KV
+//!    (the same drafts meet the same verification, only later). A token tree is
+//!    cut, not split: the run keeps the first nodes that fit (still a tree, with a
+//!    bonus row) and the rest of the tree is dropped. If its KV
 //!    slots cannot be allocated, the most recently admitted running request is
 //!    preempted (recompute) until the allocation succeeds or the request itself
 //!    was the one preempted.
@@ -18,8 +20,9 @@
 //!
 //! Every run whose logits are sampled reserves `num_lookahead_tokens` more slots.
 //!
-//! `update` applies the step's emitted tokens: rollback of rejected drafts, stop
-//! conditions (never overshooting), prefix caching of confirmed blocks, freeing.
+//! `update` (update.rs) applies the step's emitted tokens: rollback of rejected
+//! drafts, compaction of a tree's accepted path, stop conditions (never
+//! overshooting), prefix caching of confirmed blocks, freeing.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -29,8 +32,9 @@ use crate::error::{CoreError, Result};
 use crate::hash::FxBuildHasher;
 use crate::kv_cache_manager::{CachedPrefix, KvCacheManager};
 use crate::ngram::{propose_with, NgramScratch};
-use crate::request::{FinishReason, Request, RequestId, RequestStatus, StopParams};
-use crate::update::{validate_cu, UpdateOutput};
+use crate::request::{Request, RequestId, RequestStatus, StopParams};
+use crate::tree::{is_chain, validate_draft_parents};
+use crate::update::validate_cu;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
@@ -48,7 +52,7 @@ pub struct Scheduler {
     pub(crate) kv: KvCacheManager,
     /// Slab of live requests; `index` maps ids to slots.
     pub(crate) requests: Vec<Option<Request>>,
-    free_slots: Vec<u32>,
+    pub(crate) free_slots: Vec<u32>,
     pub(crate) index: HashMap<RequestId, u32, FxBuildHasher>,
     pub(crate) waiting: VecDeque<u32>,
     /// In admission order: the last one is preempted first.
@@ -174,13 +178,16 @@ impl Scheduler {
     }
 
     /// Stores each request's proposal for the next step, clamped so verification
-    /// never passes `max_tokens` or `max_model_len`. Requests that are unknown or
-    /// not decoding (waiting, or mid-prefill) are ignored.
+    /// never passes `max_tokens` or `max_model_len` (clamping keeps the first nodes,
+    /// still a tree). `draft_parents` (one per draft, -1 = child of the root) makes a
+    /// proposal a token tree; None, or a chain's parents, give chains. Requests that
+    /// are unknown or not decoding (waiting, or mid-prefill) are ignored.
     pub fn set_draft_tokens(
         &mut self,
         req_ids: &[RequestId],
         cu_num_draft: &[i32],
         drafts: &[u32],
+        draft_parents: Option<&[i32]>,
     ) -> Result<()> {
         if self.pending_update {
             return Err(CoreError::InvalidCallOrder(
@@ -188,6 +195,9 @@ impl Scheduler {
             ));
         }
         validate_cu("cu_num_draft", cu_num_draft, req_ids.len(), drafts.len())?;
+        if let Some(parents) = draft_parents {
+            validate_draft_parents(parents, cu_num_draft, drafts.len())?;
+        }
         for (i, id) in req_ids.iter().enumerate() {
             let Some(&slot) = self.index.get(id) else {
                 continue;
@@ -200,12 +210,19 @@ impl Scheduler {
             {
                 continue;
             }
-            let d = &drafts[cu_num_draft[i] as usize..cu_num_draft[i + 1] as usize];
+            let range = cu_num_draft[i] as usize..cu_num_draft[i + 1] as usize;
+            let d = &drafts[range.clone()];
             let n = d
                 .len()
                 .min(req.max_num_draft_tokens(self.config.max_model_len));
-            req.draft_token_ids.clear();
+            req.clear_drafts();
             req.draft_token_ids.extend_from_slice(&d[..n]);
+            if let Some(parents) = draft_parents {
+                let p = &parents[range][..n];
+                if !is_chain(p) {
+                    req.draft_parents.extend_from_slice(p);
+                }
+            }
         }
         Ok(())
     }
@@ -321,6 +338,7 @@ impl Scheduler {
                 num_verified_drafts: verified_drafts(req, end, sampled),
                 sampled,
                 is_prefill: req.is_prefilling(),
+                is_tree: req.has_draft_tree() && sampled && end > req.num_tokens(),
                 num_cached_tokens: 0,
                 newly_admitted: false,
                 num_blocks_before,
@@ -387,6 +405,7 @@ impl Scheduler {
                 num_verified_drafts: verified_drafts(req, cached + n, sampled),
                 sampled,
                 is_prefill: req.is_prefilling(),
+                is_tree: false, // preemption drops a tree proposal
                 num_cached_tokens: cached as u32,
                 newly_admitted: true,
                 num_blocks_before: 0,
@@ -398,13 +417,17 @@ impl Scheduler {
     }
 
     /// Recompute preemption: free the blocks, forget the KV, go to the front of the
-    /// waiting queue (output so far is kept and recomputed; the proposal is kept
-    /// and verified once the recompute reaches its end).
+    /// waiting queue (output so far is kept and recomputed; a chain proposal is kept
+    /// and verified once the recompute reaches its end, a tree proposal is dropped:
+    /// a tree run starts at its root, never inside a recompute).
     fn preempt(&mut self, slot: u32, preempted: &mut Vec<RequestId>) {
         let req = self.requests[slot as usize]
             .as_mut()
             .expect("preempted slot is live");
         self.kv.free(req);
+        if req.has_draft_tree() {
+            req.clear_drafts();
+        }
         req.num_computed_tokens = 0;
         req.status = RequestStatus::Waiting;
         self.waiting.push_front(slot);
@@ -465,118 +488,19 @@ impl Scheduler {
         self.runs.clear();
         true
     }
-
-    /// Applies the emitted tokens of the pending step (see the module doc).
-    pub fn update(
-        &mut self,
-        sampled_token_ids: &[u32],
-        cu_num_sampled: &[i32],
-    ) -> Result<UpdateOutput> {
-        if !self.pending_update {
-            return Err(CoreError::InvalidCallOrder(
-                "update() called without a pending non-empty schedule()",
-            ));
-        }
-        validate_cu(
-            "cu_num_sampled",
-            cu_num_sampled,
-            self.runs.len(),
-            sampled_token_ids.len(),
-        )?;
-        for (i, run) in self.runs.iter().enumerate() {
-            let emitted = (cu_num_sampled[i + 1] - cu_num_sampled[i]) as u32;
-            let max = if run.sampled {
-                1 + run.num_draft_tokens
-            } else {
-                0
-            };
-            let min = u32::from(run.sampled);
-            if emitted < min || emitted > max {
-                return Err(CoreError::invalid(
-                    "cu_num_sampled",
-                    format!(
-                        "request {} emitted {emitted} tokens; expected {min}..={max}",
-                        run.req_id
-                    ),
-                ));
-            }
-        }
-        self.pending_update = false;
-        let step = self.stats.num_steps - 1;
-        let max_len = self.config.max_model_len;
-        let mut out = UpdateOutput::with_capacity(self.runs.len(), sampled_token_ids.len());
-        let mut any_finished = false;
-        for (i, run) in self.runs.iter().enumerate() {
-            let Some(req) = self.requests[run.slot as usize].as_mut() else {
-                continue;
-            };
-            if req.id != run.req_id
-                || req.last_scheduled_step != step
-                || req.status != RequestStatus::Running
-            {
-                continue; // aborted (and maybe replaced) since schedule()
-            }
-            let tokens =
-                &sampled_token_ids[cu_num_sampled[i] as usize..cu_num_sampled[i + 1] as usize];
-            if run.sampled {
-                let rejected = run.num_draft_tokens as usize + 1 - tokens.len();
-                self.kv.rollback(req, rejected);
-                // Verified drafts are spent. The unverified rest of a split proposal
-                // stays only if every verified draft was accepted (no recovered token).
-                let v = run.num_verified_drafts as usize;
-                let split_and_all_accepted = v > run.num_draft_tokens as usize
-                    && tokens.len() == v
-                    && tokens == &req.draft_token_ids[..v];
-                if split_and_all_accepted {
-                    req.draft_token_ids.drain(..v);
-                } else {
-                    req.draft_token_ids.clear();
-                }
-            }
-            let mut finish = None;
-            let mut num_new = 0;
-            for &t in tokens {
-                num_new += 1;
-                if let Some(reason) = req.append_token(t, max_len) {
-                    finish = Some((reason, t));
-                    break;
-                }
-            }
-            if num_new > 0 {
-                out.push_tokens(req.id, &tokens[..num_new]);
-            }
-            self.kv.cache_confirmed_blocks(req);
-            if let Some((reason, t)) = finish {
-                self.kv.free(req);
-                let stop_token = if reason == FinishReason::Stop {
-                    t as i64
-                } else {
-                    -1
-                };
-                out.push_finished(req.id, reason, stop_token);
-                any_finished = true;
-            }
-        }
-        if any_finished {
-            for &id in &out.finished_req_ids {
-                let slot = self.index.remove(&id).expect("finished request is indexed");
-                self.requests[slot as usize] = None;
-                self.free_slots.push(slot);
-            }
-            let requests = &self.requests;
-            self.running.retain(|&s| requests[s as usize].is_some());
-        }
-        Ok(out)
-    }
 }
 
 /// Drafts a run ending at `end` verifies: a sampled run has `1 + d` logits rows for
 /// the `d` drafts inside its query, so it verifies those plus, when the budget split
-/// the proposal, the first draft after them (the last row scores it); otherwise none.
+/// a chain proposal, the first draft after them (the last row scores it); otherwise
+/// none. A tree is never split: a budget cut keeps its first d nodes, with a bonus row.
 fn verified_drafts(req: &Request, end: usize, sampled: bool) -> u32 {
     if !sampled {
         return 0;
     }
     let in_query = end.saturating_sub(req.num_tokens());
+    if req.has_draft_tree() {
+        return req.draft_token_ids.len().min(in_query) as u32;
+    }
     req.draft_token_ids.len().min(in_query + 1) as u32
 }

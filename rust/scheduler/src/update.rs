@@ -1,8 +1,20 @@
-//! The result of `Scheduler::update`, and validation of the ragged (`cu_*`)
+//! `Scheduler::update` and its result, and validation of the ragged (`cu_*`)
 //! arrays that cross the boundary.
+//!
+//! A verified token tree: the emitted tokens are the accepted path plus one
+//! recovered or bonus token; the path is inferred by descending from the root into
+//! the lowest-index child whose token is the emitted one (`tree::accepted_path`).
+//! The accepted node at tree index i_j (root = 0; j = 1..a) has its KV at slot
+//! position `root + i_j` and belongs at `root + j`: the copy list says so
+//! (`kv_copy_src` -> `kv_copy_dst`, flat slots, increasing j, src == dst omitted;
+//! every dst < its src and never a later src, so applying the copies in order is
+//! safe). The request then has `root + 1 + a` computed tokens; the slots past them
+//! are rolled back like rejected chain drafts.
 
 use crate::error::{CoreError, Result};
-use crate::request::{FinishReason, RequestId};
+use crate::request::{FinishReason, Request, RequestId, RequestStatus};
+use crate::scheduler::Scheduler;
+use crate::tree::{accepted_path, MAX_TREE_NODES};
 
 /// Tokens appended by one `update` (M = requests that got tokens, N = tokens,
 /// F = finished requests).
@@ -14,6 +26,11 @@ pub struct UpdateOutput {
     pub finished_req_ids: Vec<u64>,        // [F]
     pub finish_reasons: Vec<FinishReason>, // [F]
     pub stop_token: Vec<i64>,              // [F] token that caused "stop", or -1
+    /// KV copies compacting verified trees' accepted paths (C pairs, flat slots
+    /// `block * block_size + offset`); apply in order to every KV cache. Empty
+    /// (unallocated) when no tree path needs moving.
+    pub kv_copy_src: Vec<i64>, // [C]
+    pub kv_copy_dst: Vec<i64>,             // [C]
 }
 
 impl UpdateOutput {
@@ -39,6 +56,172 @@ impl UpdateOutput {
         self.finish_reasons.push(reason);
         self.stop_token.push(stop_token);
     }
+}
+
+impl Scheduler {
+    /// Applies the emitted tokens of the pending step (see the module doc).
+    pub fn update(
+        &mut self,
+        sampled_token_ids: &[u32],
+        cu_num_sampled: &[i32],
+    ) -> Result<UpdateOutput> {
+        if !self.pending_update {
+            return Err(CoreError::InvalidCallOrder(
+                "update() called without a pending non-empty schedule()",
+            ));
+        }
+        validate_cu(
+            "cu_num_sampled",
+            cu_num_sampled,
+            self.runs.len(),
+            sampled_token_ids.len(),
+        )?;
+        for (i, run) in self.runs.iter().enumerate() {
+            let emitted = (cu_num_sampled[i + 1] - cu_num_sampled[i]) as u32;
+            let max = if run.sampled {
+                1 + run.num_draft_tokens
+            } else {
+                0
+            };
+            let min = u32::from(run.sampled);
+            if emitted < min || emitted > max {
+                return Err(CoreError::invalid(
+                    "cu_num_sampled",
+                    format!(
+                        "request {} emitted {emitted} tokens; expected {min}..={max}",
+                        run.req_id
+                    ),
+                ));
+            }
+            if run.is_tree {
+                let Some(req) = self.live_scheduled(run) else {
+                    continue;
+                };
+                let tokens =
+                    &sampled_token_ids[cu_num_sampled[i] as usize..cu_num_sampled[i + 1] as usize];
+                let (drafts, parents) = verified_tree(req, run.num_draft_tokens as usize);
+                let mut path = [0u8; MAX_TREE_NODES];
+                let accepted = &tokens[..tokens.len() - 1];
+                if accepted_path(drafts, parents, accepted, &mut path).is_none() {
+                    return Err(CoreError::invalid(
+                        "sampled_token_ids",
+                        format!(
+                            "request {}: the emitted tokens {tokens:?} do not follow a path of \
+                             its draft tree (each accepted token descends into the lowest-index \
+                             child with that token)",
+                            run.req_id
+                        ),
+                    ));
+                }
+            }
+        }
+        self.pending_update = false;
+        let step = self.stats.num_steps - 1;
+        let max_len = self.config.max_model_len;
+        let mut out = UpdateOutput::with_capacity(self.runs.len(), sampled_token_ids.len());
+        let mut any_finished = false;
+        for (i, run) in self.runs.iter().enumerate() {
+            let Some(req) = self.requests[run.slot as usize].as_mut() else {
+                continue;
+            };
+            if req.id != run.req_id
+                || req.last_scheduled_step != step
+                || req.status != RequestStatus::Running
+            {
+                continue; // aborted (and maybe replaced) since schedule()
+            }
+            let tokens =
+                &sampled_token_ids[cu_num_sampled[i] as usize..cu_num_sampled[i + 1] as usize];
+            let mut path = [0u8; MAX_TREE_NODES];
+            let mut path_len = 0;
+            if run.is_tree {
+                let (drafts, parents) = verified_tree(req, run.num_draft_tokens as usize);
+                path_len = accepted_path(drafts, parents, &tokens[..tokens.len() - 1], &mut path)
+                    .expect("checked above");
+            }
+            if run.sampled {
+                let rejected = run.num_draft_tokens as usize + 1 - tokens.len();
+                self.kv.rollback(req, rejected);
+                // Verified drafts are spent. The unverified rest of a split proposal
+                // stays only if every verified draft was accepted (no recovered token).
+                let v = run.num_verified_drafts as usize;
+                let split_and_all_accepted = v > run.num_draft_tokens as usize
+                    && tokens.len() == v
+                    && tokens == &req.draft_token_ids[..v];
+                if split_and_all_accepted {
+                    req.draft_token_ids.drain(..v);
+                } else {
+                    req.clear_drafts();
+                }
+            }
+            let mut finish = None;
+            let mut num_new = 0;
+            for &t in tokens {
+                num_new += 1;
+                if let Some(reason) = req.append_token(t, max_len) {
+                    finish = Some((reason, t));
+                    break;
+                }
+            }
+            if num_new > 0 {
+                out.push_tokens(req.id, &tokens[..num_new]);
+            }
+            // Before caching (a cached block must hold its tokens' KV) and freeing:
+            // copies into a finished request's freed blocks are harmless, and needed
+            // where those blocks stay in the prefix cache.
+            let root = run.num_computed_tokens as usize;
+            let bs = self.config.block_size;
+            for (j, &node) in path[..path_len.min(num_new)].iter().enumerate() {
+                let (src, dst) = (root + 1 + node as usize, root + 1 + j);
+                if src != dst {
+                    out.kv_copy_src.push(flat_slot(req, src, bs));
+                    out.kv_copy_dst.push(flat_slot(req, dst, bs));
+                }
+            }
+            self.kv.cache_confirmed_blocks(req);
+            if let Some((reason, t)) = finish {
+                self.kv.free(req);
+                let stop_token = if reason == FinishReason::Stop {
+                    t as i64
+                } else {
+                    -1
+                };
+                out.push_finished(req.id, reason, stop_token);
+                any_finished = true;
+            }
+        }
+        if any_finished {
+            for &id in &out.finished_req_ids {
+                let slot = self.index.remove(&id).expect("finished request is indexed");
+                self.requests[slot as usize] = None;
+                self.free_slots.push(slot);
+            }
+            let requests = &self.requests;
+            self.running.retain(|&s| requests[s as usize].is_some());
+        }
+        Ok(out)
+    }
+
+    /// The request of a pending run, unless it was aborted (and maybe replaced) since.
+    fn live_scheduled(&self, run: &crate::batch::ScheduledRun) -> Option<&Request> {
+        let req = self.requests[run.slot as usize].as_ref()?;
+        let step = self.stats.num_steps - 1;
+        (req.id == run.req_id
+            && req.last_scheduled_step == step
+            && req.status == RequestStatus::Running)
+            .then_some(req)
+    }
+}
+
+/// The first `m` nodes of a request's tree proposal: (tokens, parents).
+fn verified_tree(req: &Request, m: usize) -> (&[u32], &[i32]) {
+    (&req.draft_token_ids[..m], &req.draft_parents[..m])
+}
+
+/// Flat KV slot (`block * block_size + offset`) of position `pos` of a request.
+#[inline]
+fn flat_slot(req: &Request, pos: usize, block_size: usize) -> i64 {
+    req.block_ids[pos / block_size] as i64 * block_size as i64 + (pos % block_size) as i64
 }
 
 /// Checks a cumulative-offsets array of `num_rows + 1` entries: starts at 0, never

@@ -87,7 +87,8 @@ fn verification_rolls_back_rejected_drafts() {
     s.add_request(1, prompt(5, 0), stop(20)).unwrap();
     s.schedule().unwrap();
     s.update(&[50], &[0, 1]).unwrap();
-    s.set_draft_tokens(&[1], &[0, 3], &[51, 52, 53]).unwrap();
+    s.set_draft_tokens(&[1], &[0, 3], &[51, 52, 53], None)
+        .unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.num_scheduled_tokens, vec![4]);
     assert_eq!(out.num_draft_tokens, vec![3]);
@@ -114,7 +115,7 @@ fn budget_cut_splits_a_proposal_and_keeps_its_rest() {
     s.update(&[9], &[0, 1, 1]).unwrap();
     s.schedule().unwrap(); // 1 + 3 (rest of prompt 2)
     s.update(&[9, 9], &[0, 1, 2]).unwrap();
-    s.set_draft_tokens(&[1, 2], &[0, 4, 8], &[1, 2, 3, 4, 5, 6, 7, 8])
+    s.set_draft_tokens(&[1, 2], &[0, 4, 8], &[1, 2, 3, 4, 5, 6, 7, 8], None)
         .unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.num_scheduled_tokens, vec![5, 3]);
@@ -143,7 +144,8 @@ fn a_rejection_inside_a_split_proposal_drops_its_rest() {
     s.add_request(1, prompt(4, 0), stop(20)).unwrap();
     s.schedule().unwrap();
     s.update(&[9], &[0, 1]).unwrap();
-    s.set_draft_tokens(&[1], &[0, 5], &[1, 2, 3, 4, 5]).unwrap();
+    s.set_draft_tokens(&[1], &[0, 5], &[1, 2, 3, 4, 5], None)
+        .unwrap();
     let out = s.schedule().unwrap(); // 1 + 3 drafts fit, the 4th is scored by the last row
     assert_eq!(out.num_draft_tokens, vec![4]);
     s.update(&[1, 2, 7], &[0, 3]).unwrap(); // third draft rejected, 7 recovered
@@ -162,7 +164,7 @@ fn preemption_keeps_the_proposal_for_after_the_recompute() {
     s.add_request(2, prompt(7, 50), stop(10)).unwrap();
     s.schedule().unwrap();
     s.update(&[8, 9], &[0, 1, 2]).unwrap();
-    s.set_draft_tokens(&[2], &[0, 1], &[33]).unwrap();
+    s.set_draft_tokens(&[2], &[0, 1], &[33], None).unwrap();
     let out = s.schedule().unwrap(); // request 1 needs a new block: request 2 is preempted
     assert_eq!(out.preempted_req_ids, vec![2]);
     assert_eq!(s.request(2).unwrap().draft_token_ids, vec![33]);
@@ -190,7 +192,7 @@ fn drafts_are_clamped_to_max_tokens() {
     s.add_request(1, prompt(5, 0), stop(3)).unwrap();
     s.schedule().unwrap();
     s.update(&[9], &[0, 1]).unwrap();
-    s.set_draft_tokens(&[1, 99], &[0, 4, 5], &[1, 2, 3, 4, 5])
+    s.set_draft_tokens(&[1, 99], &[0, 4, 5], &[1, 2, 3, 4, 5], None)
         .unwrap();
     assert_eq!(s.request(1).unwrap().draft_token_ids, vec![1]);
 }
@@ -260,7 +262,7 @@ fn stop_conditions_never_overshoot() {
     s.schedule().unwrap();
     let up = s.update(&[0, 5], &[0, 1, 2]).unwrap(); // EOS before min_tokens is kept
     assert!(up.finished_req_ids.is_empty());
-    s.set_draft_tokens(&[1, 2], &[0, 3, 4], &[0, 7, 7, 7])
+    s.set_draft_tokens(&[1, 2], &[0, 3, 4], &[0, 7, 7, 7], None)
         .unwrap();
     assert_eq!(s.request(2).unwrap().draft_token_ids.len(), 0); // 1 left: no room for drafts
     s.schedule().unwrap();
@@ -302,7 +304,7 @@ fn batch_expansion_splits_verification_into_single_token_queries() {
     s.add_request(2, prompt(3, 0), stop(20)).unwrap();
     s.schedule().unwrap();
     s.update(&[9, 9], &[0, 1, 2]).unwrap();
-    s.set_draft_tokens(&[1], &[0, 2], &[4, 4]).unwrap();
+    s.set_draft_tokens(&[1], &[0, 2], &[4, 4], None).unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.num_scheduled_tokens, vec![3, 1]);
     assert_eq!(out.query_start_loc, vec![0, 1, 2, 3, 4]);

@@ -5,11 +5,19 @@
 //! Failures are injected between schedule and update (`cancel_step`, sometimes
 //! with an abort in between): every request not preempted is back where it was,
 //! and when nothing was preempted the next schedule equals the cancelled one.
+//! Token trees: proposals are random chains or random trees (duplicate sibling
+//! tokens included), cut by the budget, dropped by preemption, restored by
+//! cancellation; emitted tokens follow random paths. A simulated KV (`tree_sim`)
+//! checks after every update that each confirmed position's slot holds the KV of
+//! its token along the accepted path, i.e. that packing and the copy list are right.
 //! Also: the O(len) n-gram proposer equals a naive reference.
+
+mod tree_sim;
 
 use proptest::prelude::*;
 use specinfer_scheduler::ngram::propose;
 use specinfer_scheduler::{Scheduler, SchedulerConfig, SchedulerOutput, StopParams};
+use tree_sim::{expected_copies, random_path, SimKv};
 
 const VOCAB: u32 = 6;
 const EOS: u32 = 0;
@@ -50,6 +58,20 @@ fn op() -> impl Strategy<Value = Op> {
         2 => prop::option::weighted(0.3, any::<usize>()).prop_map(|abort_pick| Op::FailedStep { abort_pick }),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
         1 => any::<usize>().prop_map(|pick| Op::Finish { pick }),
+    ]
+}
+
+/// Ops for the tree runs: shorter prompts, longer outputs, mostly no stop tokens
+/// (requests live long enough to verify several trees).
+fn op_trees() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        2 => (0usize..8, prop::collection::vec(0..VOCAB, 0..6), 2u32..16, 0u32..3, prop::bool::weighted(0.7)).prop_map(
+            |(shared, suffix, max_tokens, min_tokens, ignore_eos)| Op::Add { shared, suffix, max_tokens, min_tokens, ignore_eos }
+        ),
+        2 => any::<u64>().prop_map(|seed| Op::SetDrafts { seed }),
+        8 => any::<u64>().prop_map(|seed| Op::Step { seed }),
+        2 => prop::option::weighted(0.3, any::<usize>()).prop_map(|abort_pick| Op::FailedStep { abort_pick }),
+        1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
     ]
 }
 
@@ -125,19 +147,38 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
             out.query_start_loc[seq] as usize,
             out.query_start_loc[seq + 1] as usize,
         );
+        let mut last_slot_pos = 0;
         for t in q0..q1 {
-            let pos = out.positions[t] as usize;
+            // KV slot position: the position, or for a tree node root + its index
+            let mask = out.tree_mask.get(t).copied().unwrap_or(0) as u64;
+            let pos = if mask == 0 {
+                out.positions[t] as usize
+            } else {
+                out.tree_start[seq] as usize + 63 - mask.leading_zeros() as usize
+            };
             assert_eq!(
                 out.slot_mapping[t],
                 row[pos / bs] as i64 * bs as i64 + (pos % bs) as i64
             );
             assert_eq!(out.input_ids[t], req.token_with_spec(pos) as i64);
+            last_slot_pos = pos;
         }
-        assert_eq!(
-            out.seq_lens[seq] as usize,
-            out.positions[q1 - 1] as usize + 1
-        );
+        assert_eq!(out.seq_lens[seq] as usize, last_slot_pos + 1);
+        if !out.tree_start.is_empty() && out.tree_mask[q0] == 0 {
+            assert_eq!(out.tree_start[seq], out.seq_lens[seq] - (q1 - q0) as i32);
+        }
     }
+    let num_trees = (0..out.num_reqs()).filter(|&r| is_tree_run(out, r)).count();
+    assert_eq!(
+        out.tree_mask.is_empty(),
+        num_trees == 0,
+        "tree arrays exist iff a tree run does"
+    );
+    if num_trees > 0 {
+        assert_eq!(out.tree_mask.len(), out.input_ids.len());
+        assert_eq!(out.tree_start.len(), out.num_seqs());
+    }
+    assert_eq!(out.draft_parents.len(), out.draft_token_ids.len());
     for r in 0..out.num_reqs() {
         let req = s.request(out.req_ids[r]).unwrap();
         let end = (out.num_computed_tokens[r] + out.num_scheduled_tokens[r]) as usize;
@@ -146,6 +187,12 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
         let logits = out.cu_num_logits[r + 1] - out.cu_num_logits[r];
         let verified = out.num_draft_tokens[r];
         let d0: i32 = out.num_draft_tokens[..r].iter().sum();
+        let parents = &out.draft_parents[d0 as usize..(d0 + verified) as usize];
+        if is_tree_run(out, r) {
+            assert_eq!(parents, &req.draft_parents[..verified as usize]);
+        } else {
+            assert!(parents.iter().enumerate().all(|(k, &p)| p == k as i32 - 1));
+        }
         assert_eq!(
             &out.draft_token_ids[d0 as usize..(d0 + verified) as usize],
             req.draft_token_ids[..verified as usize]
@@ -162,10 +209,15 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
                 verified == in_query
                     || (verified == in_query + 1 && req.draft_token_ids.len() > in_query as usize)
             );
-            assert_eq!(
-                verified as usize,
-                req.draft_token_ids.len().min(in_query as usize + 1)
-            );
+            if req.draft_parents.is_empty() {
+                assert_eq!(
+                    verified as usize,
+                    req.draft_token_ids.len().min(in_query as usize + 1)
+                );
+            } else {
+                assert_eq!(verified, in_query, "a tree is cut, never split");
+                assert_eq!(is_tree_run(out, r), in_query > 0);
+            }
             let seq_end = out
                 .seq_req_indices
                 .iter()
@@ -191,22 +243,70 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
     }
 }
 
-/// Random proposals (0..=4 tokens) for every live request; the core clamps them.
-fn set_random_drafts(s: &mut Scheduler, live: &[u64], rng: &mut Rng) {
+/// Random proposals for every live request, the core clamps them: chains of 0..=4
+/// tokens or (when `trees`) random trees of 0..=7 nodes, duplicate sibling tokens
+/// included (the vocabulary is tiny).
+fn set_random_drafts(s: &mut Scheduler, live: &[u64], rng: &mut Rng, trees: bool) {
     let mut cu = vec![0i32];
     let mut drafts = vec![];
+    let mut parents = vec![];
     for _ in live {
-        for _ in 0..rng.below(5) {
+        let tree = trees && rng.below(3) > 0;
+        let n = rng.below(if tree { 8 } else { 5 });
+        for k in 0..n {
             drafts.push(rng.below(VOCAB as u64) as u32);
+            parents.push(if tree {
+                rng.below(k + 1) as i32 - 1
+            } else {
+                k as i32 - 1
+            });
         }
         cu.push(drafts.len() as i32);
     }
-    s.set_draft_tokens(live, &cu, &drafts).unwrap();
+    let parents = (trees || rng.below(2) == 0).then_some(&parents[..]);
+    s.set_draft_tokens(live, &cu, &drafts, parents).unwrap();
     let max_model_len = s.config().max_model_len;
-    for &id in live {
+    for (i, &id) in live.iter().enumerate() {
         let req = s.request(id).unwrap();
         assert!(req.draft_token_ids.len() <= req.max_num_draft_tokens(max_model_len));
+        let n = req.draft_token_ids.len();
+        let decoding = req.status == specinfer_scheduler::RequestStatus::Running
+            && req.num_computed_tokens + 1 == req.num_tokens();
+        if decoding {
+            let given = cu[i] as usize..cu[i] as usize + n;
+            assert_eq!(
+                req.draft_token_ids,
+                drafts[given.clone()],
+                "the first nodes are kept"
+            );
+            match parents {
+                Some(p) if !is_chain(&p[given.clone()]) => assert_eq!(req.draft_parents, p[given]),
+                _ => assert!(req.draft_parents.is_empty(), "a chain is stored as a chain"),
+            }
+        } else {
+            assert!(
+                req.draft_parents.is_empty(),
+                "only decoding requests hold trees"
+            );
+        }
     }
+}
+
+fn is_chain(p: &[i32]) -> bool {
+    p.iter().enumerate().all(|(k, &x)| x == k as i32 - 1)
+}
+
+/// Whether run `r` of a batch verifies a tree (its root token carries a tree mask).
+fn is_tree_run(out: &SchedulerOutput, r: usize) -> bool {
+    if out.tree_mask.is_empty() {
+        return false;
+    }
+    let seq = out
+        .seq_req_indices
+        .iter()
+        .position(|&x| x as usize == r)
+        .unwrap();
+    out.tree_mask[out.query_start_loc[seq] as usize] != 0
 }
 
 /// What a request looks like to the next step.
@@ -215,6 +315,7 @@ struct Snapshot {
     token_ids: Vec<u32>,
     num_computed_tokens: usize,
     draft_token_ids: Vec<u32>,
+    draft_parents: Vec<i32>,
     num_blocks: usize,
     running: bool,
 }
@@ -225,6 +326,7 @@ fn snapshot(s: &Scheduler, id: u64) -> Snapshot {
         token_ids: r.token_ids.clone(),
         num_computed_tokens: r.num_computed_tokens,
         draft_token_ids: r.draft_token_ids.clone(),
+        draft_parents: r.draft_parents.clone(),
         num_blocks: r.block_ids.len(),
         running: r.status == specinfer_scheduler::RequestStatus::Running,
     }
@@ -246,7 +348,7 @@ fn leading_runs(out: &SchedulerOutput, n: usize) -> Vec<(u64, i32, i32, i32)> {
 }
 
 /// schedule, then a failure: optionally abort one request, then cancel_step.
-fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>) {
+fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>, kv: &mut SimKv) {
     let before: Vec<(u64, Snapshot)> = live.iter().map(|&id| (id, snapshot(s, id))).collect();
     let free_before = s.num_free_blocks();
     let was_running: Vec<u64> = before
@@ -256,6 +358,7 @@ fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>
         .collect();
     let out = s.schedule().unwrap();
     check_batch(s, &out);
+    kv.forward(&out, s.config().block_size); // the failure came after the forward
     let mut aborted = None;
     if let Some(pick) = abort_pick.filter(|_| !live.is_empty()) {
         let id = live.remove(pick % live.len());
@@ -272,10 +375,14 @@ fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>
             let r = s.request(id).unwrap();
             assert_eq!(r.num_computed_tokens, 0, "a preempted request recomputes");
             assert!(r.block_ids.is_empty());
-            assert_eq!(
-                r.draft_token_ids, snap.draft_token_ids,
-                "preemption keeps the proposal"
-            );
+            if snap.draft_parents.is_empty() {
+                assert_eq!(
+                    r.draft_token_ids, snap.draft_token_ids,
+                    "preemption keeps a chain proposal"
+                );
+            } else {
+                assert!(r.draft_token_ids.is_empty() && r.draft_parents.is_empty());
+            }
         } else {
             assert_eq!(
                 snapshot(s, id),
@@ -296,6 +403,9 @@ fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>
             // may have evicted prefix-cache entries, which cancel does not bring back)
             let again = s.schedule().unwrap();
             check_batch(s, &again);
+            for r in 0..n_running(&out, &was_running) {
+                assert_eq!(is_tree_run(&again, r), is_tree_run(&out, r));
+            }
             let n = out
                 .req_ids
                 .iter()
@@ -308,15 +418,29 @@ fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>
     }
 }
 
-fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
+fn n_running(out: &SchedulerOutput, was_running: &[u64]) -> usize {
+    out.req_ids
+        .iter()
+        .take_while(|id| was_running.contains(id))
+        .count()
+}
+
+fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
     let mut s = Scheduler::new(cfg.clone()).unwrap();
+    let mut kv = SimKv::default();
     let mut live: Vec<u64> = vec![];
     let mut next_id = 0u64;
     let shared_prefix: Vec<u32> = [1, 2, 3, 4].repeat(3);
-    let step = |s: &mut Scheduler, live: &mut Vec<u64>, rng: &mut Rng, all_accept: bool| {
+    let step = |s: &mut Scheduler,
+                live: &mut Vec<u64>,
+                rng: &mut Rng,
+                all_accept: bool,
+                kv: &mut SimKv| {
         let out = s.schedule().unwrap();
         check_batch(s, &out);
         s.check_invariants().unwrap();
+        let bs = s.config().block_size;
+        kv.forward(&out, bs);
         if out.num_reqs() == 0 {
             assert_eq!(s.num_running(), 0);
             return;
@@ -324,6 +448,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
         let mut tokens = vec![];
         let mut cu = vec![0i32];
         let mut expect_kept = vec![];
+        let mut tree_paths = vec![]; // (request, root, path)
         for r in 0..out.num_reqs() {
             let rows = (out.cu_num_logits[r + 1] - out.cu_num_logits[r]) as u64;
             let verified = out.num_draft_tokens[r] as usize;
@@ -332,6 +457,12 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
             if rows == 0 {
             } else if all_accept {
                 tokens.push(3);
+            } else if is_tree_run(&out, r) {
+                let parents = &out.draft_parents[d0..d0 + verified];
+                let path = random_path(drafts, parents, |n| rng.below(n));
+                tokens.extend(path.iter().map(|&k| drafts[k] as u32));
+                tokens.push(rng.below(VOCAB as u64) as u32);
+                tree_paths.push((r, path));
             } else {
                 // accept a random prefix of the verified drafts, then a recovered or
                 // bonus token unless every draft of a split proposal was accepted
@@ -348,7 +479,48 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
             cu.push(tokens.len() as i32);
         }
         let up = s.update(&tokens, &cu).unwrap();
+        // the copy list: exactly the accepted paths' moves, in the requests' blocks
+        let mut want = vec![];
+        for (r, path) in tree_paths {
+            let m = up
+                .req_ids
+                .iter()
+                .position(|&id| id == out.req_ids[r])
+                .unwrap();
+            let num_new = (up.cu_num_new[m + 1] - up.cu_num_new[m]) as usize;
+            let seq = out
+                .seq_req_indices
+                .iter()
+                .position(|&x| x as usize == r)
+                .unwrap();
+            let row = out.block_table_row(seq);
+            let slot = |p: usize| row[p / bs] as i64 * bs as i64 + (p % bs) as i64;
+            let root = out.num_computed_tokens[r] as usize;
+            for (src, dst) in expected_copies(root, &path, num_new) {
+                assert!(dst < src);
+                want.push((slot(src), slot(dst)));
+            }
+        }
+        let got: Vec<(i64, i64)> = up
+            .kv_copy_src
+            .iter()
+            .copied()
+            .zip(up.kv_copy_dst.iter().copied())
+            .collect();
+        assert_eq!(got, want, "copy list");
+        // one gather then one scatter equals applying the pairs in order (the engine
+        // relies on it): distinct dsts, and no src was written by an earlier pair
+        let mut written = std::collections::HashSet::new();
+        for (src, dst) in up.kv_copy_src.iter().zip(&up.kv_copy_dst) {
+            assert!(
+                !written.contains(src),
+                "a copy reads a slot an earlier copy wrote"
+            );
+            assert!(written.insert(*dst), "duplicate copy destination");
+        }
+        kv.apply_copies(&up);
         live.retain(|id| !up.finished_req_ids.contains(id));
+        kv.check(s, live);
         for (id, rest) in expect_kept {
             if let Some(req) = s.request(id) {
                 assert_eq!(
@@ -358,7 +530,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
             }
         }
         if !all_accept && rng.below(3) > 0 {
-            set_random_drafts(s, live, rng); // usually speculate on the next step
+            set_random_drafts(s, live, rng, trees); // usually speculate on the next step
         }
         for &id in live.iter() {
             let req = s.request(id).unwrap();
@@ -388,15 +560,23 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
                     min_tokens,
                     eos_token_id: Some(EOS),
                     ignore_eos,
-                    stop_token_ids: vec![VOCAB - 1],
+                    // tree runs: an ignore_eos request runs to its length
+                    stop_token_ids: if trees && ignore_eos {
+                        vec![]
+                    } else {
+                        vec![VOCAB - 1]
+                    },
                 };
                 s.add_request(next_id, prompt, stop).unwrap();
                 live.push(next_id);
                 next_id += 1;
             }
-            Op::SetDrafts { seed } => set_random_drafts(&mut s, &live, &mut Rng(seed | 1)),
-            Op::Step { seed } => step(&mut s, &mut live, &mut Rng(seed | 1), false),
-            Op::FailedStep { abort_pick } => failed_step(&mut s, &mut live, abort_pick),
+            Op::SetDrafts { seed } => set_random_drafts(&mut s, &live, &mut Rng(seed | 1), trees),
+            Op::Step { seed } => step(&mut s, &mut live, &mut Rng(seed | 1), false, &mut kv),
+            Op::FailedStep { abort_pick } => {
+                failed_step(&mut s, &mut live, abort_pick, &mut kv);
+                kv.check(&s, &live);
+            }
             Op::Abort { pick } | Op::Finish { pick } if !live.is_empty() => {
                 let id = live.remove(pick % live.len());
                 assert!(s.abort_request(id));
@@ -412,7 +592,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>) {
         if !s.has_unfinished_requests() {
             break;
         }
-        step(&mut s, &mut live, &mut rng, true);
+        step(&mut s, &mut live, &mut rng, true, &mut kv);
     }
     assert!(!s.has_unfinished_requests(), "requests starved");
     assert_eq!(s.num_free_blocks(), s.num_total_blocks(), "blocks leaked");
@@ -440,8 +620,9 @@ proptest! {
 
     #[test]
     fn bookkeeping_survives_any_op_sequence(cfg in config(), ops in prop::collection::vec(op(), 1..80)) {
-        run(cfg, ops);
+        run(cfg, ops, false);
     }
+
 
     #[test]
     fn ngram_matches_naive_reference(
@@ -452,5 +633,14 @@ proptest! {
     ) {
         let max_n = min_n + extra;
         prop_assert_eq!(propose(&tokens, min_n, max_n, k).to_vec(), naive_ngram(&tokens, min_n, max_n, k));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn token_trees_keep_bookkeeping_and_kv_right(cfg in config(), ops in prop::collection::vec(op_trees(), 1..100)) {
+        run(cfg, ops, true);
     }
 }
