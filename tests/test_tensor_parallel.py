@@ -122,6 +122,32 @@ def test_tp2_draft_model(target_and_draft, draft_tp):
         assert tp2["metrics"][key] == tp1["metrics"][key]
 
 
+def test_tp2_draft_model_token_tree(target_and_draft):
+    """A static token tree drafted by a draft model sharded over both ranks: tree masks through
+    the sharded attention, and the core's KV copy list (the accepted path's compaction) applied
+    on every rank's KV heads; greedy and seeded equal TP=1."""
+    target, draft = target_and_draft
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+            "token_tree": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}
+    copies = []
+    from specinfer.executor.multiproc import MultiprocExecutor
+
+    apply = MultiprocExecutor.apply_kv_copies
+
+    def counted(self, src, dst):
+        copies.append(len(src))
+        return apply(self, src, dst)
+
+    MultiprocExecutor.apply_kv_copies = counted
+    try:
+        tp2 = _run(target, 2, spec)
+    finally:
+        MultiprocExecutor.apply_kv_copies = apply
+    _check_same(_run(target, 1, spec), tp2)
+    assert tp2["metrics"]["num_accepted_tokens"] > 0
+    assert sum(copies) > 0, "no accepted tree path needed compaction"
+
+
 def _started(target, timeout_s: float = 60, spec=None):
     before = set(_children())
     gen = Generator(str(target), tensor_parallel_size=2, distributed_timeout_s=timeout_s, speculative=spec,
