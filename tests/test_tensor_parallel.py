@@ -253,7 +253,6 @@ def test_bad_parallel_settings_name_the_field(tiny_dir, kwargs, field):
 
 
 def test_unshardable_heads_name_the_field():
-    from specinfer.models.config import ModelConfig  # noqa: F401 - the config the check reads
     from specinfer.models.tensor_parallel import check_shardable, kv_heads_of_rank
 
     class Cfg:

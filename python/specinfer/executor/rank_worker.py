@@ -23,7 +23,7 @@ from specinfer.models.tensor_parallel import TensorParallelGroup, shard_model
 class RankWorker:
     def __init__(self, world, platform):
         self.world = world  # process_group.DistributedWorld
-        self.rank = rank = world.rank
+        self.rank = world.rank
         self.world_size = world.world_size
         self.platform = platform
         self.device = platform.device
