@@ -1,15 +1,11 @@
-"""Tensor parallelism (executor/): the target sharded over 2 ranks (gloo on CPU, a spawned worker
-process) gives the tokens of the unsharded engine, greedy and seeded sampling, with chunked
-prefill and preemption, for no speculation, ngram and a draft model sharded over 2 or 1 ranks; a
-worker's exception reaches the user, a killed or stopped worker fails the Generator within a
-bounded time, and no worker process outlives its Generator."""
+"""Tensor parallelism (executor/): the target sharded over 2 ranks (gloo on CPU, worker
+processes) gives the tokens of the unsharded engine, greedy and seeded sampling, with chunked
+prefill and preemption, for no speculation, ngram, a draft model sharded over 2 or 1 ranks and a
+token tree; the torchrun (env://) path; settings errors that name the field. Failures:
+test_tensor_parallel_faults.py."""
 from __future__ import annotations
 
-import gc
 import os
-import signal
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,77 +13,11 @@ import torch
 
 from spec_cases import prompts
 from specinfer import Generator, SamplingParams
-from specinfer.executor.multiproc import TensorParallelError
-
-# chunked prefill (a 24-token budget under prompts of up to ~90 tokens) and preemption (36
-# blocks of 4 tokens for 8 requests)
-SETTINGS = dict(block_size=4, max_num_batched_tokens=24, num_kv_blocks=36, max_model_len=128)
-N_PROMPTS = 6
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-SEEDED = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, seed=1000 + i) for i in range(N_PROMPTS)]
-
-
-def _children() -> list[int]:
-    """Live descendants of this process (from /proc; zombies count as gone), but for
-    multiprocessing's resource tracker and fork server (one each per process, they end with it;
-    the workers are the fork server's children and are counted)."""
-    stat = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            helper = int(fields[1]) == os.getpid() and (b"resource_tracker" in cmd or b"forkserver" in cmd)
-            stat[int(pid)] = (int(fields[1]), fields[0], helper)
-    out, parents = [], {os.getpid()}
-    while parents:
-        kids = {pid for pid, (ppid, _, _) in stat.items() if ppid in parents}
-        out += [pid for pid in kids if stat[pid][1] != "Z" and not stat[pid][2]]
-        parents = kids
-    return out
-
-
-def _run(target, tp: int, spec=None, vocab: int = 256, drop: bool = False, **kw) -> dict:
-    """Greedy and seeded outputs of one Generator (closed afterwards, or with drop=True only
-    dropped: its finalizer must stop the workers), plus what it did."""
-    before = set(_children())
-    gen = Generator(str(target), tensor_parallel_size=tp, speculative=spec, distributed_timeout_s=60,
-                    **{**SETTINGS, **kw})
-    core = None
-    try:
-        if tp > 1:
-            assert len(set(_children()) - before) == tp - 1  # the worker processes
-        ps = [[t % vocab for t in p] for p in prompts(N_PROMPTS)]
-        greedy = [o.token_ids for o in gen.generate(ps, GREEDY, use_tqdm=False)]
-        seeded = [o.token_ids for o in gen.generate(ps, SEEDED, use_tqdm=False)]
-        core = gen.engine.core
-        assert core.num_free_blocks() == core.num_total_blocks()
-        stats = dict(greedy=greedy, seeded=seeded, preempted=core.stats()["num_preemptions"],
-                     metrics=gen.spec_metrics())
-    finally:
-        if drop:
-            gen = core = None  # noqa: F841 - the last references
-            gc.collect()
-        else:
-            gen.close()
-    assert set(_children()) - before == set(), "a worker process outlived its Generator"
-    return stats
-
-
-def _check_same(tp1: dict, tp2: dict) -> None:
-    assert tp2["greedy"] == tp1["greedy"]
-    assert tp2["seeded"] == tp1["seeded"]
-    assert tp2["preempted"] > 0, "no request was preempted"
-    assert tp2["greedy"] != tp2["seeded"]  # the seeded run really sampled
-
+from tp_cases import SETTINGS, check_same, children, run
 
 def test_tp2_equals_tp1_without_speculation(tiny_dir):
     target, _ = tiny_dir("llama", False)
-    _check_same(_run(target, 1), _run(target, 2, drop=True))
+    check_same(run(target, 1), run(target, 2, drop=True))
 
 
 def test_tp2_ngram_int8_with_replicated_kv_heads_bias_padded_vocab(tiny_dir):
@@ -96,9 +26,9 @@ def test_tp2_ngram_int8_with_replicated_kv_heads_bias_padded_vocab(tiny_dir):
     scales)."""
     target, _ = tiny_dir("qwen2", True, kv_heads=1, vocab=251)
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    tp1 = _run(target, 1, spec, vocab=251, quantization="int8")
-    tp2 = _run(target, 2, spec, vocab=251, quantization="int8")
-    _check_same(tp1, tp2)
+    tp1 = run(target, 1, spec, vocab=251, quantization="int8")
+    tp2 = run(target, 2, spec, vocab=251, quantization="int8")
+    check_same(tp1, tp2)
     assert tp2["metrics"]["num_draft_tokens"] > 0
 
 
@@ -111,12 +41,12 @@ def test_tp2_draft_model(target_and_draft, draft_tp):
     target, draft = target_and_draft
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
             "draft_tensor_parallel_size": draft_tp}
-    tp2 = _run(target, 2, spec)
+    tp2 = run(target, 2, spec)
     key = (str(target), str(draft))
     if key not in _TP1_DRAFT_RUNS:  # the same TP=1 reference for both draft TPs
-        _TP1_DRAFT_RUNS[key] = _run(target, 1, {**spec, "draft_tensor_parallel_size": None})
+        _TP1_DRAFT_RUNS[key] = run(target, 1, {**spec, "draft_tensor_parallel_size": None})
     tp1 = _TP1_DRAFT_RUNS[key]
-    _check_same(tp1, tp2)
+    check_same(tp1, tp2)
     assert tp2["metrics"]["num_accepted_tokens"] > 0
     for key in ("num_draft_tokens", "num_accepted_tokens"):
         assert tp2["metrics"][key] == tp1["metrics"][key]
@@ -140,99 +70,12 @@ def test_tp2_draft_model_token_tree(target_and_draft):
 
     MultiprocExecutor.apply_kv_copies = counted
     try:
-        tp2 = _run(target, 2, spec)
+        tp2 = run(target, 2, spec)
     finally:
         MultiprocExecutor.apply_kv_copies = apply
-    _check_same(_run(target, 1, spec), tp2)
+    check_same(run(target, 1, spec), tp2)
     assert tp2["metrics"]["num_accepted_tokens"] > 0
     assert sum(copies) > 0, "no accepted tree path needed compaction"
-
-
-def _started(target, timeout_s: float = 60, spec=None):
-    before = set(_children())
-    gen = Generator(str(target), tensor_parallel_size=2, distributed_timeout_s=timeout_s, speculative=spec,
-                    **SETTINGS)
-    workers = sorted(set(_children()) - before)
-    assert len(workers) == 1
-    return gen, workers[0], before
-
-
-def test_ctrl_c_cancels_the_step_then_a_worker_exception_reaches_user(tiny_dir):
-    """With layer_skip drafting through the sharded target's first layer (greedy: the target's
-    tokens): Ctrl-C in the driver mid-generation gives KeyboardInterrupt at a step boundary, every
-    rank still in step (the next generate gives the reference tokens). Then a worker's exception:
-    its message in the driver's error, every worker gone, further calls refused."""
-    target = tiny_dir("llama", False)[0]
-    ps = prompts(4)
-    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in Generator(str(target), **SETTINGS).generate(ps, long, use_tqdm=False)]
-    gen, _, before = _started(target, spec={"method": "layer_skip", "exit_layer": 1, "num_speculative_tokens": 3})
-    rank0 = gen.engine.executor.rank
-    handle, calls = rank0.handle, []
-
-    def ctrl_c_in_the_fifth_step(msg):  # SIGINT lands while every rank is inside the step
-        calls.append(msg)
-        if len(calls) == 5:
-            os.kill(os.getpid(), signal.SIGINT)
-        return handle(msg)
-
-    rank0.handle = ctrl_c_in_the_fifth_step
-    with pytest.raises(KeyboardInterrupt):
-        gen.generate(ps, long, use_tqdm=False)
-    rank0.handle = handle
-    assert len(calls) == 5
-    assert [o.token_ids for o in gen.generate(ps, long, use_tqdm=False)] == want
-    assert gen.spec_metrics()["num_accepted_tokens"] > 0
-    # messages past the control channel's fixed broadcast take a second one; every rank gets all
-    ex = gen.engine.executor
-    assert ex.collective_rpc("total_payload_bytes", bytes(100)) == 2 * 100
-    assert ex.collective_rpc("total_payload_bytes", bytes(100_000)) == 2 * 100_000
-    with pytest.raises(TensorParallelError, match=r"worker rank 1 failed: RuntimeError: boom on the worker"):
-        gen.engine.executor.collective_rpc("raise_error", "boom on the worker")
-    assert set(_children()) - before == set()
-    with pytest.raises(TensorParallelError, match="shut down"):
-        gen.generate(prompts(1), GREEDY, use_tqdm=False)
-
-
-@pytest.mark.parametrize("how", ["between_steps", "mid_generation"])
-def test_worker_killed_gives_an_error_not_a_hang(tiny_dir, how):
-    gen, worker, before = _started(tiny_dir("llama", False)[0])
-    many = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)] * 4
-    t0 = time.monotonic()
-    with pytest.raises(TensorParallelError, match=r"worker rank 1|collective"):
-        if how == "between_steps":
-            stream = gen.stream(prompts(4), many)
-            next(stream)
-            os.kill(worker, signal.SIGKILL)
-            for _ in stream:
-                pass
-        else:
-            threading.Timer(1.0, os.kill, (worker, signal.SIGKILL)).start()
-            gen.generate(prompts(4) * 4, many * 4, use_tqdm=False)
-    assert time.monotonic() - t0 < 30
-    assert set(_children()) - before == set()
-    # the failed step was cancelled in the core; the executor refuses further work with a clear error
-    gen.engine.core.check_invariants()
-    with pytest.raises(TensorParallelError, match="shut down"):
-        gen.generate(prompts(1), GREEDY, use_tqdm=False)
-
-
-def test_stopped_worker_times_out(tiny_dir):
-    """A worker that stops answering (SIGSTOP) fails the step after distributed_timeout_s."""
-    gen, worker, before = _started(tiny_dir("llama", False)[0], timeout_s=4)
-    gen.generate(prompts(1), GREEDY, use_tqdm=False)
-    os.kill(worker, signal.SIGSTOP)
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(TensorParallelError, match=r"timed out|collective"):
-            gen.generate(prompts(2), GREEDY, use_tqdm=False)
-    finally:
-        try:
-            os.kill(worker, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    assert time.monotonic() - t0 < 25
-    assert set(_children()) - before == set()
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -246,10 +89,10 @@ def test_stopped_worker_times_out(tiny_dir):
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide the model's 4 attention heads"),
 ])
 def test_bad_parallel_settings_name_the_field(tiny_dir, kwargs, field):
-    before = set(_children())
+    before = set(children())
     with pytest.raises(ValueError, match=field):
         Generator(str(tiny_dir("llama", False)[0]), **kwargs)
-    assert set(_children()) - before == set()
+    assert set(children()) - before == set()
 
 
 def test_unshardable_heads_name_the_field():
@@ -352,8 +195,8 @@ def test_tp4_with_draft_tp2(target_and_draft):
     target, draft = target_and_draft
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
             "draft_tensor_parallel_size": 2}
-    tp4 = _run(target, 4, spec)
-    _check_same(_run(target, 1, {**spec, "draft_tensor_parallel_size": None}), tp4)
+    tp4 = run(target, 4, spec)
+    check_same(run(target, 1, {**spec, "draft_tensor_parallel_size": None}), tp4)
     assert tp4["metrics"]["num_accepted_tokens"] > 0
 
 
@@ -361,49 +204,4 @@ def test_tp4_with_draft_tp2(target_and_draft):
 def test_tp2_on_the_emulated_gaudi_path(tiny_dir):
     """hpu-emulated: the Rust packer pads to buckets, flat block-list attention, eager shards."""
     target, _ = tiny_dir("llama", False)
-    _check_same(_run(target, 1), _run(target, 2, device="hpu-emulated"))
-
-
-DRIVER_SCRIPT = """
-import json, sys, time
-import torch
-torch.set_num_threads(1)
-from specinfer import Generator, SamplingParams
-if __name__ == "__main__":  # workers re-import this module: the guard keeps them from running it
-    gen = Generator(sys.argv[1], tensor_parallel_size=2, **json.loads(sys.argv[2]))
-    gen.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
-    print("WORKERS", json.dumps([p.pid for p in gen.engine.executor.procs]), flush=True)
-    time.sleep(600)
-"""
-
-
-def test_killed_driver_leaves_no_worker(tiny_dir, tmp_path):
-    """The driver process SIGKILLed (no atexit, no close): its workers end by themselves."""
-    import json
-    import subprocess
-    import sys
-
-    script = tmp_path / "driver.py"
-    script.write_text(DRIVER_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(tiny_dir("llama", False)[0]), json.dumps(SETTINGS)],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("WORKERS "), line
-        workers = json.loads(line[len("WORKERS "):])
-        assert len(workers) == 1 and os.path.exists(f"/proc/{workers[0]}")
-    finally:
-        proc.kill()
-        proc.wait()
-    deadline = time.monotonic() + 20
-    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in workers), "a worker outlived its killed driver"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    check_same(run(target, 1), run(target, 2, device="hpu-emulated"))
