@@ -2,9 +2,8 @@
 every tree the engine proposes equals the brute-force reference (HF transformers run on each
 root-to-node path separately, top-k taken there), through chunked prefill, prefix-cache hits and
 preemption; the draft KV written for the fed nodes equals the per-path recomputation; a chain
-written as a tree drafts exactly the chain. Tree verification itself is tested with the core
-(tests/test_tree_draft_e2e.py); here the engine verifies each proposal as a chain of its nodes,
-which keeps greedy output exact."""
+written as a tree drafts exactly the chain. Tree verification end to end: test_tree_draft_e2e.py."""
+import numpy as np
 import pytest
 import torch
 import transformers as tf
@@ -13,7 +12,8 @@ from specinfer import Generator, SamplingParams
 from spec_cases import prompts
 from tree_reference import dynamic_tree, record_tree_proposals, static_tree
 
-TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
+# node [1] is a leaf between fed siblings: the fed nodes of a depth need not be contiguous
+TREE = [[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0], [0, 0, 1]]
 PATHS = sorted(tuple(p) for p in TREE)
 PATHS.sort(key=lambda p: (len(p), p))
 
@@ -46,7 +46,7 @@ def _gen(models, tree, k, **kw):
 
 
 def test_static_tree_equals_brute_force_reference(target_and_draft, draft_ref):
-    gen = _gen(target_and_draft, TREE, 7)  # k = node count: the chain-verifying engine lets the whole tree through
+    gen = _gen(target_and_draft, TREE, 8)
     seen = record_tree_proposals(gen)
     ps = prompts(8)
     params = [SamplingParams(max_tokens=16, temperature=0.0), SamplingParams(max_tokens=16, temperature=0.8, seed=3)]
@@ -75,7 +75,7 @@ def test_chain_tree_drafts_the_chain(target_and_draft):
 
 
 def test_fed_nodes_draft_kv_equals_per_path_recomputation(target_and_draft, draft_ref):
-    gen = _gen(target_and_draft, TREE, 7)
+    gen = _gen(target_and_draft, TREE, 8)
     proposer = gen.engine.proposer
     inner, checked = proposer.propose, [0]
     has_child = {p[:-1] for p in PATHS if len(p) > 1}
@@ -133,3 +133,36 @@ def _depths(parents):
     for p in parents:
         d.append(1 if p < 0 else d[p] + 1)
     return d
+
+
+def test_tree_node_metadata_layout():
+    from specinfer.engine.batch import attention_metadata_for_tree_nodes
+
+    block_table = np.array([[5, 6, 7, 0], [1, 2, 3, 4]], np.int32)
+    # sequence 0: root at 5, nodes at slots 0 and 2; sequence 1: root at 9, node at slot 1
+    attn, pos = attention_metadata_for_tree_nodes(
+        block_table, np.array([5, 9]), np.array([2, 1]), np.array([0, 2, 1]), np.array([1, 2, 2]),
+        np.array([0b11, 0b1011, 0b101]), 4, torch.device("cpu"))
+    assert pos.tolist() == [6, 7, 11]  # root + depth
+    assert attn.slot_mapping.tolist() == [6 * 4 + 2, 7 * 4 + 0, 3 * 4 + 3]  # root + 1 + slot: 6, 8, 11
+    assert attn.seq_lens.tolist() == [9, 12] and attn.query_start_loc.tolist() == [0, 2, 3]
+    assert attn.tree_start.tolist() == [5, 9] and attn.tree_mask.tolist() == [0b11, 0b1011, 0b101]
+
+
+def test_trees_near_max_model_len_stay_inside_their_slots(target_and_draft):
+    """A dynamic tree whose fed nodes need more slots than it has nodes, in requests that reach
+    max_model_len: scratch writes stay inside each request's reserved slots (a write past them would
+    land in block 0 of the padded block table and corrupt another request), so greedy output stays
+    the target's."""
+    target, draft = target_and_draft
+    ps = [p[:30] for p in prompts(12)]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    want = [o.token_ids for o in Generator(str(target), max_model_len=40, block_size=4).generate(
+        ps, params, use_tqdm=False)]
+    tree = {"dynamic": True, "num_nodes": 4, "top_k": 3, "depth": 3}  # 6 fed nodes: lookahead 7
+    gen = Generator(str(target), max_model_len=40, block_size=4, num_kv_blocks=48, attention_backend="torch_ref",
+                    speculative={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 7,
+                                 "token_tree": tree})
+    assert gen.engine.proposer.num_lookahead_tokens == 7
+    assert [o.token_ids for o in gen.generate(ps, params, use_tqdm=False)] == want
+    assert gen.spec_metrics()["num_draft_tokens"] > 0

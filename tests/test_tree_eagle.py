@@ -2,8 +2,7 @@
 brute-force reference (the HF-transformers EAGLE references of tests/eagle_reference.py run on
 each root-to-node path as a plain sequence of (token, feature) pairs, top-k taken there), for
 static and dynamic trees, through chunked prefill, prefix-cache hits and preemption; a chain
-written as a tree drafts the chain; EAGLE's sampled chains hand their q to the verifier. The
-engine here verifies each tree's nodes as a chain (tree verification: test_tree_draft_e2e.py)."""
+written as a tree drafts the chain (tree verification end to end: test_tree_draft_e2e.py)."""
 import pytest
 import torch
 
