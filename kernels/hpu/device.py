@@ -26,6 +26,11 @@ def hpu_available() -> bool:
     return bool(getattr(torch, "hpu", None)) and torch.hpu.is_available()
 
 
+def register_hccl() -> None:  # pragma: no cover - needs Gaudi
+    """Registers torch.distributed's "hccl" backend (tensor parallelism on Gaudi, executor/)."""
+    import habana_frameworks.torch.distributed.hccl  # noqa: F401  lazy: Gaudi only
+
+
 def mem_get_info() -> tuple[int, int]:  # pragma: no cover - needs Gaudi
     """(free, total) bytes of the current HPU."""
     import habana_frameworks.torch.hpu  # noqa: F401  lazy: Gaudi only

@@ -39,3 +39,30 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be an integer >= 1 (got {self.max_num_batched_tokens!r})")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None (got {self.max_model_len!r})")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (executor/): the target over tensor_parallel_size ranks, a draft model
+    over ranks 0 .. draft_tensor_parallel_size - 1."""
+
+    tensor_parallel_size: int = 1
+    draft_tensor_parallel_size: int | None = None  # speculative.draft_tensor_parallel_size; None: the target's
+    timeout_s: float = 120.0  # a collective waiting this long on a silent worker fails the engine
+
+    def __post_init__(self):
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1 (got {n!r})")
+        d = self.draft_tensor_parallel_size
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1 or n % d):
+            divisors = [i for i in range(1, n + 1) if n % i == 0]
+            raise ValueError(f"speculative.draft_tensor_parallel_size must divide tensor_parallel_size={n} "
+                             f"(one of {divisors}; got {d!r})")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+            raise ValueError(f"distributed_timeout_s must be a number > 0 (got {t!r})")
+
+    @property
+    def draft_size(self) -> int:
+        return self.tensor_parallel_size if self.draft_tensor_parallel_size is None else self.draft_tensor_parallel_size

@@ -10,6 +10,7 @@ re-raises; the other calls' requests go on (the step was cancelled, see LLMEngin
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -32,21 +33,41 @@ class Generator:
     `max_logprobs` caps SamplingParams.logprobs (vLLM's default, 20); a larger request is refused.
     `quantization="int8"` keeps GEMM weights int8 (CPU; GGUF Q8_0 as stored, other weights
     quantized per 32 inputs) and runs them through the int8 kernel.
+    `tensor_parallel_size=N` shards the target over N ranks through torch.distributed (worker
+    processes this one spawns, or the ranks of a torchrun launch; docs/tensor_parallel.md); a
+    draft model is sharded over speculative["draft_tensor_parallel_size"] ranks (a divisor of N,
+    default N). A worker silent for `distributed_timeout_s` during a step fails the Generator.
+    Call `close()` (or use `with Generator(...) as gen:`) to stop the workers; they also stop
+    when this process exits.
     """
 
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
-                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None):
+                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
+                 tensor_parallel_size=1, distributed_timeout_s=120.0):
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=speculative,
             max_logprobs=max_logprobs, attention_backend=attention_backend,
-            gpu_memory_utilization=gpu_memory_utilization, quantization=quantization)
+            gpu_memory_utilization=gpu_memory_utilization, quantization=quantization,
+            tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s)
+        # a Generator dropped without close() still stops its tensor-parallel workers
+        weakref.finalize(self, self.engine.close)
         self._counter = 0
         self._mailboxes: dict[str, deque[RequestOutput]] = {}  # request name -> undelivered outputs
         self._mail_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the engine's executor (tensor-parallel workers); the Generator is unusable after."""
+        self.engine.close()
+
+    def __enter__(self) -> "Generator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

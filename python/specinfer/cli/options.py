@@ -41,6 +41,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache blocks (default: sized from free memory)")
     g.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="most requests decoded at once")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   help="shard the target over N ranks (worker processes through torch.distributed; under "
+                        "torchrun, one rank per process: see docs/tensor_parallel.md)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="token budget of one step (prefill chunks + decode + verification)")
 
@@ -68,6 +71,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance threshold")
     g.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance alpha")
     g.add_argument("--scorer", choices=sorted(SCORERS), default="mqa", help="how drafts go through the target")
+    g.add_argument("--draft-tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="draft_model: shard the draft over N ranks, a divisor of --tensor-parallel-size "
+                        "(default: all of them)")
     g.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N", help="ngram: shortest n-gram to match")
     g.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N", help="ngram: longest n-gram to match")
 
@@ -104,10 +110,15 @@ def speculative_config(args):
     method = args.method
     if method is None:
         method = "draft_model" if args.draft else ("ngram" if args.num_speculative_tokens is not None else "none")
+    draft_tp = getattr(args, "draft_tensor_parallel_size", None)
     if method == "none":
         if args.draft:
             raise CliError("--draft needs speculation; drop --method none")
+        if draft_tp is not None:
+            raise CliError("--draft-tensor-parallel-size needs --method draft_model")
         return None
+    if draft_tp is not None and method != "draft_model":
+        raise CliError(f"--draft-tensor-parallel-size is only used by --method draft_model (got --method {method})")
     if args.draft and method != "draft_model":
         raise CliError(f"--draft is only used by --method draft_model (got --method {method})")
     if method == "draft_model" and not args.draft:
@@ -127,7 +138,7 @@ def speculative_config(args):
         exit_layer=getattr(args, "exit_layer", None),
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
-        posterior_alpha=args.posterior_alpha, scorer=args.scorer)
+        posterior_alpha=args.posterior_alpha, scorer=args.scorer, draft_tensor_parallel_size=draft_tp)
 
 
 def _speculative_config_json(args):
@@ -136,7 +147,9 @@ def _speculative_config_json(args):
     from specinfer.spec_decode.config import SpeculativeConfig
 
     clashing = [flag for flag, value in (("--method", args.method), ("--draft", args.draft),
-                                         ("-k", args.num_speculative_tokens)) if value is not None]
+                                         ("-k", args.num_speculative_tokens),
+                                         ("--draft-tensor-parallel-size",
+                                          getattr(args, "draft_tensor_parallel_size", None))) if value is not None]
     if clashing:
         raise CliError(f"--speculative-config cannot be combined with {', '.join(clashing)}")
     try:
@@ -165,8 +178,8 @@ def sampling_params(args, **overrides):
 
 def engine_kwargs(args) -> dict:
     for flag in ("threads", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
-                 "max_num_batched_tokens"):
-        value = getattr(args, flag)
+                 "max_num_batched_tokens", "tensor_parallel_size"):
+        value = getattr(args, flag, None)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
     if not 0.0 < args.gpu_memory_utilization <= 1.0:
@@ -177,7 +190,8 @@ def engine_kwargs(args) -> dict:
                 num_kv_blocks=args.num_kv_blocks,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def load_generator(args, spec):

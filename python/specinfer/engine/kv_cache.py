@@ -5,10 +5,11 @@ import torch
 
 
 def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block costs across every model that keeps a cache over the block tables."""
+    """Bytes one KV block costs across every model that keeps a cache over the block tables (on
+    this rank: a tensor-parallel shard keeps only its KV heads, model.num_kv_heads)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * m.config.num_layers * block_size * m.config.num_kv_heads * m.config.head_dim * elem
-               for m in models)
+    return sum(2 * m.config.num_layers * block_size * getattr(m, "num_kv_heads", m.config.num_kv_heads)
+               * m.config.head_dim * elem for m in models)
 
 
 def budget_blocks(*, block_bytes: int, available_bytes: int, memory_fraction: float, max_bytes: int) -> int:

@@ -22,18 +22,15 @@ import numpy as np
 import torch
 
 from specinfer._core import SchedulerCore
-from specinfer.config import CacheConfig, SchedulerConfig
+from specinfer.config import CacheConfig, ParallelConfig, SchedulerConfig
 from specinfer.engine.batch import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
-from specinfer.engine.kv_cache import (activation_bytes, allocate_kv_caches, budget_blocks, bytes_per_block,
-                                      choose_num_blocks)
-from specinfer.engine.model_loading import load_any
-from specinfer.engine.model_runner import ModelRunner
+from specinfer.engine.kv_cache import activation_bytes, budget_blocks, bytes_per_block, choose_num_blocks
 from specinfer.engine.propose_step import propose_next_step
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
-from specinfer.engine.tree_steps import apply_kv_copies
+from specinfer.executor import check_parallel_support, make_executor, shutdown_executor_on_error
 from specinfer.models.int8_linear import check_quantization
 from specinfer.outputs import RequestOutput
 from specinfer.platform import EngineLimits, resolve_dtype, resolve_platform
@@ -52,13 +49,18 @@ class ProposerContext:
     device: torch.device
     max_num_batched_tokens: int  # the most tokens a proposer's catch-up forward may take per step
     make_runner: object  # callable(model, kv_caches, backend) -> ModelRunner: the platform's runner
+    # callable(model, kv_caches, backend) -> an eager runner passing model kwargs (exit_layer) through;
+    # over every rank of the model's group under tensor parallelism
+    make_eager_runner: object = None
 
 
 class LLMEngine:
+    @shutdown_executor_on_error
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
-                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None):
+                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
+                 tensor_parallel_size=1, distributed_timeout_s=120.0):
         if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
         if not is_int(max_logprobs) or max_logprobs < 0:
@@ -70,6 +72,9 @@ class LLMEngine:
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=max_model_len)
         self.spec = SpeculativeConfig.from_any(speculative)
+        self.parallel = ParallelConfig(tensor_parallel_size, self.spec and self.spec.draft_tensor_parallel_size,
+                                       distributed_timeout_s)
+        check_parallel_support(self.parallel, self.spec)
         self.platform = resolve_platform(device)
         attention_backend = self.platform.choose_attention_backend(attention_backend)  # before any load
         self.dtype = resolve_dtype(dtype, self.platform)
@@ -78,18 +83,21 @@ class LLMEngine:
         # seeds for requests without one: drawn in add order from the engine's seed
         self._seed_source = np.random.Generator(np.random.PCG64(int(seed)))
 
-        def load(path):
-            return load_any(path, dtype=self.dtype, device=self.device, platform=self.platform,
-                            quantization=self.quantization)
+        # the target (sharded over its ranks under tensor parallelism) runs through the executor
+        self.executor = make_executor(self.parallel, self.platform)
+
+        def load(path, role="target"):
+            return self.executor.load_model(path, role, dtype=self.dtype, quantization=self.quantization)
 
         self.loaded = load(model)
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.config.vocab_size
         self.proposer = None
         if self.spec is not None:
-            ctx = ProposerContext(self.loaded, load, cache_cfg.block_size, self.device,
+            ctx = ProposerContext(self.loaded, lambda path: load(path, "draft"), cache_cfg.block_size, self.device,
                                   sched_cfg.max_num_batched_tokens,
-                                  lambda m, kv, be: self.platform.make_runner(m, kv, be, self._limits))
+                                  lambda m, kv, be: self.executor.make_runner(m, kv, be, self._limits),
+                                  self.executor.make_eager_runner)
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size
@@ -106,14 +114,11 @@ class LLMEngine:
                                              self.spec.scorer if self.spec else "mqa")
         backend = self.platform.make_attention_backend(attention_backend, limits)
         num_cache_blocks = self.num_kv_blocks + self.platform.num_null_blocks  # null block: padded rows' K/V
-        caches = [allocate_kv_caches(m, num_cache_blocks, self.block_size, self.dtype, self.device)
-                  for m in kv_models]
-        self._kv_caches = caches  # per model: what a tree verification's KV copies apply to
-        aux_layers = tuple(getattr(self.proposer, "aux_layers", ()))
-        if aux_layers:  # the proposer reads these target layers' inputs (EAGLE-3): an eager runner keeps them
-            self.runner = ModelRunner(self.loaded.model, caches[0], backend, aux_layers)
-        else:
-            self.runner = self.platform.make_runner(self.loaded.model, caches[0], backend, limits)
+        caches = self.executor.allocate_kv_caches(kv_models, num_cache_blocks, self.block_size, self.dtype,
+                                                  attention_backend, limits)
+        # aux_layers: the proposer reads these target layers' inputs (EAGLE-3): an eager runner keeps them
+        self.runner = self.executor.make_runner(self.loaded.model, caches[0], backend, limits,
+                                                tuple(getattr(self.proposer, "aux_layers", ())))
         lookahead = 0
         if self.proposer is not None:
             self.proposer.bind_kv_caches(caches[1:], backend)
@@ -264,6 +269,10 @@ class LLMEngine:
             self._forget([core_id])
             return st.to_output()
 
+    def close(self) -> None:
+        """Release the executor (tensor-parallel workers end here); the engine serves no more steps."""
+        self.executor.shutdown()
+
     @property
     def lock(self) -> threading.RLock:
         """Held by step(), add_request() and abort(); hold it to run several calls as one."""
@@ -306,7 +315,7 @@ class LLMEngine:
                     upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
                     committed = True
                     # accepted tree paths move into their sequences' slots (docs/trees.md)
-                    apply_kv_copies(self._kv_caches, upd.kv_copy_src, upd.kv_copy_dst)
+                    self.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)
                     self.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
                     self._record_spec(states, emitted)
                     outputs += self._apply_update(sched, states, emitted, upd, final_only)
@@ -338,8 +347,7 @@ class LLMEngine:
         for st, cached in zip(states, sched.num_cached_tokens.tolist()):
             st.num_cached_tokens = max(st.num_cached_tokens, cached)
         batch = model_batch_from_schedule(sched, self.block_size, self.device)
-        hidden, _ = self.runner.forward(batch.input_ids, batch.positions, batch.attn)
-        logits = self.runner.logits(hidden[batch.logits_indices])
+        hidden, logits = self.executor.execute_model(batch)
         t1 = time.perf_counter()
         emitted = self.step_sampler(logits, sched, states, self._draft_probs)
         return hidden, emitted, t1, time.perf_counter()

@@ -64,6 +64,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = _param(h, dtype=dtype, device=device)
         self.gate_up_weight = _gemm_weight(2 * cfg.intermediate_size, h, **gemm)  # rows: gate | up
         self.down_weight = _gemm_weight(h, cfg.intermediate_size, **gemm)
+        self.tp = None  # TensorParallelGroup once sharded (models/tensor_parallel.py): o/down all-reduce
 
     def forward(
         self,
@@ -83,10 +84,14 @@ class DecoderLayer(nn.Module):
         attn = ctx.backend.forward(
             qk[:, :H], qk[:, H:], v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale
         )  # [T, H, D]
-        x = x + linear(attn.reshape(T, H * D), self.o_weight, self.o_bias)
+        if self.tp is None:
+            x = x + linear(attn.reshape(T, H * D), self.o_weight, self.o_bias)
+        else:  # row-parallel: partial sums over the group's heads, bias added once after the sum
+            x = x + self.tp.all_reduce(linear(attn.reshape(T, H * D), self.o_weight), self.o_bias)
         h = _rms_norm(x, (x.shape[-1],), self.post_attention_norm, self.eps)
         gate, up = linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_weight)
+        down = linear(F.silu(gate) * up, self.down_weight)
+        return x + (down if self.tp is None else self.tp.all_reduce(down))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -120,15 +125,27 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = _gemm_weight(cfg.vocab_size, cfg.hidden_size, **gemm)
+        # tensor parallelism (models/tensor_parallel.py): this rank's group, KV heads and vocab shard
+        self.tp = None
+        self.num_kv_heads = cfg.num_kv_heads
+        self.vocab_start = 0
         cos, sin = rope_table(cfg, cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)  # float32[P, D/2]
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         """Shape of one layer's paged cache: (2 [k|v], num_blocks, block_size, num_kv_heads, head_dim)."""
-        return (2, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return (2, num_blocks, block_size, self.num_kv_heads, self.config.head_dim)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # int64[T] -> [T, hidden]
+        if self.tp is not None and self.tp.size > 1:  # vocab-parallel: rows outside the shard are zeros
+            local = input_ids - self.vocab_start
+            inside = (local >= 0) & (local < self.embed_tokens.shape[0])
+            x = self._lookup(torch.where(inside, local, torch.zeros_like(local)))
+            return self.tp.all_reduce(x * inside.unsqueeze(-1).to(x.dtype))
+        return self._lookup(input_ids)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed_tokens, Int8Weight):
             return self.embed_tokens.embedding(input_ids).to(self.dtype)
         return F.embedding(input_ids, self.embed_tokens)
@@ -158,6 +175,8 @@ class LlamaForCausalLM(nn.Module):
         return hidden, torch.cat([captured[i] for i in aux_layers], dim=-1)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [L, hidden] -> float32[L, vocab]
+        if self.tp is not None and self.tp.size > 1:  # vocab-parallel: gather the shards, drop the padding
+            return self.tp.all_gather_last(self.linear(hidden, self.lm_head).float())[:, : self.config.vocab_size]
         return self.linear(hidden, self.lm_head).float()
 
     def pack_linear_weights(self, pack, linear) -> None:

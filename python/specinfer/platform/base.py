@@ -48,6 +48,8 @@ class Platform:
     default_attention_backend = "torch_ref"
     # backends that run on this platform; an override outside this set is refused
     supported_attention_backends: tuple[str, ...] = ATTENTION_BACKENDS
+    distributed_backend = "gloo"  # torch.distributed backend of tensor-parallel collectives (executor/)
+    device_name: str | None = None  # what a tensor-parallel worker passes to resolve_platform (None: the device)
 
     def __init__(self, device: torch.device, default_dtype: torch.dtype):
         self.device = device

@@ -16,6 +16,7 @@ def triton_available() -> bool:
 
 class CudaPlatform(Platform):
     name = "cuda"
+    distributed_backend = "nccl"
     supported_attention_backends = ("triton", "torch_ref")
 
     def __init__(self, device: torch.device, *, triton: bool | None = None, cuda_graphs: bool = True):

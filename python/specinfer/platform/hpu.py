@@ -54,6 +54,8 @@ def bucket_config_for(limits: EngineLimits, spec_lengths: tuple[int, ...] | None
 class HpuPlatform(Platform):
     name = "hpu"
     default_attention_backend = "hpu_flat"
+    distributed_backend = "hccl"
+    device_name = "hpu"
     supported_attention_backends = ("hpu_flat",)
     num_null_blocks = 1  # padded rows write their K/V into one block past the pool
 
@@ -121,6 +123,8 @@ class HpuEmulatedPlatform(HpuPlatform):
     """The Gaudi path on CPU (fp32 by default, so outputs can be compared exactly with torch_ref)."""
 
     name = "hpu-emulated"
+    distributed_backend = "gloo"
+    device_name = "hpu-emulated"
 
     def __init__(self, *, bucket_config: BucketConfig | None = None, spec_lengths: tuple[int, ...] | None = None,
                  multi_token_path: str = "flat", default_dtype: torch.dtype = torch.float32):

@@ -38,6 +38,9 @@ class SpeculativeConfig:
     # {"dynamic": True, "num_nodes": N, "top_k": K, "depth": D} (EAGLE-2); None: chains of k.
     # With a tree, num_speculative_tokens bounds the tree's depth and its node count is the lookahead.
     token_tree: StaticTree | DynamicTree | list | dict | None = None
+    # draft_model under tensor parallelism: the draft is sharded over ranks 0 .. this - 1 (a divisor
+    # of tensor_parallel_size, checked by the engine); None: as many ranks as the target
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):
         if self.method not in proposer_names():
@@ -85,6 +88,9 @@ class SpeculativeConfig:
             if self.policy != "fixed":
                 raise ValueError("speculative.policy 'goodput' chooses chain lengths; it does not apply "
                                  "with a token_tree")
+        dtp = self.draft_tensor_parallel_size
+        if dtp is not None and (not isinstance(dtp, int) or isinstance(dtp, bool) or dtp < 1):
+            raise ValueError(f"speculative.draft_tensor_parallel_size must be an integer >= 1 or None (got {dtp!r})")
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"speculative.disable_by_batch_size must be an integer >= 1 or None (got {d!r})")

@@ -38,12 +38,13 @@ class LayerSkipProposer:
         self.block_size = ctx.block_size
         self.device = ctx.device
         self.runner: ModelRunner | None = None
+        self.make_runner = getattr(ctx, "make_eager_runner", None) or ModelRunner  # sharded under TP
 
     def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
         self.backend = backend
 
     def bind_target_kv_caches(self, target_kv_caches: list) -> None:
-        self.runner = ModelRunner(self.model, target_kv_caches, self.backend)
+        self.runner = self.make_runner(self.model, target_kv_caches, self.backend)
 
     def forget(self, core_ids) -> None:
         pass

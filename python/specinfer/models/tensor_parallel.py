@@ -1,0 +1,169 @@
+"""Tensor-parallel sharding of a loaded Llama-family model (Megatron layout).
+
+    shard_model(model, TensorParallelGroup(rank, size, group))   # in place, before packing
+
+Per decoder layer, on rank r of a group of N:
+- q|k|v (column-parallel): the rank keeps its KV-head group — KV heads
+  [r * Hkv / N, (r + 1) * Hkv / N) and the query heads that read them. With fewer KV heads than
+  ranks (Hkv < N, N % Hkv == 0) each rank keeps one KV head, replicated over N / Hkv ranks.
+- o (row-parallel): the input columns of the rank's query heads; the partial outputs are summed
+  over the group (all-reduce) and the bias is added once, after the sum.
+- gate|up (column-parallel) and down (row-parallel): intermediate rows / columns
+  [r * I / N, (r + 1) * I / N), down's partial outputs all-reduced.
+- embedding and LM head (vocab-parallel): rows [r * Vp, (r + 1) * Vp) with Vp = ceil(V / N), the last
+  shard zero-padded; embedding lookups outside the shard give zeros and are all-reduced, LM-head
+  logits are all-gathered and trimmed to V.
+Norms, biases of column-parallel layers (sliced) and RoPE tables stay per rank. Each rank's KV
+cache holds only its KV heads (model.num_kv_heads is the local count).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specinfer.models.int8_linear import Int8Weight
+
+
+@dataclass
+class TensorParallelGroup:
+    """One model's tensor-parallel group: this process's rank in it, its size and the
+    torch.distributed process group its collectives run on (None only when size == 1)."""
+
+    rank: int
+    size: int
+    group: object = None
+
+    def all_reduce(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of the group's partial outputs [T, n] (row-parallel GEMMs), plus the bias once."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x if bias is None else x + bias
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:  # [L, n] per rank -> [L, size * n]
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def check_shardable(cfg, size: int, what: str = "tensor_parallel_size") -> None:
+    """ValueError naming `what` unless the model's heads and MLP split evenly over `size` ranks."""
+    H, Hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    if H % size:
+        raise ValueError(f"{what}={size} does not divide the model's {H} attention heads")
+    if (Hkv % size) and (size % Hkv):
+        raise ValueError(f"{what}={size}: the model's {Hkv} KV heads neither split over nor replicate onto "
+                         f"{size} ranks (one must divide the other)")
+    if inter % size:
+        raise ValueError(f"{what}={size} does not divide the model's intermediate_size {inter}")
+
+
+def kv_heads_of_rank(num_kv_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """[first, end) of the KV heads rank keeps (one replicated head when num_kv_heads < size)."""
+    if num_kv_heads >= size:
+        per = num_kv_heads // size
+        return rank * per, (rank + 1) * per
+    head = rank // (size // num_kv_heads)
+    return head, head + 1
+
+
+def _rows(w, rows: slice):
+    if isinstance(w, Int8Weight):
+        out = Int8Weight.__new__(Int8Weight)
+        out.q, out.scales, out.group = w.q[rows].contiguous(), w.scales[rows].contiguous(), w.group
+        return out
+    return torch.nn.Parameter(w.data[rows].contiguous(), requires_grad=False)
+
+
+def _cat_rows(parts):
+    if isinstance(parts[0], Int8Weight):
+        out = Int8Weight.__new__(Int8Weight)
+        out.q = torch.cat([p.q for p in parts]).contiguous()
+        out.scales = torch.cat([p.scales for p in parts]).contiguous()
+        out.group = parts[0].group
+        return out
+    return torch.nn.Parameter(torch.cat([p.data for p in parts]).contiguous(), requires_grad=False)
+
+
+def _cols(w, cols: slice):
+    if isinstance(w, Int8Weight):
+        g = w.group
+        if cols.start % g or cols.stop % g:
+            raise ValueError(f"quantization='int8': a row-parallel shard's inputs [{cols.start}, {cols.stop}) "
+                             f"do not fall on {g}-input scale groups; use fewer ranks or no quantization")
+        out = Int8Weight.__new__(Int8Weight)
+        out.q = w.q[:, cols].contiguous()
+        out.scales = w.scales[:, cols.start // g: cols.stop // g].contiguous()
+        out.group = g
+        return out
+    return torch.nn.Parameter(w.data[:, cols].contiguous(), requires_grad=False)
+
+
+def _vocab_rows(w, rank: int, size: int):
+    """Rows [rank * Vp, (rank + 1) * Vp) of a [V, h] table, zero-padded to Vp = ceil(V / size)."""
+    V = w.shape[0]
+    Vp = -(-V // size)
+    lo, hi = min(rank * Vp, V), min((rank + 1) * Vp, V)
+    part = _rows(w, slice(lo, hi))
+    pad = Vp - (hi - lo)
+    if pad:
+        if isinstance(part, Int8Weight):
+            part.q = torch.cat([part.q, part.q.new_zeros(pad, part.q.shape[1])])
+            part.scales = torch.cat([part.scales, part.scales.new_zeros(pad, part.scales.shape[1])])
+        else:
+            part = torch.nn.Parameter(torch.cat([part.data, part.data.new_zeros(pad, part.shape[1])]),
+                                      requires_grad=False)
+    return part
+
+
+def _set(module, name, value) -> None:
+    if name in module._parameters:
+        del module._parameters[name]
+    setattr(module, name, value)
+
+
+@torch.no_grad()
+def shard_model(model, tp: TensorParallelGroup) -> None:
+    """Keep only rank tp.rank's shard of every weight (in place; dense or int8 weights, before
+    any packing). A group of size 1 leaves the model as it is (no collectives)."""
+    if tp.size == 1:
+        return
+    if model.packed:
+        raise RuntimeError("shard_model after pack_linear_weights: shard dense weights, then pack")
+    cfg = model.config
+    check_shardable(cfg, tp.size)
+    D, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    k0, k1 = kv_heads_of_rank(Hkv, tp.rank, tp.size)
+    hq = H // tp.size
+    q0 = tp.rank * hq
+    inter = cfg.intermediate_size // tp.size
+    i0 = tp.rank * inter
+    q_size, kv_size = H * D, Hkv * D
+    q_rows = slice(q0 * D, (q0 + hq) * D)
+    k_rows = slice(q_size + k0 * D, q_size + k1 * D)
+    v_rows = slice(q_size + kv_size + k0 * D, q_size + kv_size + k1 * D)
+    gate_rows, up_rows = slice(i0, i0 + inter), slice(cfg.intermediate_size + i0, cfg.intermediate_size + i0 + inter)
+    model.tp = tp
+    for layer in model.layers:
+        _set(layer, "qkv_weight", _cat_rows([_rows(layer.qkv_weight, r) for r in (q_rows, k_rows, v_rows)]))
+        if layer.qkv_bias is not None:
+            bias = torch.cat([layer.qkv_bias.data[r] for r in (q_rows, k_rows, v_rows)])
+            _set(layer, "qkv_bias", torch.nn.Parameter(bias, requires_grad=False))
+        _set(layer, "o_weight", _cols(layer.o_weight, q_rows))
+        _set(layer, "gate_up_weight", _cat_rows([_rows(layer.gate_up_weight, r) for r in (gate_rows, up_rows)]))
+        _set(layer, "down_weight", _cols(layer.down_weight, gate_rows))
+        layer.num_heads, layer.num_kv_heads = hq, k1 - k0
+        layer.q_size, layer.kv_size = hq * D, (k1 - k0) * D
+        layer.tp = tp
+    tied = model.lm_head is model.embed_tokens
+    embed = _vocab_rows(model.embed_tokens, tp.rank, tp.size)
+    _set(model, "embed_tokens", embed)
+    _set(model, "lm_head", embed if tied else _vocab_rows(model.lm_head, tp.rank, tp.size))
+    model.num_kv_heads = k1 - k0
+    model.vocab_start = tp.rank * (-(-cfg.vocab_size // tp.size))
