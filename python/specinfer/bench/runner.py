@@ -84,14 +84,17 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
             unavailable[m.name] = str(e)
             log(f"[bench] {m.name}: unavailable: {e}")
     runs = []
-    if cfg.warmup:
+    if cfg.warmup:  # one short call per batch size: first-call costs (buffers sized for b) stay untimed
+        warm = BenchConfig.from_dict({**cfg.to_dict(), "max_tokens": min(8, cfg.max_tokens)})
+        first = next(iter(prompt_ids.values()))
         for name, eng in list(engines.items()):
-            warm = BenchConfig.from_dict({**cfg.to_dict(), "max_tokens": min(8, cfg.max_tokens)})
-            first = next(iter(prompt_ids.values()))
-            try:
-                eng.run([first[0]], warm)
-            except PeerUnavailable as e:
-                unavailable[name] = str(e)
+            for b in sorted(cfg.batch_sizes):
+                try:
+                    eng.run(batches_for(first, b, 1)[0], warm)
+                except PeerUnavailable as e:
+                    if b == 1:
+                        unavailable[name] = str(e)
+                    # b > 1: the timed runs record the error for that batch size
     for rep, b, task, m in interleaved_schedule(cfg):
         eng = engines.get(m.name)
         if eng is None:
