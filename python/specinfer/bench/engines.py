@@ -207,7 +207,10 @@ class VllmEngine:
             if spec.get("model"):
                 spec["model"] = export_hf_dir(spec["model"])
             cmd += ["--speculative", json.dumps(spec)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
+        # one core like the others (shared/PEERS.md): without NUMBA_NUM_THREADS its n-gram proposer runs a
+        # numba thread pool on another core; nobind keeps its OpenMP threads off pinned cores
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "NUMBA_NUM_THREADS": str(cfg.threads),
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
