@@ -107,6 +107,9 @@ class BenchConfig:
     # llama.cpp's convert_hf_to_gguf.py (the llama-cpp-python sdist's vendor/llama.cpp/), used once
     # to make the f32 / f16 GGUFs of llama_cpp methods; default $SPECINFER_BENCH_LLAMA_CPP_CONVERT
     llama_cpp_convert: str | None = None
+    # llama.cpp's extra CPU buffer types (weight repacking, AMX); False = llama-cli's --no-repack. Keep
+    # True for measurements; False only to run a build whose AMX kernels trap (docs/benchmarks.md)
+    llama_cpp_extra_buffers: bool = True
     notes: str = ""
 
     def __post_init__(self):

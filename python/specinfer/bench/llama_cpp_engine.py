@@ -13,11 +13,36 @@ sequence runs to max_tokens.
 """
 from __future__ import annotations
 
+import contextlib
+import sys
+
 from specinfer.bench.config import BenchConfig, MethodConfig
 from specinfer.bench.engines import PeerUnavailable
 from specinfer.bench.gguf_files import import_llama_cpp, resolve_gguf
 
 N_BATCH = 512  # tokens per llama_decode call (PEERS.md: n_batch=512)
+
+
+@contextlib.contextmanager
+def _model_params(llama_cpp, *, use_extra_bufts: bool):
+    """`Llama` does not expose llama_model_params.use_extra_bufts (llama-cli's --no-repack: no
+    weight repacking, no AMX buffers); off, its default params are patched while it loads."""
+    if use_extra_bufts:
+        yield
+        return
+    lib = sys.modules["llama_cpp.llama_cpp"]  # the module llama.py calls llama_model_default_params in
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
 
 
 class LlamaCppEngine:
@@ -32,9 +57,10 @@ class LlamaCppEngine:
         self.threads = cfg.threads
         self.max_model_len = max_model_len
         try:
-            self.llm = self.llama_cpp.Llama(model_path=self.path, n_threads=cfg.threads, n_threads_batch=cfg.threads,
-                                            n_ctx=max_model_len, n_batch=N_BATCH, n_ubatch=N_BATCH, seed=0,
-                                            verbose=False)
+            with _model_params(self.llama_cpp, use_extra_bufts=cfg.llama_cpp_extra_buffers):
+                self.llm = self.llama_cpp.Llama(model_path=self.path, n_threads=cfg.threads,
+                                                n_threads_batch=cfg.threads, n_ctx=max_model_len, n_batch=N_BATCH,
+                                                n_ubatch=N_BATCH, seed=0, verbose=False)
         except (ValueError, RuntimeError) as e:  # llama.cpp refused the file or the context
             raise PeerUnavailable(f"llama.cpp could not load {self.path}: {e}") from None
         self._batched = {}  # batch size -> (context, llama_batch, sampler)
@@ -72,7 +98,7 @@ class LlamaCppEngine:
             params = type(self.llm.context_params).from_buffer_copy(self.llm.context_params)
             params.n_seq_max = b
             params.kv_unified = False  # each sequence its own KV stream of max_model_len cells
-            params.n_ctx = b * self.max_model_len
+            params.n_ctx = b * -(-self.max_model_len // 256) * 256  # llama.cpp pads each stream to 256 cells
             params.n_batch = params.n_ubatch = max(N_BATCH, b)
             ctx = lc.llama_init_from_model(self.llm._model.model, params)
             if ctx is None:
