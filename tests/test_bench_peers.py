@@ -293,3 +293,29 @@ def test_llama_cpp_batched_decoding_equals_its_batch_1_path(monkeypatch, tmp_pat
     with pytest.raises(PeerUnavailable, match="greedy"):
         eng.run(prompts, _cfg(cfg.to_dict()["methods"], model=str(pack), temperature=0.5))
     eng.close()
+
+
+def test_llama_cpp_extra_buffers_off_patches_the_model_params_only_while_loading(monkeypatch, tmp_path):
+    from specinfer.bench import llama_cpp_engine
+
+    lib = types.ModuleType("llama_cpp.llama_cpp")
+    lib.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)
+    seen = []
+
+    class Recording(_FakeLlama):
+        def __init__(self, model_path, **kw):
+            super().__init__(model_path, **kw)
+            seen.append(sys.modules["llama_cpp.llama_cpp"].llama_model_default_params().use_extra_bufts)
+
+    fake = _fake_llama_cpp([])
+    fake.Llama = Recording
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", lib)
+    pack = tmp_path / "m.gguf"
+    pack.write_bytes(b"GGUF")
+    methods = [{"name": "base"}, {"name": "l", "engine": "llama_cpp", "model": str(pack)}]
+    for flag in (True, False):
+        cfg = _cfg(methods, model=str(pack), llama_cpp_extra_buffers=flag)
+        llama_cpp_engine.LlamaCppEngine(cfg, cfg.methods[1], (0,), max_model_len=16).close()
+    assert seen == [True, False]
+    assert lib.llama_model_default_params().use_extra_bufts is True  # restored after loading
