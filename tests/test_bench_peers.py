@@ -158,7 +158,8 @@ def test_runner_records_llama_cpp_unavailable_and_agreement(tiny_dir, tmp_path, 
     prompts = tmp_path / "prompts"
     prompts.mkdir()
     (prompts / "chat.jsonl").write_text("".join(
-        json.dumps({"task": "chat", "id": f"c{i}", "prompt": " ".join(f"t{i * 7 + j}" for j in range(5 + 3 * i))}) + "\n"
+        json.dumps({"task": "chat", "id": f"c{i}", "prompt": " ".join(f"t{i * 7 + j}" for j in range(5 + 3 * i))})
+        + "\n"
         for i in range(2)))
     cfg = {"name": "tiny-peers", "model": str(model_dir), "tasks": ["chat"], "num_prompts": 2, "batch_sizes": [1, 2],
            "max_tokens": 4, "repeats": 2, "ignore_eos": True, "prompt_dir": str(prompts), "plots": False,

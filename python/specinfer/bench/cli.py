@@ -11,8 +11,9 @@ EPILOG = """presets: {presets}; serving load (concurrent streaming clients again
 A config is a JSON object with the keys of specinfer.bench.config.BenchConfig: model, methods
 (engine specinfer / hf / vllm / llama_cpp; speculative dict, dtype, quantization, gguf_type,
 ...), tasks (prompt sets: code_completion, code_editing, summarization, qa, chat, or mixed),
-num_prompts, batch_sizes, max_tokens, repeats, dtype, threads. Methods are measured interleaved over repeats; speedups are medians
-of ratios against the no-speculation baseline of the same run."""
+num_prompts, batch_sizes, max_tokens, repeats, dtype, threads. Methods are measured
+interleaved over repeats; speedups are medians of ratios against the no-speculation baseline of
+the same run; greedy runs also print each method's agreement with the baseline's tokens."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -41,7 +41,8 @@ def format_agreement(results: dict, markdown: bool = False) -> str:
     """Greedy agreement with the baseline, per method x batch x task (results["agreement"])."""
     head = ["method", "batch", "task", "identical seqs", "mean common prefix", "first divergence"]
     lines = [[a["method"], str(a["batch_size"]), a["task"], f"{a['identical']}/{a['sequences']}",
-              _f(a["mean_common_prefix"], "{:.1f}"), "-" if a["first_divergence"] is None else str(a["first_divergence"])]
+              _f(a["mean_common_prefix"], "{:.1f}"),
+              "-" if a["first_divergence"] is None else str(a["first_divergence"])]
              for a in results.get("agreement", [])]
     if not lines:
         return ""
