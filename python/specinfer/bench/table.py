@@ -35,3 +35,22 @@ def format_table(results: dict, markdown: bool = False) -> str:
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*line) for line in lines])
+
+
+def format_agreement(results: dict, markdown: bool = False) -> str:
+    """Greedy agreement with the baseline, per method x batch x task (results["agreement"])."""
+    head = ["method", "batch", "task", "identical seqs", "mean common prefix", "first divergence"]
+    lines = [[a["method"], str(a["batch_size"]), a["task"], f"{a['identical']}/{a['sequences']}",
+              _f(a["mean_common_prefix"], "{:.1f}"),
+              "-" if a["first_divergence"] is None else str(a["first_divergence"])]
+             for a in results.get("agreement", [])]
+    if not lines:
+        return ""
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        return "\n".join(out + ["| " + " | ".join(line) + " |" for line in lines])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+    fmt = "  ".join("{:<%d}" % w for w in widths)
+    title = f"greedy agreement with {results.get('baseline')} (first repeat, token ids):"
+    return "\n".join([title, fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+                     + [fmt.format(*line) for line in lines])

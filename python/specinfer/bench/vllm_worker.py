@@ -3,7 +3,7 @@ runner as `VLLM_PYTHON vllm_worker.py --model DIR ...`, it loads the model once,
 "ready", then serves one JSON request per stdin line with one JSON line on stdout:
 
     {"prompts": [[token ids], ...], "max_tokens": 64, "temperature": 0.0, "ignore_eos": false}
-    -> {"tokens": 123, "cpu_s": 4.5}
+    -> {"tokens": 123, "cpu_s": 4.5, "token_ids": [[generated ids], ...]}
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so cpu_s is its
 whole process CPU time. Needs only vllm; imports nothing from specinfer.
@@ -41,7 +41,8 @@ def main():
         c0 = time.process_time()
         outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sp, use_tqdm=False)
         cpu = time.process_time() - c0
-        real_stdout.write(json.dumps({"tokens": sum(len(o.outputs[0].token_ids) for o in outs), "cpu_s": cpu}) + "\n")
+        ids = [list(o.outputs[0].token_ids) for o in outs]
+        real_stdout.write(json.dumps({"tokens": sum(map(len, ids)), "cpu_s": cpu, "token_ids": ids}) + "\n")
         real_stdout.flush()
 
 
