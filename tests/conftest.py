@@ -38,3 +38,17 @@ def target_and_draft(tiny_dir, tmp_path_factory):
     draft = tmp_path_factory.mktemp("perturbed_draft")
     build_tiny_model(draft, "llama", base=target, perturb=0.004)
     return target, draft
+
+
+@pytest.fixture(scope="module")
+def target(tiny_dir):
+    """The tiny llama target most proposer tests draft for (a test module may define its own)."""
+    return tiny_dir("llama", False)[0]
+
+
+@pytest.fixture(scope="module")
+def ref(target):
+    """The target's greedy outputs for spec_cases' prompts: (prompts, token ids)."""
+    from spec_cases import reference
+
+    return reference(target)

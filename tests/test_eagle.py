@@ -13,16 +13,6 @@ from specinfer import Generator, SamplingParams
 from spec_cases import GREEDY, check_greedy_exact, prompts, reference
 
 
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    return tiny_dir("llama", False)[0]
-
-
-@pytest.fixture(scope="module")
-def ref(target):
-    return reference(target)
-
-
 splits = [0]  # verification runs of a split proposal (no bonus row) seen by _record_proposals
 
 

@@ -10,19 +10,9 @@ from safetensors.torch import load_file, save_file
 
 import head_checkpoints as hc
 from specinfer import Generator
-from spec_cases import check_greedy_exact, check_prefix_hits, reference
+from spec_cases import check_greedy_exact, check_prefix_hits
 from specinfer.spec_decode.medusa import MedusaHeads
 from specinfer.spec_decode.mlp_speculator import MLPSpeculator
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    return tiny_dir("llama", False)[0]
-
-
-@pytest.fixture(scope="module")
-def ref(target):
-    return reference(target)
 
 
 LAYOUTS = {

@@ -41,16 +41,6 @@ def _spec(method, path, tree, scorer):
 
 
 @pytest.fixture(scope="module")
-def target(tiny_dir):
-    return tiny_dir("llama", False)[0]
-
-
-@pytest.fixture(scope="module")
-def ref(target):
-    return reference(target)
-
-
-@pytest.fixture(scope="module")
 def heads(target, target_and_draft, tmp_path_factory):
     d = tmp_path_factory.mktemp("heads")
     return {"draft_model": target_and_draft[1], "eagle": hc.eagle1(d / "eagle", target, repeat=True)}

@@ -13,7 +13,7 @@ import pytest
 
 import head_checkpoints as hc
 from specinfer import Generator
-from spec_cases import GREEDY, SETTINGS, reference
+from spec_cases import GREEDY, SETTINGS
 from specinfer.spec_decode.token_tree import is_chain
 
 TREE = [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]
@@ -36,16 +36,6 @@ class CoreSpy:
         parents = np.asarray(draft_parents)
         self.num_trees += sum(not is_chain(parents[cu[j]:cu[j + 1]]) for j in range(len(cu) - 1))
         return self._core.set_draft_tokens(req_ids, cu_num_draft, draft_token_ids, draft_parents)
-
-
-@pytest.fixture(scope="module")
-def target(tiny_dir):
-    return tiny_dir("llama", False)[0]
-
-
-@pytest.fixture(scope="module")
-def ref(target):
-    return reference(target)
 
 
 HEADS = {"medusa": lambda p, t: hc.medusa_original(p, t, num_layers=1),
