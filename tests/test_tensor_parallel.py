@@ -85,7 +85,6 @@ def test_tp2_draft_model_token_tree(target_and_draft):
     (dict(tensor_parallel_size=2, speculative={"method": "draft_model", "model": "x",
                                                "draft_tensor_parallel_size": 3}), "draft_tensor_parallel_size"),
     (dict(speculative={"method": "ngram", "draft_tensor_parallel_size": 1}), "draft_tensor_parallel_size"),
-    (dict(tensor_parallel_size=2, speculative={"method": "medusa", "model": "x"}), "speculative.method"),
     (dict(tensor_parallel_size=3), "tensor_parallel_size=3 does not divide the model's 4 attention heads"),
 ])
 def test_bad_parallel_settings_name_the_field(tiny_dir, kwargs, field):

@@ -52,6 +52,9 @@ class ProposerContext:
     # callable(model, kv_caches, backend) -> an eager runner passing model kwargs (exit_layer) through;
     # over every rank of the model's group under tensor parallelism
     make_eager_runner: object = None
+    # callable(method, path) -> the draft head's handle (executor/head_handle.py): loaded over the
+    # target, sharded over the target's ranks under tensor parallelism
+    load_head: object = None
 
 
 class LLMEngine:
@@ -97,7 +100,9 @@ class LLMEngine:
             ctx = ProposerContext(self.loaded, lambda path: load(path, "draft"), cache_cfg.block_size, self.device,
                                   sched_cfg.max_num_batched_tokens,
                                   lambda m, kv, be: self.executor.make_runner(m, kv, be, self._limits),
-                                  self.executor.make_eager_runner)
+                                  self.executor.make_eager_runner,
+                                  lambda method, path: self.executor.load_head(method, path, self.loaded,
+                                                                               dtype=self.loaded.model.norm.dtype))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size

@@ -34,7 +34,8 @@ def make_executor(parallel, platform):
 
 
 
-TENSOR_PARALLEL_METHODS = ("ngram", "draft_model", "layer_skip")  # proposers that run with a sharded target
+# every proposer runs with a sharded target (heads sharded over the target's ranks)
+TENSOR_PARALLEL_METHODS = ("ngram", "draft_model", "layer_skip", "mlp_speculator", "medusa", "eagle", "eagle3")
 
 
 def check_parallel_support(parallel, spec) -> None:

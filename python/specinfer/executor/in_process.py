@@ -8,6 +8,7 @@ from specinfer.engine.kv_cache import allocate_kv_caches
 from specinfer.engine.model_loading import load_any
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.tree_steps import apply_kv_copies
+from specinfer.executor.head_handle import LocalHead
 
 
 class InProcessExecutor:
@@ -22,6 +23,13 @@ class InProcessExecutor:
         """-> LoadedModel, prepared for this platform (packed GEMMs on CPU)."""
         return load_any(path, dtype=dtype, device=self.platform.device, platform=self.platform,
                         quantization=quantization)
+
+    def load_head(self, method: str, path, target, *, dtype):
+        """The draft head of `method` at `path` over the target (LoadedModel), behind the handle
+        its proposer calls (executor/head_handle.py)."""
+        from specinfer.spec_decode.registry import proposer_class
+
+        return LocalHead(proposer_class(method).load_head(path, target, dtype=dtype, device=self.platform.device))
 
     def allocate_kv_caches(self, models, num_blocks: int, block_size: int, dtype, attention_backend: str,
                            limits) -> list[list[torch.Tensor]]:

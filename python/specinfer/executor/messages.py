@@ -25,6 +25,25 @@ class LoadModel:
 
 
 @dataclass(frozen=True)
+class LoadHead:
+    """Every rank of the target's group loads the draft head of `method` at `path` (over its own
+    shard of the target) and keeps its shard of the head (executor/head_handle.py)."""
+
+    method: str  # "medusa" | "mlp_speculator" | "eagle" | "eagle3"
+    path: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class HeadCall:
+    """One call on the head's shard of every rank (head_handle.RANK_CALLS), e.g. a Medusa stage or
+    an EAGLE draft-layer forward."""
+
+    name: str
+    args: tuple  # tensors as WireTensor
+
+
+@dataclass(frozen=True)
 class BindKv:
     """Allocate each loaded model's KV pool (this rank's KV heads only) and build its runner."""
 

@@ -27,6 +27,7 @@ from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.executor import messages as m
 from specinfer.executor.control_channel import ControlChannel
 from specinfer.executor.device_move import to_wire
+from specinfer.executor.head_handle import RanksHead
 from specinfer.executor.process_group import (READY_KEY, STARTUP_TIMEOUT_S, destroy_world, env_rank, init_world,
                                               launched_by_torchrun, read_errors)
 from specinfer.executor.rank_worker import RankWorker
@@ -81,16 +82,29 @@ class MultiprocExecutor:
         self._roles[id(loaded.model)] = role
         return loaded
 
+    def load_head(self, method: str, path, target, *, dtype):
+        """A draft head sharded over the target's ranks: every rank loads it over its target shard
+        and keeps its shard; the proposer gets a handle that runs each call on every rank."""
+        local = self._call(m.LoadHead(method, str(path), dtype))
+        handle = RanksHead(self, local)
+        self._roles[id(handle)] = "head"
+        return handle
+
+    def head_call(self, name: str, args: tuple):
+        return self._call(m.HeadCall(name, to_wire(args)))
+
     def allocate_kv_caches(self, models, num_blocks: int, block_size: int, dtype, attention_backend: str,
                            limits) -> list[list[torch.Tensor]]:
         by_role = self._call(m.BindKv(num_blocks, block_size, dtype, attention_backend, limits))
         return [by_role[self._roles[id(model)]] for model in models]
 
     def make_runner(self, model, kv_caches, backend, limits, aux_layers: tuple = ()):
+        """The target's runner; with aux_layers (EAGLE-3) the driver's shard keeps those layers'
+        inputs: the residual stream is whole on every rank (after each row-parallel all-reduce)."""
+        runner = self.make_eager_runner(model, kv_caches, backend)
         if aux_layers:
-            raise ValueError("tensor_parallel_size > 1 does not support proposers that read the target's "
-                             "intermediate layers (eagle3)")
-        return self.make_eager_runner(model, kv_caches, backend)
+            self.rank.runners[self._roles[id(model)]].aux_layers = tuple(aux_layers)
+        return runner
 
     def make_eager_runner(self, model, kv_caches, backend):
         """The model's runner on every rank of its group (layer_skip: the target's, exit_layer

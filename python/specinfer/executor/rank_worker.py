@@ -17,6 +17,7 @@ from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.tree_steps import apply_kv_copies
 from specinfer.executor import messages as m
 from specinfer.executor.device_move import to_device
+from specinfer.executor.head_handle import LocalHead
 from specinfer.models.tensor_parallel import TensorParallelGroup, shard_model
 
 
@@ -31,6 +32,7 @@ class RankWorker:
         self.groups: dict[str, TensorParallelGroup] = {}  # role -> its group as seen from this rank
         self.kv_caches: dict[str, list[torch.Tensor]] = {}
         self.runners: dict[str, ModelRunner] = {}
+        self.head: LocalHead | None = None  # this rank's shard of a draft head (LoadHead)
 
     def handle(self, msg):
         handler = _HANDLERS.get(type(msg))
@@ -63,14 +65,33 @@ class RankWorker:
         self.loaded[msg.role] = loaded
         return loaded
 
+    def load_head(self, msg: m.LoadHead):
+        """Load the draft head over this rank's target shard, then keep this rank's shard of it."""
+        from specinfer.spec_decode.registry import proposer_class
+
+        target = self.loaded["target"]
+        head = proposer_class(msg.method).load_head(msg.path, target, dtype=msg.dtype, device=self.device)
+        head.shard(self.groups["target"])
+        self.head = LocalHead(head)
+        return self.head
+
     def bind_kv(self, msg: m.BindKv):
-        """Allocate this rank's KV pools (its KV heads only) and an eager runner per model."""
+        """Allocate this rank's KV pools (its KV heads only) and an eager runner per model; an
+        EAGLE head's own pool (role "head") too."""
         backend = self.platform.make_attention_backend(msg.attention_backend, msg.limits)
         for role, loaded in self.loaded.items():
             caches = allocate_kv_caches(loaded.model, msg.num_blocks, msg.block_size, msg.dtype, self.device)
             self.kv_caches[role] = caches
             self.runners[role] = ModelRunner(loaded.model, caches, backend)
+        if self.head is not None and hasattr(self.head, "kv_cache_shape"):
+            caches = allocate_kv_caches(self.head, msg.num_blocks, msg.block_size, msg.dtype, self.device)
+            self.kv_caches["head"] = caches
+            self.head.bind(caches, backend)
         return dict(self.kv_caches)
+
+    @torch.inference_mode()
+    def head_call(self, msg: m.HeadCall):
+        return self.head.call(msg.name, to_device(msg.args, self.device))
 
     def execute_model(self, msg: m.ExecuteModel):
         batch = to_device(msg.batch, self.device)
@@ -115,9 +136,11 @@ class RankWorker:
             raise RuntimeError(text)
 
 
-_SYNCED = (m.LoadModel, m.BindKv, m.CallMethod)
+_SYNCED = (m.LoadModel, m.LoadHead, m.BindKv, m.CallMethod)
 _HANDLERS = {
     m.LoadModel: RankWorker.load_model,
+    m.LoadHead: RankWorker.load_head,
+    m.HeadCall: RankWorker.head_call,
     m.BindKv: RankWorker.bind_kv,
     m.ExecuteModel: RankWorker.execute_model,
     m.RunForward: RankWorker.run_forward,

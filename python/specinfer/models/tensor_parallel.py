@@ -15,6 +15,8 @@ Per decoder layer, on rank r of a group of N:
   logits are all-gathered and trimmed to V.
 Norms, biases of column-parallel layers (sliced) and RoPE tables stay per rank. Each rank's KV
 cache holds only its KV heads (model.num_kv_heads is the local count).
+The helpers (vocab_rows, vocab_parallel_embedding / _logits, shard_decoder_layer) also shard the
+draft heads (spec_decode/: medusa, mlp_speculator, eagle, eagle3 `shard()`).
 """
 from __future__ import annotations
 
@@ -128,15 +130,43 @@ def _set(module, name, value) -> None:
     setattr(module, name, value)
 
 
+def vocab_rows(w, tp: TensorParallelGroup):
+    """This rank's vocab-parallel shard of a [V, h] table (zero-padded to ceil(V / size) rows)."""
+    return w if tp.size == 1 else _vocab_rows(w, tp.rank, tp.size)
+
+
+def vocab_parallel_embedding(ids: torch.Tensor, table: torch.Tensor, tp: TensorParallelGroup | None) -> torch.Tensor:
+    """int64[T] -> [T, h] from this rank's rows of a vocab-parallel table (vocab_rows): ids outside
+    the shard look up zeros, the group's partial lookups are summed."""
+    if tp is None or tp.size == 1:
+        return torch.nn.functional.embedding(ids, table)
+    local = ids - tp.rank * table.shape[0]
+    inside = (local >= 0) & (local < table.shape[0])
+    x = torch.nn.functional.embedding(torch.where(inside, local, torch.zeros_like(local)), table)
+    return tp.all_reduce(x * inside.unsqueeze(-1).to(x.dtype))
+
+
+def vocab_parallel_logits(x: torch.Tensor, table: torch.Tensor, tp: TensorParallelGroup | None,
+                          vocab: int) -> torch.Tensor:
+    """[L, h] -> [L, vocab] through this rank's rows of a vocab-parallel head (vocab_rows): the
+    group's logit shards gathered, the padding dropped."""
+    out = torch.nn.functional.linear(x, table)
+    if tp is None or tp.size == 1:
+        return out
+    return tp.all_gather_last(out)[:, :vocab]
+
+
+def shard_rows_keeping_ties(weights: list, tp: TensorParallelGroup) -> list:
+    """vocab_rows of each table in a list, where entries that are one tensor (tied stages, a
+    shared head) stay one tensor."""
+    done: dict[int, object] = {}
+    return [done.setdefault(id(w), vocab_rows(w, tp)) for w in weights]
+
+
 @torch.no_grad()
-def shard_model(model, tp: TensorParallelGroup) -> None:
-    """Keep only rank tp.rank's shard of every weight (in place; dense or int8 weights, before
-    any packing). A group of size 1 leaves the model as it is (no collectives)."""
-    if tp.size == 1:
-        return
-    if model.packed:
-        raise RuntimeError("shard_model after pack_linear_weights: shard dense weights, then pack")
-    cfg = model.config
+def shard_decoder_layer(layer, cfg, tp: TensorParallelGroup) -> tuple[int, int]:
+    """Keep rank tp.rank's shard of one DecoderLayer (q|k|v and gate|up column-parallel, o and
+    down row-parallel, all-reduced by the layer); -> (query heads, KV heads) it keeps."""
     check_shardable(cfg, tp.size)
     D, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     k0, k1 = kv_heads_of_rank(Hkv, tp.rank, tp.size)
@@ -149,21 +179,35 @@ def shard_model(model, tp: TensorParallelGroup) -> None:
     k_rows = slice(q_size + k0 * D, q_size + k1 * D)
     v_rows = slice(q_size + kv_size + k0 * D, q_size + kv_size + k1 * D)
     gate_rows, up_rows = slice(i0, i0 + inter), slice(cfg.intermediate_size + i0, cfg.intermediate_size + i0 + inter)
+    _set(layer, "qkv_weight", _cat_rows([_rows(layer.qkv_weight, r) for r in (q_rows, k_rows, v_rows)]))
+    if layer.qkv_bias is not None:
+        bias = torch.cat([layer.qkv_bias.data[r] for r in (q_rows, k_rows, v_rows)])
+        _set(layer, "qkv_bias", torch.nn.Parameter(bias, requires_grad=False))
+    _set(layer, "o_weight", _cols(layer.o_weight, q_rows))
+    _set(layer, "gate_up_weight", _cat_rows([_rows(layer.gate_up_weight, r) for r in (gate_rows, up_rows)]))
+    _set(layer, "down_weight", _cols(layer.down_weight, gate_rows))
+    layer.num_heads, layer.num_kv_heads = hq, k1 - k0
+    layer.q_size, layer.kv_size = hq * D, (k1 - k0) * D
+    layer.tp = tp
+    return hq, k1 - k0
+
+
+@torch.no_grad()
+def shard_model(model, tp: TensorParallelGroup) -> None:
+    """Keep only rank tp.rank's shard of every weight (in place; dense or int8 weights, before
+    any packing). A group of size 1 leaves the model as it is (no collectives)."""
+    if tp.size == 1:
+        return
+    if model.packed:
+        raise RuntimeError("shard_model after pack_linear_weights: shard dense weights, then pack")
+    cfg = model.config
+    check_shardable(cfg, tp.size)
     model.tp = tp
     for layer in model.layers:
-        _set(layer, "qkv_weight", _cat_rows([_rows(layer.qkv_weight, r) for r in (q_rows, k_rows, v_rows)]))
-        if layer.qkv_bias is not None:
-            bias = torch.cat([layer.qkv_bias.data[r] for r in (q_rows, k_rows, v_rows)])
-            _set(layer, "qkv_bias", torch.nn.Parameter(bias, requires_grad=False))
-        _set(layer, "o_weight", _cols(layer.o_weight, q_rows))
-        _set(layer, "gate_up_weight", _cat_rows([_rows(layer.gate_up_weight, r) for r in (gate_rows, up_rows)]))
-        _set(layer, "down_weight", _cols(layer.down_weight, gate_rows))
-        layer.num_heads, layer.num_kv_heads = hq, k1 - k0
-        layer.q_size, layer.kv_size = hq * D, (k1 - k0) * D
-        layer.tp = tp
+        _, num_kv_heads = shard_decoder_layer(layer, cfg, tp)
     tied = model.lm_head is model.embed_tokens
     embed = _vocab_rows(model.embed_tokens, tp.rank, tp.size)
     _set(model, "embed_tokens", embed)
     _set(model, "lm_head", embed if tied else _vocab_rows(model.lm_head, tp.rank, tp.size))
-    model.num_kv_heads = k1 - k0
+    model.num_kv_heads = num_kv_heads
     model.vocab_start = tp.rank * (-(-cfg.vocab_size // tp.size))

@@ -27,6 +27,7 @@ from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
 from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
 from specinfer.models.llama import DecoderLayer
+from specinfer.models.tensor_parallel import shard_decoder_layer, vocab_parallel_embedding, vocab_rows
 from specinfer.models.rope import rope_factors, rope_table
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
 
@@ -44,17 +45,37 @@ class EagleDraft:
         self.layer, self.fc_w, self.fc_b, self.embed_tokens = layer, fc_w, fc_b, embed
         self.own_embed = own_embed  # embed_tokens came from the checkpoint (saved back) or the target
         self.target_logits = target_logits  # [P, H] -> float32[P, V]
+        self.target_embed = None  # the target's embedding lookup (vocab-parallel under TP) when not own_embed
+        self.num_kv_heads = cfg.num_kv_heads  # this rank's, once sharded
         cos, sin = rope_table(cfg, cfg.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(fc_w.device), sin.to(fc_w.device)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         # the proposer's private blocks follow the shared pool (EagleProposer, prefix-cache hits)
-        return (2, num_blocks + NUM_PRIVATE_BLOCKS, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return (2, num_blocks + NUM_PRIVATE_BLOCKS, block_size, self.num_kv_heads, self.config.head_dim)
+
+    tp = None  # TensorParallelGroup once sharded
+
+    def shard(self, tp) -> None:
+        """Keep this rank's shard of the layer (attention heads by KV group, MLP columns; o and
+        down all-reduced) and of an own embedding (vocab rows); fc stays whole. The target's
+        embedding and lm_head are its own shards already."""
+        if tp.size == 1:
+            return
+        self.tp = tp
+        _, self.num_kv_heads = shard_decoder_layer(self.layer, self.config, tp)
+        if self.own_embed:
+            self.embed_tokens = vocab_rows(self.embed_tokens, tp)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.own_embed or self.target_embed is None:
+            return vocab_parallel_embedding(tokens, self.embed_tokens, self.tp)
+        return self.target_embed(tokens)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """tokens int64[T] (x_{i+1}), features [T, H] (f_i), positions int64[T] (i) -> [T, H] draft features."""
-        x = F.linear(torch.cat([F.embedding(tokens, self.embed_tokens), features.to(self.fc_w.dtype)], -1),
+        x = F.linear(torch.cat([self.embed(tokens), features.to(self.fc_w.dtype)], -1),
                      self.fc_w, self.fc_b)
         dtype = x.dtype
         cos, sin = rope_factors(self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype))
@@ -149,4 +170,6 @@ class EagleDraft:
         own = ts.has("embed_tokens.weight")
         embed = ts.take("embed_tokens.weight", (cfg.vocab_size, H)) if own else target.model.embed_tokens
         ts.finish()
-        return cls(cfg, copy.deepcopy(hf), layer, fc_w, fc_b, embed, own, target.model.compute_logits)
+        draft = cls(cfg, copy.deepcopy(hf), layer, fc_w, fc_b, embed, own, target.model.compute_logits)
+        draft.target_embed = target.model.embed
+        return draft

@@ -27,6 +27,8 @@ from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
 from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
 from specinfer.models.llama import _rms_norm
+from specinfer.models.tensor_parallel import (check_shardable, kv_heads_of_rank, vocab_parallel_embedding,
+                                               vocab_parallel_logits, vocab_rows)
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
 
@@ -52,10 +54,45 @@ class Eagle3Draft:
         cos, sin = rope_table(cfg, cfg.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(w["fc.weight"].device), sin.to(w["fc.weight"].device)
         self.target_draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # draft id -> target id
+        self.target_embed = None  # the target's embedding lookup (vocab-parallel under TP) when not own_embed
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads  # this rank's, once sharded
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         # the proposer's private blocks follow the shared pool (EagleProposer, prefix-cache hits)
-        return (2, num_blocks + NUM_PRIVATE_BLOCKS, block_size, self.config.num_kv_heads, self.config.head_dim)
+        return (2, num_blocks + NUM_PRIVATE_BLOCKS, block_size, self.num_kv_heads, self.config.head_dim)
+
+    tp = None  # TensorParallelGroup once sharded
+
+    def shard(self, tp) -> None:
+        """Keep this rank's shard: q/k/v and gate/up rows of its heads and MLP columns, o and down
+        columns (all-reduced), vocab rows of lm_head and of an own embedding; fc and the norms
+        stay whole."""
+        if tp.size == 1:
+            return
+        c, w, m = self.config, self.w, "midlayer."
+        check_shardable(c, tp.size)
+        D = c.head_dim
+        k0, k1 = kv_heads_of_rank(c.num_kv_heads, tp.rank, tp.size)
+        hq, inter = c.num_heads // tp.size, c.intermediate_size // tp.size
+        q, kv, i = slice(tp.rank * hq * D, (tp.rank + 1) * hq * D), slice(k0 * D, k1 * D), slice(tp.rank * inter,
+                                                                                              (tp.rank + 1) * inter)
+        for name, rows in (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv),
+                           ("mlp.gate_proj", i), ("mlp.up_proj", i)):
+            w[m + name + ".weight"] = w[m + name + ".weight"][rows].contiguous()
+        for name, cols in (("self_attn.o_proj", q), ("mlp.down_proj", i)):
+            w[m + name + ".weight"] = w[m + name + ".weight"][:, cols].contiguous()
+        w["lm_head.weight"] = vocab_rows(w["lm_head.weight"], tp)
+        if self.own_embed:
+            self.embed_tokens = vocab_rows(self.embed_tokens, tp)
+        self.num_heads, self.num_kv_heads, self.tp = hq, k1 - k0, tp
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:  # row-parallel partial sums -> the whole
+        return x if self.tp is None else self.tp.all_reduce(x)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.own_embed or self.target_embed is None:
+            return vocab_parallel_embedding(tokens, self.embed_tokens, self.tp)
+        return self.target_embed(tokens)
 
     def target_features(self, hidden, rows: torch.Tensor) -> torch.Tensor:  # TargetHidden -> [T', H] g
         return F.linear(hidden.aux[rows].to(self.w["fc.weight"].dtype), self.w["fc.weight"])
@@ -65,23 +102,23 @@ class Eagle3Draft:
         c, w, eps = self.config, self.w, self.config.rms_norm_eps
         T, H = g.shape
         m = "midlayer."
-        x = torch.cat([_rms_norm(F.embedding(tokens, self.embed_tokens), (H,), w[m + "input_layernorm.weight"], eps),
+        x = torch.cat([_rms_norm(self.embed(tokens), (H,), w[m + "input_layernorm.weight"], eps),
                        _rms_norm(g, (H,), w[m + "hidden_norm.weight"], eps)], -1)  # [T, 2H]
-        q = F.linear(x, w[m + "self_attn.q_proj.weight"]).view(T, c.num_heads, c.head_dim)
-        k = F.linear(x, w[m + "self_attn.k_proj.weight"]).view(T, c.num_kv_heads, c.head_dim)
-        v = F.linear(x, w[m + "self_attn.v_proj.weight"]).view(T, c.num_kv_heads, c.head_dim)
+        nh, nkv = self.num_heads, self.num_kv_heads
+        q = F.linear(x, w[m + "self_attn.q_proj.weight"]).view(T, nh, c.head_dim)
+        k = F.linear(x, w[m + "self_attn.k_proj.weight"]).view(T, nkv, c.head_dim)
+        v = F.linear(x, w[m + "self_attn.v_proj.weight"]).view(T, nkv, c.head_dim)
         cos, sin = rope_factors(self.rope_cos[positions].to(g.dtype), self.rope_sin[positions].to(g.dtype))
         qk = apply_rope(torch.cat([q, k], 1), cos, sin)
-        attn = ctx.backend.forward(qk[:, : c.num_heads], qk[:, c.num_heads:], v, ctx.kv_caches[0], ctx.metadata,
-                                   self.scale)  # [T, heads, D]
-        h = g + F.linear(attn.reshape(T, -1), w[m + "self_attn.o_proj.weight"])
+        attn = ctx.backend.forward(qk[:, :nh], qk[:, nh:], v, ctx.kv_caches[0], ctx.metadata, self.scale)  # [T, nh, D]
+        h = g + self._reduce(F.linear(attn.reshape(T, -1), w[m + "self_attn.o_proj.weight"]))
         u = _rms_norm(h, (H,), w[m + "post_attention_layernorm.weight"], eps)
         u = F.silu(F.linear(u, w[m + "mlp.gate_proj.weight"])) * F.linear(u, w[m + "mlp.up_proj.weight"])
-        return h + F.linear(u, w[m + "mlp.down_proj.weight"])
+        return h + self._reduce(F.linear(u, w[m + "mlp.down_proj.weight"]))
 
     def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, Vd] over the draft vocabulary
-        return F.linear(_rms_norm(h, (h.shape[-1],), self.w["norm.weight"], self.config.rms_norm_eps),
-                        self.w["lm_head.weight"])
+        return vocab_parallel_logits(_rms_norm(h, (h.shape[-1],), self.w["norm.weight"], self.config.rms_norm_eps),
+                                     self.w["lm_head.weight"], self.tp, len(self.d2t))
 
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P] target ids
         return self.target_draft_ids[self._draft_logits(h).argmax(-1)]
@@ -165,4 +202,6 @@ class Eagle3Draft:
             raise ValueError(f"{file}: missing tensor 'embed_tokens.weight' (the draft width {H} differs from the "
                              f"target's {E}, so the target's embedding cannot stand in)")
         ts.finish()
-        return cls(cfg, copy.deepcopy(hf), w, aux, d2t, t2d, embed, own)
+        draft = cls(cfg, copy.deepcopy(hf), w, aux, d2t, t2d, embed, own)
+        draft.target_embed = target.model.embed
+        return draft

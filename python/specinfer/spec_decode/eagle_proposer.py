@@ -43,7 +43,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specinfer.attention import ForwardContext
 from specinfer.engine.batch import attention_metadata_for_runs, attention_metadata_for_tree_nodes
 from specinfer.engine.step_sampler import sampling_metadata
 from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS, PairRecords
@@ -58,14 +57,19 @@ from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tre
 class EagleProposer:
     sees_every_step = True  # confirmed target states exist only in the step that computed them
     draft_class = EagleDraft
+    method = "eagle"
+
+    @classmethod
+    def load_head(cls, path, target, *, dtype, device):
+        """target: the LoadedModel (its config, embedding and lm_head)."""
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"speculative.model {str(path)!r} is not a directory holding an "
+                                    f"{cls.method} checkpoint")
+        return cls.draft_class.load(Path(path), target=target, dtype=dtype, device=device)
 
     def __init__(self, spec, ctx):
-        path = Path(spec.model)
-        if not path.is_dir():
-            raise FileNotFoundError(f"speculative.model {spec.model!r} is not a directory holding an "
-                                    f"{spec.method} checkpoint")
-        self.draft = self.draft_class.load(path, target=ctx.target, dtype=ctx.target.model.norm.dtype,
-                                           device=ctx.device)
+        # a handle (executor/head_handle.py): the draft layer and its KV pool, on every rank under TP
+        self.draft = ctx.load_head(spec.method, spec.model)
         self.aux_layers = self.draft.aux_layers  # target layers whose inputs the forward must hand over
         self.kv_models = [self.draft]
         self.tree = spec.token_tree  # StaticTree | DynamicTree | None (chains)
@@ -84,8 +88,8 @@ class EagleProposer:
         self.num_private_copies = 0  # prefix hits whose last cached pair was rewritten in a private copy
 
     def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
-        self.kv_caches, self.backend = kv_caches_per_model[0], backend
-        total = self.kv_caches[0].shape[1]  # the pool's blocks (and null blocks), then our private ones
+        self.draft.bind(kv_caches_per_model[0], backend)
+        total = kv_caches_per_model[0][0].shape[1]  # the pool's blocks (and null blocks), then our private ones
         self.free_private = list(range(total - NUM_PRIVATE_BLOCKS, total))[::-1]
 
     def forget(self, core_ids) -> None:
@@ -97,9 +101,8 @@ class EagleProposer:
 
     def _forward(self, block_rows, starts, lens, tokens, features) -> torch.Tensor:
         attn, positions = attention_metadata_for_runs(block_rows, starts, lens, self.block_size, self.device)
-        ctx = ForwardContext(self.backend, self.backend.prepare(attn), self.kv_caches)
-        return self.draft.forward(torch.from_numpy(tokens).to(self.device), features,
-                                  torch.from_numpy(positions).to(self.device), ctx)
+        return self.draft.forward_attn(torch.from_numpy(tokens).to(self.device), features,
+                                       torch.from_numpy(positions).to(self.device), attn)
 
     @torch.inference_mode()
     def propose(self, inp: ProposalInput) -> Proposal:
@@ -159,8 +162,7 @@ class EagleProposer:
             return
         i, private = c // bs - 1, self.free_private.pop()
         shared = int(inp.block_rows[r][i])
-        for cache in self.kv_caches:
-            cache[:, private].copy_(cache[:, shared])
+        self.draft.copy_block(shared, private)
         self.private[st.core_id] = (i, private)
         self.num_private_copies += 1
         row = inp.block_rows[r:r + 1].copy()
@@ -229,9 +231,8 @@ class EagleProposer:
             ids, counts = np.unique(req, return_counts=True)
             attn, positions = attention_metadata_for_tree_nodes(block_rows[ids], tree_starts[ids], counts, slots,
                                                                 depths, masks, self.block_size, self.device)
-            ctx = ForwardContext(self.backend, self.backend.prepare(attn), self.kv_caches)
-            h = self.draft.forward(torch.from_numpy(tokens).to(self.device), parent_h,
-                                   torch.from_numpy(positions).to(self.device), ctx)
+            h = self.draft.forward_attn(torch.from_numpy(tokens).to(self.device), parent_h,
+                                        torch.from_numpy(positions).to(self.device), attn)
             return self.draft.full_logits(h), h
 
         cap = inp.max_drafts[rows]
@@ -252,3 +253,4 @@ class Eagle3Proposer(EagleProposer):
     """EAGLE-3: features from three target layers through fc; own norm, lm_head and vocabulary."""
 
     draft_class = Eagle3Draft
+    method = "eagle3"

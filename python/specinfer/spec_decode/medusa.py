@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specinfer.models.tensor_parallel import shard_rows_keeping_ties, vocab_parallel_logits
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
 from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer, checkpoint_dir, draft_chain
 
@@ -46,6 +47,14 @@ class MedusaHeads:
         self.target_logits = target_logits  # callable [P, H] -> [P, V] (legacy shared head)
 
     reads_parent = False  # head k sees only h_t, never the tokens drafted before
+    tp = None  # TensorParallelGroup once sharded: each rank keeps vocab rows of the lm_heads
+
+    def shard(self, tp) -> None:
+        """Keep this rank's vocab-parallel rows of every lm_head (a shared head stays shared);
+        the residual blocks (H x H) stay whole. A legacy head uses the target's sharded lm_head."""
+        self.tp = tp
+        if self.lm_heads is not None:
+            self.lm_heads = shard_rows_keeping_ties(self.lm_heads, tp)
 
     @property
     def num_stages(self) -> int:
@@ -69,7 +78,8 @@ class MedusaHeads:
         for j in range(self.cfg.num_layers):
             b = self.block_b[k][j] if self.block_b is not None else None
             x = x + F.silu(F.linear(x, self.block_w[k][j], b))
-        logits = self.target_logits(x) if self.lm_heads is None else F.linear(x, self.lm_heads[k])
+        logits = (self.target_logits(x) if self.lm_heads is None else
+                  vocab_parallel_logits(x, self.lm_heads[k], self.tp, self.cfg.truncated_vocab_size))
         if self.token_map is not None:  # [P, V_t] -> [P, V]
             full = logits.new_full((logits.shape[0], self.cfg.vocab_size), float("-inf"))
             full[:, self.token_map] = logits
@@ -189,10 +199,15 @@ def _load_vllm(path, cfg, H, V, target_logits, dtype, device) -> MedusaHeads:
 
 
 class MedusaProposer(HiddenStateHeadProposer):
+    @staticmethod
+    def load_head(path, target, *, dtype, device) -> MedusaHeads:
+        """target: the LoadedModel (its sizes, and its lm_head for legacy heads)."""
+        tcfg = target.config
+        return MedusaHeads.load(checkpoint_dir(path), hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+                                target_logits=target.model.compute_logits, dtype=dtype, device=device)
+
     def __init__(self, spec, ctx):
-        tcfg, target = ctx.target.config, ctx.target.model
-        head = MedusaHeads.load(checkpoint_dir(spec.model), hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
-                                target_logits=target.compute_logits, dtype=target.norm.dtype, device=ctx.device)
+        head = ctx.load_head(spec.method, spec.model)
         self.check_tree(spec.token_tree, head, "Medusa heads (number of heads)", spec.model)
         self.check_k(spec.num_speculative_tokens, head.cfg.num_heads, "Medusa heads (number of heads)", spec.model)
         super().__init__(head, spec.num_speculative_tokens, spec.token_tree)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specinfer.models.tensor_parallel import shard_rows_keeping_ties, vocab_parallel_embedding, vocab_parallel_logits
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
 from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer, checkpoint_dir, draft_chain
 
@@ -89,6 +90,14 @@ class MLPSpeculator:
         return cls(cfg, emb, proj, head, ln_w, ln_b)
 
     reads_parent = True  # stage i reads the state and the token drafted before it
+    tp = None  # TensorParallelGroup once sharded: each rank keeps vocab rows of emb and head
+
+    def shard(self, tp) -> None:
+        """Keep this rank's vocab-parallel rows of the stages' embeddings and heads (tied stages
+        stay tied); projections and norms stay whole."""
+        self.tp = tp
+        self.emb = shard_rows_keeping_ties(self.emb, tp)
+        self.head = shard_rows_keeping_ties(self.head, tp)
 
     @property
     def num_stages(self) -> int:
@@ -110,10 +119,10 @@ class MLPSpeculator:
 
     def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """state [P, E or D], tokens int64[P] (the previous token) -> (state [P, D], logits [P, V])."""
-        u = F.linear(state, self.proj[i]) + self.emb_scale * F.embedding(tokens, self.emb[i])  # [P, D]
+        u = F.linear(state, self.proj[i]) + self.emb_scale * vocab_parallel_embedding(tokens, self.emb[i], self.tp)
         u = self.ln_w[i] * (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + _EPS)) + self.ln_b[i]
         s = F.gelu(u)
-        return s, F.linear(s, self.head[i])
+        return s, vocab_parallel_logits(s, self.head[i], self.tp, self.cfg.vocab_size)
 
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, steps: int) -> torch.Tensor:
         """hidden [P, E] (h_t), tokens int64[P] (x_{t+1}) -> int64[P, steps] argmax drafts."""
@@ -171,10 +180,14 @@ class MLPSpeculator:
 
 
 class MLPSpeculatorProposer(HiddenStateHeadProposer):
+    @staticmethod
+    def load_head(path, target, *, dtype, device) -> MLPSpeculator:
+        tcfg = target.config
+        return MLPSpeculator.load(checkpoint_dir(path), hidden_size=tcfg.hidden_size, vocab_size=tcfg.vocab_size,
+                                  dtype=dtype, device=device)
+
     def __init__(self, spec, ctx):
-        tcfg = ctx.target.config
-        head = MLPSpeculator.load(checkpoint_dir(spec.model), hidden_size=tcfg.hidden_size,
-                                  vocab_size=tcfg.vocab_size, dtype=ctx.target.model.norm.dtype, device=ctx.device)
+        head = ctx.load_head(spec.method, spec.model)
         self.check_tree(spec.token_tree, head, "MLP speculator (n_predict)", spec.model)
         self.check_k(spec.num_speculative_tokens, head.cfg.n_predict, "MLP speculator (n_predict)", spec.model)
         super().__init__(head, spec.num_speculative_tokens, spec.token_tree)
