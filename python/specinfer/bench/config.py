@@ -243,6 +243,20 @@ PRESETS: dict[str, dict] = {
         methods=[dict(name="no-spec"),
                  dict(name="ngram-k4-disable16", speculative=_ngram(4, disable_by_batch_size=16))],
         notes="speculation must not slow large batches: disable_by_batch_size=16 at batch 32"),
+    "policy-b1": dict(
+        name="policy-b1", model=SMOL, tasks=ALL_TASKS, num_prompts=2, max_tokens=64, repeats=2,
+        methods=[dict(name="no-spec")]
+        + [dict(name=f"ngram-k{k}", speculative=_ngram(k, policy="fixed")) for k in (1, 2, 3, 4)]
+        + [dict(name="ngram-goodput-k4", speculative=_ngram(4, policy="goodput"))],
+        notes="the goodput policy (k chosen per request and step, 0..4) vs every fixed k at batch 1 on each "
+              "task: it should match the best fixed k of each task without being told which"),
+    "policy-batch": dict(
+        name="policy-batch", model=SMOL, tasks=("mixed",), num_prompts=64, batch_sizes=(32, 64), max_tokens=48,
+        repeats=2,
+        methods=[dict(name="no-spec"), dict(name="ngram-k4", speculative=_ngram(4, policy="fixed")),
+                 dict(name="ngram-goodput-k4", speculative=_ngram(4, policy="goodput"))],
+        notes="large batches: the goodput policy should cost nothing against no speculation (>= 0.98x) where "
+              "a fixed k loses"),
 }
 
 
