@@ -7,24 +7,25 @@ import numpy as np
 import pytest
 
 from specinfer.spec_decode.policy import (GoodputPolicy, AcceptanceEstimates, StepCostModel, choose_num_drafts,
-                                          expected_emitted)
+                                          expected_emitted, linear_cost)
 
 
-def brute_force(accept, max_drafts, base_tokens, cost):
-    c0, c_t, c_d = cost
+def brute_force(accept, max_drafts, seconds):
     best, best_d = -1.0, None
     for d in itertools.product(*[range(m + 1) for m in max_drafts]):
-        emitted = sum(expected_emitted(accept[i], di) for i, di in enumerate(d))
-        g = emitted / (c0 + c_t * (base_tokens + sum(d)) + c_d * sum(d))
+        g = goodput(accept, np.array(d), seconds)
         if g > best + 1e-12:
             best, best_d = g, d
     return best, np.array(best_d)
 
 
-def goodput(accept, d, base_tokens, cost):
-    c0, c_t, c_d = cost
+def goodput(accept, d, seconds):
     emitted = sum(expected_emitted(accept[i], int(di)) for i, di in enumerate(d))
-    return emitted / (c0 + c_t * (base_tokens + d.sum()) + c_d * d.sum())
+    return emitted / float(seconds(np.array([d.sum()]))[0])
+
+
+def choose(accept, max_drafts, base, cost):  # the linear cost model (c0, c_t, c_d)
+    return choose_num_drafts(accept, max_drafts, linear_cost(*cost, base))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -35,39 +36,81 @@ def test_greedy_choice_equals_the_brute_force_optimum(seed):
     max_drafts = rng.integers(0, K + 1, size=R)
     cost = (float(rng.uniform(0.001, 0.05)), float(rng.uniform(1e-4, 0.01)), float(rng.uniform(0, 0.01)))
     base = int(rng.integers(R, 3 * R + 1))
-    best, _ = brute_force(accept, max_drafts, base, cost)
-    d = choose_num_drafts(accept, max_drafts, base, cost)
+    seconds = linear_cost(*cost, base)
+    best, _ = brute_force(accept, max_drafts, seconds)
+    d = choose_num_drafts(accept, max_drafts, seconds)
     assert np.all(d <= max_drafts)
-    assert goodput(accept, d, base, cost) == pytest.approx(best, rel=1e-9)
+    assert goodput(accept, d, seconds) == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_choice_is_optimal_for_a_step_cost_flat_then_rising(seed):
+    """A CPU-like step cost: about flat up to some tokens (weight-bandwidth bound), then linear;
+    the policy evaluates every total and must still find the brute-force optimum."""
+    rng = np.random.default_rng(100 + seed)
+    R, K = int(rng.integers(1, 4)), 4
+    accept = rng.uniform(0.0, 1.0, size=(R, K))
+    max_drafts = rng.integers(0, K + 1, size=R)
+    base, knee = R, int(rng.integers(R, R + 8))
+    c0, slope, flat = float(rng.uniform(0.01, 0.1)), float(rng.uniform(0.001, 0.05)), float(rng.uniform(0, 1e-3))
+
+    def seconds(n):
+        t = base + np.asarray(n)
+        return c0 + flat * t + slope * np.maximum(t - knee, 0)
+
+    best, _ = brute_force(accept, max_drafts, seconds)
+    d = choose_num_drafts(accept, max_drafts, seconds)
+    assert np.all(d <= max_drafts)
+    assert goodput(accept, d, seconds) == pytest.approx(best, rel=1e-9)
 
 
 def test_speculation_that_does_not_pay_gets_k_zero():
     accept = np.full((3, 4), 0.05)
     # a step's fixed cost is tiny and each token costs as much as a whole step: drafts never pay
-    assert choose_num_drafts(accept, np.full(3, 4), 3, (1e-4, 0.01, 0.01)).tolist() == [0, 0, 0]
+    assert choose(accept, np.full(3, 4), 3, (1e-4, 0.01, 0.01)).tolist() == [0, 0, 0]
 
 
 def test_high_acceptance_with_a_fixed_cost_step_drafts_the_most():
     accept = np.full((2, 5), 0.95)
-    assert choose_num_drafts(accept, np.array([5, 3]), 2, (0.05, 1e-5, 1e-5)).tolist() == [5, 3]
+    assert choose(accept, np.array([5, 3]), 2, (0.05, 1e-5, 1e-5)).tolist() == [5, 3]
 
 
 def test_requests_with_better_acceptance_draft_more():
     accept = np.array([[0.9] * 4, [0.3] * 4])
-    d = choose_num_drafts(accept, np.array([4, 4]), 2, (0.01, 0.002, 0.001))
+    d = choose(accept, np.array([4, 4]), 2, (0.01, 0.002, 0.001))
     assert d[0] > d[1]
 
 
-def test_cost_model_recovers_the_coefficients():
+def test_cost_model_interpolates_measured_step_times():
     rng = np.random.default_rng(1)
-    model = StepCostModel(decay=1.0)
-    assert model.coefficients() is None
-    for _ in range(200):
-        t, dr = int(rng.integers(1, 200)), int(rng.integers(0, 40))
-        model.record(t, dr, 0.02 + 0.0005 * t + 0.002 * dr + rng.normal(0, 1e-5))
-    c0, ct, cd = model.coefficients()
-    assert c0 == pytest.approx(0.02, rel=0.02) and ct == pytest.approx(0.0005, rel=0.02)
-    assert cd == pytest.approx(0.002, rel=0.02)
+    model = StepCostModel(rate=0.2, min_steps=8)
+    assert not model.ready
+    truth = {1: 0.100, 2: 0.104, 5: 0.113, 300: 0.400}
+    for _ in range(50):
+        for t, sec in truth.items():
+            model.record(t, sec + rng.normal(0, 1e-5), draft_tokens=4, draft_seconds=0.008)
+    assert model.ready
+    got = model.target_seconds(np.array([1, 2, 5, 300]))
+    assert got == pytest.approx(list(truth.values()), abs=1e-4)
+    assert model.target_seconds(np.array([3]))[0] == pytest.approx((0.104 * 2 + 0.113) / 3, abs=1e-4)
+    assert model.draft_seconds_per_token == pytest.approx(0.002)
+    # beyond the largest count seen: extended with a non-negative slope
+    assert model.target_seconds(np.array([400]))[0] > 0.400
+    assert model.step_seconds(1)(np.array([0, 4]))[1] == pytest.approx(0.113 + 4 * 0.002, abs=1e-4)
+
+
+def test_every_step_drafting_k_still_separates_verification_from_drafting_cost():
+    """The first design fitted one line on (1, target tokens, drafted tokens); when every step
+    drafts k those columns are collinear and the fit put the step's cost on drafting, so the
+    policy stopped drafting where drafts paid. Measured per token count, it keeps drafting."""
+    rng = np.random.default_rng(0)
+    pol = GoodputPolicy(4)
+    pol.observe_step(300, 0.30, 0, 0.0)  # a prompt's prefill
+    for _ in range(60):  # then decodes verifying 4 drafts: 100 ms + 3 ms per draft, drafting ~free
+        pol.observe_step(5, 0.112 + rng.normal(0, 0.002), 4, 0.0004)
+    for _ in range(30):
+        pol.observe_verification([7], [4], [2])  # two of four drafts accepted every time
+    assert pol.num_drafts([7], np.array([4]), 1)[0] >= 2
 
 
 def test_acceptance_estimates_follow_what_was_accepted():
@@ -128,7 +171,8 @@ def test_goodput_policy_drafts_little_when_drafts_fail_and_k_when_they_all_pass(
     drafted = {}
     for name, draft in (("unrelated", unrelated), ("self", target)):
         gen = Generator(str(target), block_size=4, speculative=_spec(draft))
-        gen.engine.policy.cost.coefficients = lambda: (0.01, 0.001, 0.001)
+        cost = gen.engine.policy.cost
+        cost.min_steps, cost.step_seconds = 0, lambda base: linear_cost(0.01, 0.001, 0.001, base)
         gen.generate(prompts, params, use_tqdm=False)  # learn
         gen.reset_metrics()
         gen.generate(_prompts(4)[2:], params, use_tqdm=False)
@@ -151,9 +195,9 @@ def test_a_request_held_at_zero_drafts_is_probed_again():
     failing stays mostly at zero."""
     pol = GoodputPolicy(k=4, probe_after=8, max_probe_after=64)
     for _ in range(pol.cost.min_steps):  # c0 = 10 ms, 1 ms per target token, 1 ms per drafted token
-        pol.observe_step(1, 0, 0.011)
-        pol.observe_step(5, 4, 0.019)
-        pol.observe_step(3, 0, 0.013)
+        pol.observe_step(1, 0.011, 0, 0.0)
+        pol.observe_step(5, 0.015, 4, 0.004)
+        pol.observe_step(3, 0.013, 0, 0.0)
     for _ in range(20):  # request 7's drafts always fail
         pol.observe_verification([7], [4], [0])
     assert pol.num_drafts([7], np.array([4]), 1)[0] == 0

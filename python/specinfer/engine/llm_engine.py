@@ -343,7 +343,7 @@ class LLMEngine:
             t4 = time.perf_counter()
             self._record_times(t0, t1, t2, t3, t4)
             if self.policy is not None:
-                self.policy.observe_step(int(sched.total_num_scheduled_tokens), self._num_drafted, t4 - t0)
+                self.policy.observe_step(int(sched.total_num_scheduled_tokens), t3 - t0, self._num_drafted, t4 - t3)
             return outputs
 
     def _score_and_verify(self, sched, states):

@@ -4,16 +4,18 @@ maximize goodput (expected emitted tokens per second of step time).
 Model. Request i's draft at position j (0-based within its proposal) is accepted with
 probability a_ij given that the drafts before it were; so with d_i drafts it emits in
 expectation E_i(d_i) = sum_{j=0..d_i} prod_{m<j} a_im tokens (the accepted drafts plus the
-recovered or bonus token). A step costs C(T, D) = c0 + c_t * T + c_d * D seconds for T target
-tokens and D drafted tokens. The goodput of a choice is sum_i E_i(d_i) / C.
+recovered or bonus token). Drafting n tokens in all costs C(n) = S(B + n) + c_d * n seconds:
+S(T) the measured time of a step whose target forward holds T tokens (B without drafts: the
+decodes and prefill chunks), c_d the proposer's measured time per drafted token. The goodput of
+a choice is sum_i E_i(d_i) / C(sum_i d_i).
 
 Choice. Adding the (d_i + 1)-th draft to request i adds g = prod_{m<=d_i} a_im expected tokens
-(its marginal gain, which only shrinks as d_i grows) and c_t + c_d seconds. For a fixed number of
-drafts, the best allocation takes the largest marginal gains (the gains of each request are
-decreasing, so a greedy merge is exact); and goodput as a function of that number is unimodal
-(the total gain is concave), so adding drafts in order of gain while a draft's gain exceeds the
-current goodput times its cost, then stopping, is optimal. A request whose first draft does not
-pay gets none (k = 0).
+(its marginal gain, which only shrinks as d_i grows since every a <= 1). So for a given total n
+the best allocation takes the n largest marginal gains (a greedy merge of the per-request
+decreasing sequences is exact), and the policy evaluates the goodput of every n = 0 .. sum of
+max drafts and keeps the best. No shape is assumed for S: on a CPU a verification of 1 + k
+tokens costs about as much as a decode up to some k and then grows, on a GPU it stays flat far
+longer; a request whose first draft does not pay gets none (k = 0).
 
 Estimates. a_ij: a per-request exponentially weighted estimate per position, starting from the
 engine-wide estimate for that position (itself an EWMA, starting from a prior). Exploration: a
@@ -21,16 +23,20 @@ request that gets no draft is never observed, so a low estimate would stick for 
 the text may have turned repetitive; so a request held at zero drafts for ``probe_after`` steps
 gets one draft (a probe). A probe that fails doubles the wait (up to ``max_probe_after``); one
 that is accepted resets it. The cost of exploring a request whose drafts keep failing is thus at
-most one draft every ``max_probe_after`` steps. Costs: an online
-least-squares fit of the measured step times with exponential forgetting. Until enough steps
-are measured the policy uses the configured k. The engine uses it with
+most one draft every ``max_probe_after`` steps. Costs (StepCostModel): S(T) is a table of
+exponentially averaged step times per target-token count T, interpolated between the counts
+seen and extended beyond them with the slope of a least-squares line through the table; c_d
+an exponential average of proposer time per drafted token. (A single linear fit of step time
+on target and drafted tokens, the first design, cannot separate the two when every step drafts
+k: it then put most of the cost on drafting and stopped speculating where it paid.) Until
+enough steps are measured the policy uses the configured k. The engine uses it with
 ``speculative={"policy": "goodput"}``; seeded requests keep the configured k (their tokens must
 not depend on timing).
 """
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -40,60 +46,90 @@ def expected_emitted(accept: np.ndarray, d: int) -> float:
     return float(1.0 + np.cumprod(accept[:d]).sum()) if d else 1.0
 
 
+def linear_cost(c0: float, c_t: float, c_d: float, base_tokens: int) -> Callable[[np.ndarray], np.ndarray]:
+    """C(n) = c0 + c_t (base_tokens + n) + c_d n: a step cost linear in its tokens."""
+    return lambda n: c0 + c_t * (base_tokens + n) + c_d * n
+
+
 def choose_num_drafts(
     accept: np.ndarray,  # float[R, K] conditional acceptance per request and position
     max_drafts: np.ndarray,  # int[R] the most drafts each request may take
-    base_tokens: int,  # target tokens of the step without any draft (prefill chunks, decodes)
-    cost: tuple[float, float, float],  # (c0, c_t, c_d) seconds
+    seconds: Callable[[np.ndarray], np.ndarray],  # C(n): step seconds when n tokens are drafted in all
 ) -> np.ndarray:  # int64[R] drafts per request
     """The goodput-maximizing number of drafts per request (see the module doc)."""
-    c0, c_t, c_d = cost
     R = accept.shape[0]
     d = np.zeros(R, dtype=np.int64)
-    gain_so_far = np.ones(R)  # prod of acceptances of the drafts taken so far
-    emitted = float(R)  # every sampled request emits at least one token
-    seconds = c0 + c_t * base_tokens
-    per_draft = c_t + c_d
+    order = []  # (request) of each successive best marginal gain, gains decreasing
+    gains = []
     heap = [(-float(accept[i, 0]), i) for i in range(R) if max_drafts[i] > 0]
     heapq.heapify(heap)
+    taken = np.zeros(R, dtype=np.int64)
     while heap:
         neg_gain, i = heapq.heappop(heap)
-        gain = -neg_gain
-        if gain * seconds <= emitted * per_draft:  # gain / per_draft <= emitted / seconds
-            break
-        emitted += gain
-        seconds += per_draft
-        gain_so_far[i] = gain
-        d[i] += 1
-        if d[i] < max_drafts[i]:
-            heapq.heappush(heap, (-gain * float(accept[i, d[i]]), i))
+        order.append(i)
+        gains.append(-neg_gain)
+        taken[i] += 1
+        if taken[i] < max_drafts[i]:
+            heapq.heappush(heap, (neg_gain * float(accept[i, taken[i]]), i))
+    if not gains:
+        return d
+    n = np.arange(len(gains) + 1)
+    emitted = R + np.concatenate([[0.0], np.cumsum(gains)])
+    cost = np.asarray(seconds(n), dtype=np.float64)
+    goodput = emitted / np.maximum(cost, 1e-12)
+    best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-12))[0])  # fewest drafts among ties
+    np.add.at(d, np.asarray(order[:best], dtype=np.int64), 1)
     return d
 
 
-@dataclass
 class StepCostModel:
-    """Online least squares of step seconds on (1, target tokens, drafted tokens), forgetting
-    old steps at rate `decay` per step."""
+    """Measured step cost: S(T), the seconds of a step's target part (schedule, forward,
+    verification, update) by its number of target tokens T, exponentially averaged per T; and
+    the proposer's seconds per drafted token, exponentially averaged."""
 
-    decay: float = 0.98
-    min_steps: int = 8
-    _xtx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
-    _xty: np.ndarray = field(default_factory=lambda: np.zeros(3))
-    num_steps: int = 0
+    def __init__(self, rate: float = 0.2, min_steps: int = 8):
+        self.rate, self.min_steps = rate, min_steps
+        self._by_tokens: dict[int, float] = {}
+        self.draft_seconds_per_token: float | None = None
+        self.num_steps = 0
 
-    def record(self, target_tokens: int, draft_tokens: int, seconds: float) -> None:
-        x = np.array([1.0, float(target_tokens), float(draft_tokens)])
-        self._xtx = self.decay * self._xtx + np.outer(x, x)
-        self._xty = self.decay * self._xty + x * seconds
+    def record(self, target_tokens: int, target_seconds: float, draft_tokens: int = 0,
+               draft_seconds: float = 0.0) -> None:
+        t, r = int(target_tokens), self.rate
+        old = self._by_tokens.get(t)
+        self._by_tokens[t] = target_seconds if old is None else old + r * (target_seconds - old)
+        if draft_tokens > 0:
+            per = draft_seconds / draft_tokens
+            old = self.draft_seconds_per_token
+            self.draft_seconds_per_token = per if old is None else old + r * (per - old)
         self.num_steps += 1
 
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(c0, c_t, c_d), or None until enough steps were seen."""
-        if self.num_steps < self.min_steps:
-            return None
-        ridge = 1e-9 * np.eye(3) * max(1.0, float(np.trace(self._xtx)))
-        c = np.linalg.solve(self._xtx + ridge, self._xty)
-        return float(max(c[0], 0.0)), float(max(c[1], 1e-9)), float(max(c[2], 0.0))
+    @property
+    def ready(self) -> bool:
+        return self.num_steps >= self.min_steps
+
+    def target_seconds(self, tokens: np.ndarray) -> np.ndarray:
+        """S(T) for each T: interpolated between the token counts seen; beyond them, the nearest
+        seen count's time plus the slope of a least-squares line through the table (>= 0; with a
+        single count, time proportional to tokens)."""
+        tokens = np.asarray(tokens, dtype=np.float64)
+        keys = np.fromiter(self._by_tokens.keys(), dtype=np.float64, count=len(self._by_tokens))
+        vals = np.fromiter(self._by_tokens.values(), dtype=np.float64, count=len(self._by_tokens))
+        order = np.argsort(keys)
+        keys, vals = keys[order], vals[order]
+        if len(keys) == 1:
+            return vals[0] * tokens / keys[0]
+        slope = max(float(np.polyfit(keys, vals, 1)[0]), 0.0)
+        out = np.interp(tokens, keys, vals)
+        lo, hi = tokens < keys[0], tokens > keys[-1]
+        out[lo] = np.maximum(vals[0] - slope * (keys[0] - tokens[lo]), 0.0)
+        out[hi] = vals[-1] + slope * (tokens[hi] - keys[-1])
+        return out
+
+    def step_seconds(self, base_tokens: int) -> Callable[[np.ndarray], np.ndarray]:
+        """C(n) for a step of base_tokens target tokens plus n drafted ones."""
+        c_d = self.draft_seconds_per_token or 0.0
+        return lambda n: self.target_seconds(base_tokens + np.asarray(n)) + c_d * np.asarray(n)
 
 
 class AcceptanceEstimates:
@@ -158,16 +194,16 @@ class GoodputPolicy:
                 wait = self._wait.get(cid, self.probe_after)
                 self._wait[cid] = self.probe_after if a else min(2 * wait, self.max_probe_after)
 
-    def observe_step(self, target_tokens: int, draft_tokens: int, seconds: float) -> None:
-        self.cost.record(target_tokens, draft_tokens, seconds)
+    def observe_step(self, target_tokens: int, target_seconds: float, draft_tokens: int,
+                     draft_seconds: float) -> None:
+        self.cost.record(target_tokens, target_seconds, draft_tokens, draft_seconds)
 
     def num_drafts(self, core_ids, max_drafts: np.ndarray, base_tokens: int) -> np.ndarray:
         """Drafts per request (at most max_drafts); max_drafts itself until costs are known."""
-        cost = self.cost.coefficients()
-        if cost is None or len(core_ids) == 0:
+        if not self.cost.ready or len(core_ids) == 0:
             return max_drafts
         accept = np.stack([self.acceptance.of(int(c)) for c in core_ids])
-        chosen = choose_num_drafts(accept, max_drafts, base_tokens, cost)
+        chosen = choose_num_drafts(accept, max_drafts, self.cost.step_seconds(base_tokens))
         for i, c in enumerate(core_ids):
             c = int(c)
             if chosen[i] or not max_drafts[i]:
