@@ -135,12 +135,17 @@ class StepCostModel:
 class AcceptanceEstimates:
     """Conditional acceptance per draft position: engine-wide and per request (EWMA). A position
     never observed takes the estimate of the nearest observed position before it (so a request
-    that accepts everything is not held at the prior for positions it has not drafted yet)."""
+    that accepts everything is not held at the prior for positions it has not drafted yet).
+    The engine-wide estimate, which pools every request's verifications, is the running mean of
+    its observations (the prior counting as one) until it has 1 / `engine_rate` of them, then
+    an EWMA at that slow rate: at a fast rate it only reflected the last few verifications
+    (measured: 0.02 against a true 0.11 at position 0 on chat text)."""
 
-    def __init__(self, k: int, prior: float = 0.6, rate: float = 0.2):
-        self.k, self.rate = k, rate
+    def __init__(self, k: int, prior: float = 0.6, rate: float = 0.2, engine_rate: float = 0.03):
+        self.k, self.rate, self.engine_rate = k, rate, engine_rate
         self.engine = np.full(k, prior)
         self._engine_seen = np.zeros(k, dtype=bool)
+        self._engine_count = np.zeros(k)  # observations per position
         self._per_request: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # core id -> (est, seen)
 
     @staticmethod
@@ -168,9 +173,13 @@ class AcceptanceEstimates:
             self._per_request[core_id] = (self.of(core_id).copy(), self._engine_seen.copy())
         seen = slice(0, min(n, num_accepted + 1))
         hit = (np.arange(n) < num_accepted).astype(np.float64)[seen]
-        for est, mask in (self._per_request[core_id], (self.engine, self._engine_seen)):
-            est[seen] += self.rate * (hit - est[seen])
-            mask[seen] = True
+        own, own_seen = self._per_request[core_id]
+        own[seen] += self.rate * (hit - own[seen])
+        own_seen[seen] = True
+        self._engine_count[seen] += 1
+        rate = np.maximum(1.0 / (self._engine_count[seen] + 1), self.engine_rate)
+        self.engine[seen] += rate * (hit - self.engine[seen])
+        self._engine_seen[seen] = True
 
     def forget(self, core_id: int) -> None:
         self._per_request.pop(core_id, None)
