@@ -159,4 +159,4 @@ def test_graph_runner_static_buffers_equal_eager(tiny_dir):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert graphed.num_replays == 2
     for a, b in zip(caches, twin):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)  # padded rows wrote nothing (slot -1)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # padded rows wrote nothing (slot -1)

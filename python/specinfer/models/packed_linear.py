@@ -20,6 +20,23 @@ def mkldnn_packing_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+_PACKS: dict = {}  # dtype -> whether oneDNN packs it on this CPU
+
+
+def packing_supported(dtype: torch.dtype) -> bool:
+    """oneDNN can pack weights of `dtype` here (its bf16 path needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT; on CPUs without them it raises, and the model keeps dense weights)."""
+    if dtype not in PACKABLE_DTYPES or not mkldnn_packing_available():
+        return False
+    if dtype not in _PACKS:
+        try:
+            pack_weight(torch.zeros(8, 8, dtype=dtype))
+            _PACKS[dtype] = True
+        except RuntimeError:
+            _PACKS[dtype] = False
+    return _PACKS[dtype]
+
+
 def pack_weight(weight: torch.Tensor, batch_hint: int = 16) -> torch.Tensor:
     """[out, in] dense weight -> an opaque oneDNN-packed copy for `packed_linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)

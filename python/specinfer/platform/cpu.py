@@ -30,10 +30,9 @@ class CpuPlatform(Platform):
         packed oneDNN keeps decode and verification GEMMs fast)."""
         if os.environ.get("SPECINFER_PACK_WEIGHTS", "1") == "0":
             return
-        from specinfer.models.packed_linear import (PACKABLE_DTYPES, mkldnn_packing_available, pack_weight,
-                                                    packed_linear)
+        from specinfer.models.packed_linear import pack_weight, packed_linear, packing_supported
 
-        if model.embed_tokens.dtype in PACKABLE_DTYPES and mkldnn_packing_available():
+        if packing_supported(model.embed_tokens.dtype):
             model.pack_linear_weights(pack_weight, packed_linear)
 
 
