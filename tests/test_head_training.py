@@ -31,9 +31,9 @@ def _acceptance(target, head, prompts):
 def test_trained_head_accepts_more_than_untrained(setup, tmp_path):
     target, gen, prompts, seqs = setup
     untrained = tmp_path / "untrained"
-    MLPSpeculatorTrainer(gen.engine.loaded, 4, seed=0).save(untrained, gen.engine.loaded)
+    MLPSpeculatorTrainer(gen.engine.loaded, 4, seed=0, seqs=seqs).save(untrained, gen.engine.loaded)
     report = train(gen.engine.loaded, seqs, tmp_path / "trained",
-                   TrainConfig("mlp_speculator", steps=10_000, max_seconds=4.0), progress=False)
+                   TrainConfig("mlp_speculator", steps=300), progress=False)  # a fixed step count: deterministic
     assert report["held_out"]["acceptance_rate"] > 0.05, report
     before = _acceptance(target, untrained, prompts[64:])  # prompts not trained on
     after = _acceptance(target, tmp_path / "trained", prompts[64:])
@@ -106,3 +106,51 @@ def test_eagle3_training_writes_a_head_the_engine_runs(tiny_dir, tmp_path):
     got = eng.generate(prompts[32:38], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert eng.spec_metrics()["num_draft_tokens"] > 0
+
+
+def test_label_softmax_equals_full_softmax_restricted_to_the_labels(setup):
+    """The training token loss: cross-entropy over the label vocabulary equals the full one after
+    masking every other token's logit (computed independently), and -100 rows are ignored."""
+    from specinfer.spec_decode.distill_data import LabelSoftmax, label_vocabulary
+
+    _, gen, _, seqs = setup
+    lm = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    soft = LabelSoftmax(lm, seqs)
+    ids = label_vocabulary(seqs, 256)
+    assert set(ids.tolist()) == {t for s in seqs for t in s.tokens[s.prompt_len:].tolist()}
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    labels = torch.tensor([int(ids[0]), int(ids[-1]), -100, int(ids[3]), int(ids[1])])
+    logits = h @ lm.T
+    masked = torch.full_like(logits, float("-inf"))
+    masked[:, ids] = logits[:, ids]
+    keep = labels >= 0
+    want = torch.nn.functional.cross_entropy(masked[keep], labels[keep])
+    assert torch.allclose(soft.loss(h, labels), want, atol=1e-5)
+
+
+def test_training_prompts_leave_out_what_the_bench_measures():
+    """train-heads never trains on the prompts the bench measures (the first of each task) nor on
+    the standard-library modules those prompts are cut from."""
+    import json
+    import re
+
+    from specinfer.bench.prompts import DATA_DIR
+    from specinfer.spec_decode.distill_data import EVAL_PROMPTS_PER_TASK, training_texts
+
+    texts = [t for t, _ in training_texts(10_000)]
+    rows = [json.loads(x) for f in sorted(DATA_DIR.glob("*.jsonl")) for x in f.read_text().splitlines() if x]
+    by_task = {}
+    for r in rows:
+        by_task.setdefault(r["task"], []).append(r)
+    measured = [r for rs in by_task.values() for r in rs[:EVAL_PROMPTS_PER_TASK]]
+    assert measured and not any(r["prompt"] in texts for r in measured)
+    assert all(r["prompt"] in texts for rs in by_task.values() for r in rs[EVAL_PROMPTS_PER_TASK:])
+    modules = {re.split(r"[. ]", r["source"][7:])[0] for r in rows if r.get("source", "").startswith("stdlib:")}
+    import sysconfig
+    from pathlib import Path
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for m in sorted(modules)[:5]:
+        head = (stdlib / f"{m}.py").read_text(encoding="utf-8")[:600]
+        assert not any(head in t for t in texts), m
+    assert len(texts) > 500 and sum(c for _, c in training_texts(10_000)) > 0.7 * len(texts)

@@ -3,19 +3,22 @@ the target's hidden states over them (final post-norm states; aux layers' inputs
 
 Heads learn to predict what the target itself would emit next, so training sequences are
 prompt + the target's greedy continuation, and only positions inside the continuation are labels.
-Prompts come from specinfer's bench prompt sets and from the Python standard library's sources
-(chunks of files, sorted by path: deterministic), or are given as token ids (tests).
+Prompts come from specinfer's bench prompt sets (minus the ones the bench measures) and from the
+Python standard library's sources (chunks of files, sorted by path: deterministic) wrapped in
+task-shaped instructions through the target's chat template, or are given as token ids (tests).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from specinfer.engine.batch import attention_metadata_for_runs
 from specinfer.engine.kv_cache import allocate_kv_caches
@@ -30,23 +33,66 @@ class DistillSequence:
     aux: torch.Tensor | None  # [N, 3H] inputs of the aux layers (EAGLE-3), or None
 
 
-def text_prompts(max_prompts: int, stdlib_chunk_chars: int = 600) -> list[str]:
-    """The bench prompt sets, then chunks of the standard library's sources, up to max_prompts."""
-    out = []
+EVAL_PROMPTS_PER_TASK = 8  # the bench measures the first prompts of each task: never trained on
+
+# Instructions wrapped around standard-library chunks, in the shape of the bench's tasks, so the head
+# learns the target's assistant answers (what the bench, the demo and chat measure), not only raw
+# text continuation.
+INSTRUCTIONS = (
+    "Continue this Python code from where it stops. Output only the code.\n\n```python\n{}\n```",
+    "Explain what this Python code does.\n\n```python\n{}\n```",
+    "Summarize the following text in three sentences, reusing its wording.\n\n{}",
+    "Rewrite this code with clearer variable names, and change nothing else.\n\n```python\n{}\n```",
+    "Read the code and answer the question: which names does it define, and what are they for?\n\n{}",
+)
+
+
+def _bench_rows() -> list[dict]:
     data = Path(__file__).resolve().parent.parent / "bench" / "data"
+    rows = []
     for f in sorted(data.glob("*.jsonl")):
-        out += [json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()]
+        rows += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def training_texts(max_prompts: int, stdlib_chunk_chars: int = 600, chunks_per_file: int = 8) -> list[tuple[str, bool]]:
+    """(text, chat) pairs, deterministic: the bench prompts past each task's first
+    EVAL_PROMPTS_PER_TASK (chat), then chunks of the standard library's sources — skipping the
+    modules the bench prompts are cut from — each wrapped in one of INSTRUCTIONS (chat), every
+    fifth one left as raw text to continue."""
+    out, per_task, held_modules = [], {}, set()
+    for row in _bench_rows():
+        i = per_task[row["task"]] = per_task.get(row["task"], -1) + 1
+        src = row.get("source", "")
+        if src.startswith("stdlib:"):
+            held_modules.add(re.split(r"[. ]", src[len("stdlib:"):])[0])
+        if i >= EVAL_PROMPTS_PER_TASK:
+            out.append((row["prompt"], True))
     stdlib = Path(sysconfig.get_paths()["stdlib"])
+    n = 0
     for f in sorted(stdlib.glob("*.py")):
         if len(out) >= max_prompts:
             break
+        if f.stem in held_modules:
+            continue
         try:
             text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
-        out += [text[i:i + stdlib_chunk_chars] for i in range(0, min(len(text), 4 * stdlib_chunk_chars),
-                                                                stdlib_chunk_chars)]
+        for i in range(0, min(len(text), chunks_per_file * stdlib_chunk_chars), stdlib_chunk_chars):
+            chunk = text[i:i + stdlib_chunk_chars]
+            out.append((chunk, False) if n % 5 == 4 else (INSTRUCTIONS[n % 5].format(chunk), True))
+            n += 1
     return out[:max_prompts]
+
+
+def training_prompts(loaded, max_prompts: int) -> list[list[int]]:
+    """training_texts as token ids: chat ones through the target's chat template (as the bench
+    encodes its prompts), raw ones plainly."""
+    from specinfer.bench.prompting import prompt_encoder
+
+    chat, raw = prompt_encoder(loaded, True), prompt_encoder(loaded, False)
+    return [list(chat(t) if is_chat else raw(t)) for t, is_chat in training_texts(max_prompts)]
 
 
 def continuations(generator, prompts: list, max_tokens: int) -> list[tuple[list[int], int]]:
@@ -80,3 +126,31 @@ def build_sequences(generator, prompts: list, max_tokens: int, aux_layers: tuple
         final, aux = target_states(engine.loaded.model, backend, ids, aux_layers, device=engine.device)
         out.append(DistillSequence(torch.tensor(ids), p, final, aux))
     return out
+
+
+def label_vocabulary(seqs: list[DistillSequence], vocab_size: int) -> torch.Tensor:
+    """int64[n] ascending: every token that is a training label (a continuation token past the prompt)."""
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for s in seqs:
+        seen[s.tokens[s.prompt_len:]] = True
+    return torch.nonzero(seen).flatten()
+
+
+class LabelSoftmax:
+    """Cross-entropy of hidden states through lm_head rows restricted to the label vocabulary.
+
+    Every training label is a token the target emitted in a continuation, so the softmax over those
+    tokens (a few thousand) stands in for the full one: on CPU the full lm_head's forward and
+    backward (V x H per row) would cost several times the head being trained. Drafting still
+    scores the whole vocabulary."""
+
+    def __init__(self, lm_head: torch.Tensor, seqs: list[DistillSequence]):
+        self.ids = label_vocabulary(seqs, lm_head.shape[0])
+        self.weight = lm_head[self.ids]  # [n, H]
+        self.index = torch.full((lm_head.shape[0],), -100, dtype=torch.int64)
+        self.index[self.ids] = torch.arange(len(self.ids))
+
+    def loss(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """h [N, H], labels int64[N] target ids (-100: ignored)."""
+        y = torch.where(labels >= 0, self.index[labels.clamp(min=0)], labels)
+        return F.cross_entropy(h @ self.weight.T, y, ignore_index=-100)

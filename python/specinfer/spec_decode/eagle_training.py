@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
+from specinfer.spec_decode.distill_data import LabelSoftmax
 from specinfer.spec_decode.head_checkpoint import write_checkpoint
 
 
@@ -24,7 +25,7 @@ def _rms(x, w, eps):
 
 
 class EagleTrainer:
-    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor):
+    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor, seqs=None):
         c = target.config
         self.cfg, self.K = c, K
         H, nh, nkv, d, inter = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
@@ -42,6 +43,8 @@ class EagleTrainer:
             "post_ln": torch.ones(H, requires_grad=True)}
         self.embed = target.model.embed_tokens.detach().float()
         self.lm = lm_head
+        # the token loss is a softmax over the training labels' vocabulary (distill_data.LabelSoftmax)
+        self.label_softmax = LabelSoftmax(lm_head, seqs) if seqs is not None else None
         cos, sin = rope_table(c, c.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos, sin
 
@@ -81,7 +84,9 @@ class EagleTrainer:
             labels[b, i] = s.tokens[i + 2]
         h = self.forward(tokens, feats)
         reg = F.smooth_l1_loss(h[valid], next_feats[valid])
-        ce = F.cross_entropy((h @ self.lm.T).view(B * T, -1), labels.view(-1), ignore_index=-100)
+        labeled = labels >= 0  # continuation positions only: the lm_head runs on those rows alone
+        ce = self.label_softmax.loss(h[labeled], labels[labeled]) if self.label_softmax is not None else \
+            F.cross_entropy(h[labeled] @ self.lm.T, labels[labeled])
         return reg + 0.1 * ce
 
     @torch.no_grad()

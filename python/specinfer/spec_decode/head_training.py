@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specinfer.spec_decode.distill_data import DistillSequence
+from specinfer.spec_decode.distill_data import DistillSequence, LabelSoftmax
 
 TRAINABLE = ("medusa", "mlp_speculator", "eagle", "eagle3")
 EAGLE_SEQS_PER_BATCH = 4
@@ -66,9 +66,9 @@ def _examples(seqs: list[DistillSequence], K: int):
 
 
 class MedusaTrainer:
-    def __init__(self, target, K: int):
+    def __init__(self, target, K: int, seqs: list[DistillSequence]):
         H = target.config.hidden_size
-        self.lm = _dense_lm_head(target)
+        self.softmax = LabelSoftmax(_dense_lm_head(target), seqs)  # the token loss over the labels' vocabulary
         self.params = {"w": torch.zeros(K, H, H, requires_grad=True), "b": torch.zeros(K, H, requires_grad=True)}
         self.K = K
 
@@ -76,7 +76,7 @@ class MedusaTrainer:
         total = 0.0
         for k in range(self.K):
             x = f + F.silu(f @ self.params["w"][k].T + self.params["b"][k])
-            total = total + F.cross_entropy(x @ self.lm.T, toks[:, k + 1])
+            total = total + self.softmax.loss(x, toks[:, k + 1])
         return total / self.K
 
     def save(self, out: Path, target) -> None:
@@ -99,10 +99,11 @@ class MedusaTrainer:
 
 
 class MLPSpeculatorTrainer:
-    def __init__(self, target, K: int, seed: int):
+    def __init__(self, target, K: int, seed: int, seqs: list[DistillSequence]):
         E = target.config.hidden_size
         g = torch.Generator().manual_seed(seed)
         self.emb, self.head = target.model.embed_tokens.detach().float(), _dense_lm_head(target)
+        self.softmax = LabelSoftmax(self.head, seqs)  # the token loss over the labels' vocabulary
         self.params = {"proj0": (torch.randn(E, E, generator=g) / math.sqrt(E)).requires_grad_(),
                        "proj1": (torch.randn(E, E, generator=g) / math.sqrt(E)).requires_grad_(),
                        "ln_w": torch.ones(E, requires_grad=True), "ln_b": torch.zeros(E, requires_grad=True)}
@@ -116,7 +117,7 @@ class MLPSpeculatorTrainer:
             u = s @ (p["proj0"] if i == 0 else p["proj1"]).T + self.emb_scale * self.emb[toks[:, i]]
             u = p["ln_w"] * u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-6) + p["ln_b"]
             s = F.gelu(u)
-            total = total + F.cross_entropy(s @ self.head.T, toks[:, i + 1])
+            total = total + self.softmax.loss(s, toks[:, i + 1])
         return total / self.K
 
     def save(self, out: Path, target) -> None:
@@ -174,7 +175,7 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
         if cfg.method == "eagle":
             from specinfer.spec_decode.eagle_training import EagleTrainer
 
-            trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target))
+            trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target), train_seqs)
         else:
             from specinfer.spec_decode.eagle3_training import Eagle3Trainer
 
@@ -189,8 +190,8 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     else:
         feats, toks = _examples(train_seqs, cfg.num_heads)
         num_positions = len(feats)
-        trainer = MedusaTrainer(target, cfg.num_heads) if cfg.method == "medusa" else \
-            MLPSpeculatorTrainer(target, cfg.num_heads, cfg.seed)
+        trainer = MedusaTrainer(target, cfg.num_heads, train_seqs) if cfg.method == "medusa" else \
+            MLPSpeculatorTrainer(target, cfg.num_heads, cfg.seed, train_seqs)
 
         def batch_loss(g):
             idx = torch.randint(0, len(feats), (min(cfg.batch_size, len(feats)),), generator=g)
