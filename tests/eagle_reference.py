@@ -27,6 +27,8 @@ class EagleReference:
         self.fc = torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias="fc.bias" in w)
         self.fc.load_state_dict({"weight": w["fc.weight"], **({"bias": w["fc.bias"]} if "fc.bias" in w else {})})
         self.embed = w.get("embed_tokens.weight", self.target.model.embed_tokens.weight)
+        d2t = w.get("d2t")  # a draft vocabulary: only these target ids are scored
+        self.vocab = None if d2t is None else torch.arange(len(d2t)) + d2t
 
     @torch.no_grad()
     def _draft_layer(self, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
@@ -41,7 +43,8 @@ class EagleReference:
         toks, feats, out = list(tokens[1:]), f, []
         for _ in range(k):
             h = self._draft_layer(toks, feats)[-1]
-            d = int(self.target.lm_head(h).argmax())
+            logits = self.target.lm_head(h)
+            d = int(logits.argmax()) if self.vocab is None else int(self.vocab[logits[self.vocab].argmax()])
             out.append(d)
             toks.append(d)
             feats = torch.cat([feats, h[None]], 0)

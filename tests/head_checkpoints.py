@@ -114,7 +114,8 @@ def medusa_vllm(path, target, *, num_heads=4, num_layers=1, fc_bias=True, trunca
     return _write(path, cfg, t, "model.safetensors")
 
 
-def eagle1(path, target, *, bias=True, bias_key=True, embed=False, pt=False, repeat=False, seed=3) -> Path:
+def eagle1(path, target, *, bias=True, bias_key=True, embed=False, pt=False, repeat=False, seed=3,
+           draft_vocab=None) -> Path:
     """EAGLE-1 reference layout (SafeAILab/EAGLE cnets1.py): a 1-layer Llama config.json and
     fc / layers.0.* tensors without input_layernorm, norm or lm_head. `repeat`: fc passes the
     target feature through and the layer is nearly zero, so the draft repeats the newest token
@@ -145,6 +146,10 @@ def eagle1(path, target, *, bias=True, bias_key=True, embed=False, pt=False, rep
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "float32"}
     if bias_key:
         cfg["bias"] = bias
+    if draft_vocab is not None:  # specinfer's extension: a draft vocabulary of `draft_vocab` ids (d2t offsets)
+        ids = torch.sort(torch.randperm(tcfg["vocab_size"], generator=g)[:draft_vocab]).values
+        t["d2t"] = ids - torch.arange(draft_vocab)
+        cfg["draft_vocab_size"] = draft_vocab
     return _write(path, cfg, t, "pytorch_model.bin" if pt else "model.safetensors", pt=pt)
 
 

@@ -34,9 +34,10 @@ def _record_proposals(gen):
     return seen
 
 
-@pytest.mark.parametrize("variant", ["bias_safetensors", "nobias_bin_embed"])
+@pytest.mark.parametrize("variant", ["bias_safetensors", "nobias_bin_embed", "draft_vocab"])
 def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
-    kw = dict(bias=True) if variant == "bias_safetensors" else dict(bias=False, pt=True, embed=True)
+    kw = {"bias_safetensors": dict(bias=True), "nobias_bin_embed": dict(bias=False, pt=True, embed=True),
+          "draft_vocab": dict(draft_vocab=64)}[variant]
     path = hc.eagle1(tmp_path / "eagle", target, **kw)
     reference_drafts = EagleReference(target, path)
     # tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts, every prompt twice
@@ -51,6 +52,9 @@ def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
     assert len(seen) > 40
     for tokens, drafts in seen[::3]:
         assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+    if variant == "draft_vocab":  # drafts never leave the draft vocabulary
+        vocab = set(reference_drafts.vocab.tolist())
+        assert len(vocab) == 64 and all(d in vocab for _, ds in seen for d in ds)
 
 
 def test_eagle_drafts_equal_the_reference_across_split_proposals(target, tmp_path):
@@ -92,8 +96,10 @@ def test_eagle_greedy_is_exact(target, ref, tmp_path, scorer):
     assert 0 < tot["num_accepted_tokens"] < tot["num_draft_tokens"], tot
 
 
-def test_eagle_save_load_round_trip_gives_identical_proposals(target, tmp_path):
-    path = hc.eagle1(tmp_path / "eagle", target, bias=True, bias_key=False)  # no "bias" key means a bias
+@pytest.mark.parametrize("draft_vocab", [None, 64])
+def test_eagle_save_load_round_trip_gives_identical_proposals(target, tmp_path, draft_vocab):
+    path = hc.eagle1(tmp_path / "eagle", target, bias=True, bias_key=False,  # no "bias" key means a bias
+                     draft_vocab=draft_vocab)
     cfg = json.loads((path / "config.json").read_text())
     assert "bias" not in cfg
     runs = []
@@ -128,6 +134,13 @@ MALFORMED = {
     "hidden_size": (dict(), lambda p: _spoil(p, "model.safetensors", hidden_size=32), "hidden_size"),
     "vocabulary": (dict(), lambda p: _spoil(p, "model.safetensors", vocab_size=300), "vocab_size"),
     "two_layers": (dict(), lambda p: _spoil(p, "model.safetensors", num_hidden_layers=2), "num_hidden_layers"),
+    "draft_vocab_without_d2t": (dict(draft_vocab=64), lambda p: _spoil(p, "model.safetensors",
+                                                                        lambda t: t.pop("d2t")), "d2t"),
+    "d2t_out_of_range": (dict(draft_vocab=64), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
+        {"d2t": t["d2t"] + 1000})), "d2t"),
+    "d2t_wrong_length": (dict(draft_vocab=64), lambda p: _spoil(p, "model.safetensors", draft_vocab_size=63), "d2t"),
+    "draft_vocab_size_not_int": (dict(draft_vocab=64), lambda p: _spoil(p, "model.safetensors",
+                                                                         draft_vocab_size="64"), "draft_vocab_size"),
     "lm_head_would_be_ignored": (dict(), lambda p: _spoil(p, "model.safetensors", lambda t: t.update(
         {"lm_head.weight": t["fc.weight"][:, :64].repeat(4, 1).contiguous()})), "lm_head.weight"),
 }
@@ -164,6 +177,9 @@ def test_eagle3_drafts_equal_the_reference(tiny_dir, tmp_path, variant):
     assert len(seen) > 40
     for tokens, drafts in seen[::3]:
         assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+    if variant == "draft_vocab":  # drafts never leave the draft vocabulary
+        vocab = set(reference_drafts.vocab.tolist())
+        assert len(vocab) == 64 and all(d in vocab for _, ds in seen for d in ds)
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,12 @@ def _want_q(logits, params):
     return torch.softmax(z, -1)
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle_draft_vocab", "eagle3"])
 def test_sampled_eagle_drafts_carry_the_heads_q(tiny_dir, tmp_path, method):
-    if method == "eagle":
+    if method.startswith("eagle_") or method == "eagle":
         target = tiny_dir("llama", False)[0]
-        path = hc.eagle1(tmp_path / "h", target)
+        path = hc.eagle1(tmp_path / "h", target, draft_vocab=64 if method == "eagle_draft_vocab" else None)
+        method = "eagle"
         ref = EagleReference(target, path)
     else:
         target = tiny_dir("llama", False, layers=4)[0]

@@ -67,10 +67,15 @@ def test_cli_train_heads_writes_a_loadable_head(setup, tmp_path):
     assert len(gen.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)) == 1
 
 
-def test_eagle_training_writes_a_head_the_engine_runs(setup, tmp_path):
+@pytest.mark.parametrize("draft_vocab", [8192, 96])  # 8192 >= the tiny vocabulary: no d2t written
+def test_eagle_training_writes_a_head_the_engine_runs(setup, tmp_path, draft_vocab):
     target, gen, prompts, seqs = setup
-    report = train(gen.engine.loaded, seqs[:16], tmp_path / "e", TrainConfig("eagle", steps=6, save_every=3),
-                   progress=False)
+    report = train(gen.engine.loaded, seqs[:16], tmp_path / "e",
+                   TrainConfig("eagle", steps=6, save_every=3, draft_vocab_size=draft_vocab), progress=False)
+    saved = load_file(str(tmp_path / "e" / "model.safetensors"))
+    assert ("d2t" in saved) == (draft_vocab < 256)
+    if draft_vocab < 256:
+        assert len(saved["d2t"]) == draft_vocab
     assert report["steps"] == 6 and report["final_loss"] == report["final_loss"]  # not NaN
     assert report["held_out"]["positions"] > 0
     eng = Generator(str(target), max_model_len=256, num_kv_blocks=64,

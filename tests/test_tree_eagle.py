@@ -44,7 +44,12 @@ class PathLogits:
             out = torch.full((ref.target.config.vocab_size,), float("-inf"))
             out[torch.arange(len(d)) + ref.d2t] = d
             return out
-        return ref.target.lm_head(h)
+        logits = ref.target.lm_head(h)
+        if ref.vocab is not None:  # a draft vocabulary: -inf elsewhere
+            out = torch.full_like(logits, float("-inf"))
+            out[ref.vocab] = logits[ref.vocab]
+            return out
+        return logits
 
 
 @pytest.fixture(scope="module")

@@ -179,6 +179,22 @@ class LlamaForCausalLM(nn.Module):
             return self.tp.all_gather_last(self.linear(hidden, self.lm_head).float())[:, : self.config.vocab_size]
         return self.linear(hidden, self.lm_head).float()
 
+    @torch.no_grad()
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """float32[n, hidden]: the lm_head rows of token ids (dense whatever the weights' form:
+        plain, oneDNN-packed or int8). A head drafting over a truncated vocabulary scores these."""
+        if self.tp is not None and self.tp.size > 1:
+            raise ValueError("lm_head rows of a vocab-parallel lm_head are spread over the ranks; a draft "
+                             "vocabulary (d2t) over the target's lm_head is not supported under tensor parallelism")
+        w = self.lm_head
+        if isinstance(w, Int8Weight):
+            return w.dequantize(ids)
+        if getattr(w, "is_mkldnn", False):
+            w = self.embed_tokens if self.config.tie_word_embeddings else w.to_dense()
+        if isinstance(w, Int8Weight):
+            return w.dequantize(ids)
+        return w[ids].float()
+
     def pack_linear_weights(self, pack, linear) -> None:
         """Replace every GEMM weight by pack(weight) and run GEMMs through `linear` (same contract
         as F.linear). One-way: afterwards the model serves inference only (load_weights refuses).

@@ -14,6 +14,12 @@ optional "bias"; absent means True); `pytorch_model.bin` or `model.safetensors` 
 _proj.weight`, `layers.0.post_attention_layernorm.weight`, optionally `embed_tokens.weight` (else
 the target's embedding) and `layers.0.input_layernorm.weight` (applied if present). No norm, no
 lm_head: the target's lm_head is used.
+
+Draft vocabulary (a specinfer extension, written by `specinfer train-heads --method eagle`): with a
+config field `draft_vocab_size` Vd < V and a tensor `d2t` int64[Vd] (EAGLE-3's offsets: draft id +
+d2t = target id), the head scores only those Vd rows of the target's lm_head — on CPU the
+lm_head is most of a head's cost. Drafts never leave that vocabulary (q is 0 outside it).
+Checkpoints without them draft over the whole vocabulary, as everywhere else.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
 from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
+from specinfer.spec_decode.eagle3 import read_draft_vocabulary
 from specinfer.models.llama import DecoderLayer
 from specinfer.models.tensor_parallel import shard_decoder_layer, vocab_parallel_embedding, vocab_rows
 from specinfer.models.rope import rope_factors, rope_table
@@ -40,13 +47,15 @@ class EagleDraft:
     num_layers = 1
 
     def __init__(self, cfg: ModelConfig, hf_config: dict, layer: DecoderLayer, fc_w, fc_b, embed, own_embed: bool,
-                 target_logits):
+                 target_logits, d2t: torch.Tensor | None = None, lm_rows: torch.Tensor | None = None):
         self.config, self.hf_config = cfg, hf_config
         self.layer, self.fc_w, self.fc_b, self.embed_tokens = layer, fc_w, fc_b, embed
         self.own_embed = own_embed  # embed_tokens came from the checkpoint (saved back) or the target
         self.target_logits = target_logits  # [P, H] -> float32[P, V]
         self.target_embed = None  # the target's embedding lookup (vocab-parallel under TP) when not own_embed
         self.num_kv_heads = cfg.num_kv_heads  # this rank's, once sharded
+        self.d2t, self.lm_rows = d2t, lm_rows  # draft vocabulary: offsets int64[Vd], lm_head rows [Vd, H]
+        self.target_draft_ids = None if d2t is None else torch.arange(len(d2t), device=d2t.device) + d2t
         cos, sin = rope_table(cfg, cfg.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(fc_w.device), sin.to(fc_w.device)
 
@@ -62,6 +71,9 @@ class EagleDraft:
         embedding and lm_head are its own shards already."""
         if tp.size == 1:
             return
+        if self.d2t is not None:
+            raise ValueError("an EAGLE-1 head with a draft vocabulary (d2t) is not supported under tensor "
+                             "parallelism; use a checkpoint without d2t / draft_vocab_size")
         self.tp = tp
         _, self.num_kv_heads = shard_decoder_layer(self.layer, self.config, tp)
         if self.own_embed:
@@ -86,15 +98,23 @@ class EagleDraft:
     def target_features(self, hidden, rows: torch.Tensor) -> torch.Tensor:  # TargetHidden -> [T', H] f_i
         return hidden.final[rows]
 
-    def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P]
-        return self.target_logits(h).argmax(-1)
+    def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P] target ids
+        if self.d2t is None:
+            return self.target_logits(h).argmax(-1)
+        return self.target_draft_ids[F.linear(h.to(self.lm_rows.dtype), self.lm_rows).argmax(-1)]
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.config.vocab_size
+        return self.config.vocab_size if self.d2t is None else len(self.d2t)
 
-    def full_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> float32[P, V] over the target vocabulary
-        return self.target_logits(h)
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[P, H] -> float32[P, V] over the target vocabulary (-inf outside a draft vocabulary)."""
+        if self.d2t is None:
+            return self.target_logits(h)
+        d = F.linear(h.to(self.lm_rows.dtype), self.lm_rows).float()
+        out = torch.full((d.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32, device=d.device)
+        out[:, self.target_draft_ids] = d
+        return out
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -115,6 +135,8 @@ class EagleDraft:
             t["layers.0.input_layernorm.weight"] = L.input_norm
         if self.own_embed:
             t["embed_tokens.weight"] = self.embed_tokens
+        if self.d2t is not None:
+            t["d2t"] = self.d2t
         cfg = dict(self.hf_config, bias=self.fc_b is not None)
         write_checkpoint(path, cfg, t, "model.safetensors")
 
@@ -169,7 +191,15 @@ class EagleDraft:
                 layer.input_norm = None
         own = ts.has("embed_tokens.weight")
         embed = ts.take("embed_tokens.weight", (cfg.vocab_size, H)) if own else target.model.embed_tokens
+        V = cfg.vocab_size
+        Vd = hf.get("draft_vocab_size", V)
+        if not isinstance(Vd, int) or isinstance(Vd, bool) or not 1 <= Vd <= V:
+            raise ValueError(f"{src}: config field 'draft_vocab_size' must be an integer in 1..{V} (got {Vd!r})")
+        d2t = lm_rows = None
+        if Vd < V or ts.has("d2t"):
+            d2t, _ = read_draft_vocabulary(ts, file, Vd, V, device)
+            lm_rows = target.model.lm_head_rows(torch.arange(Vd, device=d2t.device) + d2t).to(dtype)
         ts.finish()
-        draft = cls(cfg, copy.deepcopy(hf), layer, fc_w, fc_b, embed, own, target.model.compute_logits)
+        draft = cls(cfg, copy.deepcopy(hf), layer, fc_w, fc_b, embed, own, target.model.compute_logits, d2t, lm_rows)
         draft.target_embed = target.model.embed
         return draft

@@ -181,21 +181,7 @@ class Eagle3Draft:
         w["fc.weight"] = ts.take("fc.weight", (H, 3 * E))
         w["norm.weight"] = ts.take("norm.weight", (H,))
         w["lm_head.weight"] = ts.take("lm_head.weight", (Vd, H))
-        if ts.has("d2t"):
-            d2t = ts.take("d2t", (Vd,), dtype=torch.int64)
-        elif Vd == V:
-            d2t = torch.zeros(Vd, dtype=torch.int64, device=device)
-        else:
-            raise ValueError(f"{file}: missing tensor 'd2t' (draft_vocab_size {Vd} < vocab_size {V}: without it "
-                             "draft ids cannot be mapped to target ids)")
-        tid = torch.arange(Vd, device=d2t.device) + d2t
-        if int(tid.min()) < 0 or int(tid.max()) >= V or len(set(tid.tolist())) != Vd:
-            raise ValueError(f"{file}: tensor 'd2t' maps draft ids outside [0, {V}) or two onto one target id")
-        t2d = None
-        if ts.has("t2d"):
-            t2d = ts.take("t2d", (V,), dtype=torch.bool)
-            if int(t2d.sum()) != Vd or not bool(t2d[tid].all()):
-                raise ValueError(f"{file}: tensor 't2d' disagrees with 'd2t' (it must mark exactly the mapped ids)")
+        d2t, t2d = read_draft_vocabulary(ts, file, Vd, V, device)
         own = ts.has("embed_tokens.weight")
         embed = ts.take("embed_tokens.weight", (V, H)) if own else target.model.embed_tokens
         if not own and H != E:
@@ -205,3 +191,24 @@ class Eagle3Draft:
         draft = cls(cfg, copy.deepcopy(hf), w, aux, d2t, t2d, embed, own)
         draft.target_embed = target.model.embed
         return draft
+
+
+def read_draft_vocabulary(ts: TensorSet, file: str, Vd: int, V: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft vocabulary of a head checkpoint: `d2t` int64[Vd] offsets (draft id + d2t = target
+    id; required when Vd < V), optional `t2d` bool[V] checked against it. -> (d2t, t2d or None)."""
+    if ts.has("d2t"):
+        d2t = ts.take("d2t", (Vd,), dtype=torch.int64)
+    elif Vd == V:
+        d2t = torch.zeros(Vd, dtype=torch.int64, device=device)
+    else:
+        raise ValueError(f"{file}: missing tensor 'd2t' (draft_vocab_size {Vd} < vocab_size {V}: without it "
+                         "draft ids cannot be mapped to target ids)")
+    tid = torch.arange(Vd, device=d2t.device) + d2t
+    if int(tid.min()) < 0 or int(tid.max()) >= V or len(set(tid.tolist())) != Vd:
+        raise ValueError(f"{file}: tensor 'd2t' maps draft ids outside [0, {V}) or two onto one target id")
+    t2d = None
+    if ts.has("t2d"):
+        t2d = ts.take("t2d", (V,), dtype=torch.bool)
+        if int(t2d.sum()) != Vd or not bool(t2d[tid].all()):
+            raise ValueError(f"{file}: tensor 't2d' disagrees with 'd2t' (it must mark exactly the mapped ids)")
+    return d2t, t2d

@@ -25,7 +25,7 @@ def _rms(x, w, eps):
 
 
 class EagleTrainer:
-    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor, seqs=None):
+    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor, seqs=None, draft_vocab_size: int | None = None):
         c = target.config
         self.cfg, self.K = c, K
         H, nh, nkv, d, inter = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
@@ -45,6 +45,12 @@ class EagleTrainer:
         self.lm = lm_head
         # the token loss is a softmax over the training labels' vocabulary (distill_data.LabelSoftmax)
         self.label_softmax = LabelSoftmax(lm_head, seqs) if seqs is not None else None
+        # the draft vocabulary written into the checkpoint (d2t): the most frequent training tokens
+        self.draft_ids = None
+        if seqs is not None and draft_vocab_size is not None and draft_vocab_size < c.vocab_size:
+            from specinfer.spec_decode.eagle3_training import draft_vocabulary
+
+            self.draft_ids = draft_vocabulary(seqs, c.vocab_size, draft_vocab_size)
         cos, sin = rope_table(c, c.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos, sin
 
@@ -95,7 +101,8 @@ class EagleTrainer:
         toks, f, out = tokens, feats, []
         for _ in range(k):
             h = self.forward(toks[None], f[None])[0, -1]
-            d = int((h @ self.lm.T).argmax())
+            d = int((h @ self.lm.T).argmax()) if self.draft_ids is None else \
+                int(self.draft_ids[(h @ self.lm[self.draft_ids].T).argmax()])
             out.append(d)
             toks, f = torch.cat([toks, torch.tensor([d])]), torch.cat([f, h[None]])
         return out
@@ -115,6 +122,9 @@ class EagleTrainer:
              "layers.0.self_attn.o_proj.weight": p["o"], "layers.0.mlp.gate_proj.weight": p["gate"],
              "layers.0.mlp.up_proj.weight": p["up"], "layers.0.mlp.down_proj.weight": p["down"],
              "layers.0.post_attention_layernorm.weight": p["post_ln"]}
+        if self.draft_ids is not None:  # specinfer's draft-vocabulary extension (spec_decode/eagle.py)
+            hf["draft_vocab_size"] = len(self.draft_ids)
+            t["d2t"] = self.draft_ids - torch.arange(len(self.draft_ids))
         write_checkpoint(out, hf, t, "model.safetensors")
 
 

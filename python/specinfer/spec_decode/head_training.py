@@ -39,7 +39,7 @@ class TrainConfig:
     seed: int = 0
     max_seconds: float | None = None  # stop (and save) after this much training time
     save_every: int = 50
-    draft_vocab_size: int = 8192  # eagle3: the draft vocabulary (most frequent target tokens)
+    draft_vocab_size: int = 8192  # eagle, eagle3: the draft vocabulary (most frequent target tokens)
 
     def __post_init__(self):
         if self.method not in TRAINABLE:
@@ -175,7 +175,8 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
         if cfg.method == "eagle":
             from specinfer.spec_decode.eagle_training import EagleTrainer
 
-            trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target), train_seqs)
+            trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target), train_seqs,
+                                   cfg.draft_vocab_size)
         else:
             from specinfer.spec_decode.eagle3_training import Eagle3Trainer
 
