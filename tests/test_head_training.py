@@ -159,3 +159,25 @@ def test_training_prompts_leave_out_what_the_bench_measures():
         head = (stdlib / f"{m}.py").read_text(encoding="utf-8")[:600]
         assert not any(head in t for t in texts), m
     assert len(texts) > 500 and sum(c for _, c in training_texts(10_000)) > 0.7 * len(texts)
+
+
+@pytest.mark.parametrize("draft_vocab", [8192, 96])
+def test_medusa_training_writes_a_head_the_engine_runs(setup, tmp_path, draft_vocab):
+    """Medusa: the original layout on the target's lm_head, or (a truncated draft vocabulary)
+    vLLM's layout with one shared head of the target's rows and token_map; greedy output exact."""
+    target, gen, prompts, seqs = setup
+    report = train(gen.engine.loaded, seqs, tmp_path / "m",
+                   TrainConfig("medusa", steps=40, draft_vocab_size=draft_vocab), progress=False)
+    assert report["held_out"]["positions"] > 0
+    files = {p.name for p in (tmp_path / "m").iterdir()}
+    if draft_vocab < 256:
+        saved = load_file(str(tmp_path / "m" / "model.safetensors"))
+        assert len(saved["token_map"]) == draft_vocab and saved["lm_heads.0.weight"].shape[0] == draft_vocab
+    else:
+        assert "medusa_lm_head.safetensors" in files
+    eng = Generator(str(target), max_model_len=256, num_kv_blocks=64,
+                    speculative={"method": "medusa", "model": str(tmp_path / "m"), "num_speculative_tokens": 3})
+    want = gen.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    got = eng.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert eng.spec_metrics()["num_draft_tokens"] > 0

@@ -30,8 +30,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-vocab-size", type=int, default=8192, metavar="N",
-                   help="eagle, eagle3: draft vocabulary size (the target's most frequent tokens; d2t in the "
-                        "checkpoint), default 8192; the target's vocabulary size or more: none")
+                   help="eagle, eagle3, medusa: draft vocabulary size (the target's most frequent tokens; d2t / "
+                        "Medusa's token_map in the checkpoint), default 8192; the target's vocabulary size or more: none")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -39,7 +39,7 @@ class TrainConfig:
     seed: int = 0
     max_seconds: float | None = None  # stop (and save) after this much training time
     save_every: int = 50
-    draft_vocab_size: int = 8192  # eagle, eagle3: the draft vocabulary (most frequent target tokens)
+    draft_vocab_size: int = 8192  # eagle, eagle3, medusa: the draft vocabulary (most frequent target tokens)
 
     def __post_init__(self):
         if self.method not in TRAINABLE:
@@ -66,9 +66,15 @@ def _examples(seqs: list[DistillSequence], K: int):
 
 
 class MedusaTrainer:
-    def __init__(self, target, K: int, seqs: list[DistillSequence]):
+    def __init__(self, target, K: int, seqs: list[DistillSequence], draft_vocab_size: int | None = None):
         H = target.config.hidden_size
         self.softmax = LabelSoftmax(_dense_lm_head(target), seqs)  # the token loss over the labels' vocabulary
+        self.draft_ids = None  # a truncated vocabulary: exported in vLLM's layout with token_map
+        if draft_vocab_size is not None and draft_vocab_size < target.config.vocab_size:
+            from specinfer.spec_decode.eagle3_training import draft_vocabulary
+
+            self.draft_ids = draft_vocabulary(seqs, target.config.vocab_size, draft_vocab_size)
+            self.draft_rows = _dense_lm_head(target)[self.draft_ids]
         self.params = {"w": torch.zeros(K, H, H, requires_grad=True), "b": torch.zeros(K, H, requires_grad=True)}
         self.K = K
 
@@ -80,13 +86,19 @@ class MedusaTrainer:
         return total / self.K
 
     def save(self, out: Path, target) -> None:
-        from specinfer.spec_decode.medusa import ORIGINAL, MedusaConfig, MedusaHeads
+        from specinfer.spec_decode.medusa import ORIGINAL, VLLM, MedusaConfig, MedusaHeads
 
         c = target.config
         w = [[self.params["w"][k].detach()] for k in range(self.K)]
         b = [[self.params["b"][k].detach()] for k in range(self.K)]
-        MedusaHeads(MedusaConfig(self.K, 1, c.hidden_size, c.vocab_size, c.vocab_size, ORIGINAL), w, b, None,
-                    None, None).save(out)
+        if self.draft_ids is None:  # the original layout, legacy heads on the target's lm_head
+            MedusaHeads(MedusaConfig(self.K, 1, c.hidden_size, c.vocab_size, c.vocab_size, ORIGINAL), w, b, None,
+                        None, None).save(out)
+            return
+        # vLLM's layout: one shared lm_head holding the target's rows of the draft vocabulary + token_map
+        Vt = len(self.draft_ids)
+        MedusaHeads(MedusaConfig(self.K, 1, c.hidden_size, c.vocab_size, Vt, VLLM), w, b,
+                    [self.draft_rows] * self.K, self.draft_ids, None).save(out)
 
     @staticmethod
     def load(out: Path, target):
@@ -191,7 +203,7 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     else:
         feats, toks = _examples(train_seqs, cfg.num_heads)
         num_positions = len(feats)
-        trainer = MedusaTrainer(target, cfg.num_heads, train_seqs) if cfg.method == "medusa" else \
+        trainer = MedusaTrainer(target, cfg.num_heads, train_seqs, cfg.draft_vocab_size) if cfg.method == "medusa" else \
             MLPSpeculatorTrainer(target, cfg.num_heads, cfg.seed, train_seqs)
 
         def batch_loss(g):
