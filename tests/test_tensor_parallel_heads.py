@@ -19,6 +19,8 @@ HEADS = {
     # no lm_head of its own: the target's vocab-parallel lm_head
     "medusa_legacy": (dict(), "medusa", lambda p, t: hc.medusa_original(p, t, num_heads=3, legacy=True)),
     "eagle_own_embedding": (dict(), "eagle", lambda p, t: hc.eagle1(p, t, embed=True, repeat=True)),
+    # specinfer's draft vocabulary: TP=1 scores the rows, TP=2 cuts the gathered logits
+    "eagle_draft_vocab": (dict(), "eagle", lambda p, t: hc.eagle1(p, t, repeat=True, draft_vocab=128)),
     "eagle3_truncated": (dict(layers=4), "eagle3",
                          lambda p, t: hc.eagle3(p, t, draft_vocab=97, aux_ids=[0, 1, 3])),
 }

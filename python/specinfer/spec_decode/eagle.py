@@ -18,7 +18,9 @@ lm_head: the target's lm_head is used.
 Draft vocabulary (a specinfer extension, written by `specinfer train-heads --method eagle`): with a
 config field `draft_vocab_size` Vd < V and a tensor `d2t` int64[Vd] (EAGLE-3's offsets: draft id +
 d2t = target id), the head scores only those Vd rows of the target's lm_head — on CPU the
-lm_head is most of a head's cost. Drafts never leave that vocabulary (q is 0 outside it).
+lm_head is most of a head's cost (under tensor parallelism, where the target's lm_head is split by
+vocabulary, the gathered logits are cut to it instead). Drafts never leave that vocabulary (q is 0
+outside it).
 Checkpoints without them draft over the whole vocabulary, as everywhere else.
 """
 from __future__ import annotations
@@ -71,9 +73,6 @@ class EagleDraft:
         embedding and lm_head are its own shards already."""
         if tp.size == 1:
             return
-        if self.d2t is not None:
-            raise ValueError("an EAGLE-1 head with a draft vocabulary (d2t) is not supported under tensor "
-                             "parallelism; use a checkpoint without d2t / draft_vocab_size")
         self.tp = tp
         _, self.num_kv_heads = shard_decoder_layer(self.layer, self.config, tp)
         if self.own_embed:
@@ -98,10 +97,15 @@ class EagleDraft:
     def target_features(self, hidden, rows: torch.Tensor) -> torch.Tensor:  # TargetHidden -> [T', H] f_i
         return hidden.final[rows]
 
+    def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, Vd] over the draft vocabulary
+        if self.lm_rows is None:  # under TP the rows are spread over the ranks: the gathered logits, cut
+            return self.target_logits(h)[:, self.target_draft_ids]
+        return F.linear(h.to(self.lm_rows.dtype), self.lm_rows)
+
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P] target ids
         if self.d2t is None:
             return self.target_logits(h).argmax(-1)
-        return self.target_draft_ids[F.linear(h.to(self.lm_rows.dtype), self.lm_rows).argmax(-1)]
+        return self.target_draft_ids[self._draft_logits(h).argmax(-1)]
 
     @property
     def draft_vocab_size(self) -> int:
@@ -111,7 +115,7 @@ class EagleDraft:
         """[P, H] -> float32[P, V] over the target vocabulary (-inf outside a draft vocabulary)."""
         if self.d2t is None:
             return self.target_logits(h)
-        d = F.linear(h.to(self.lm_rows.dtype), self.lm_rows).float()
+        d = self._draft_logits(h).float()
         out = torch.full((d.shape[0], self.config.vocab_size), float("-inf"), dtype=torch.float32, device=d.device)
         out[:, self.target_draft_ids] = d
         return out
@@ -198,7 +202,9 @@ class EagleDraft:
         d2t = lm_rows = None
         if Vd < V or ts.has("d2t"):
             d2t, _ = read_draft_vocabulary(ts, file, Vd, V, device)
-            lm_rows = target.model.lm_head_rows(torch.arange(Vd, device=d2t.device) + d2t).to(dtype)
+            tp = target.model.tp
+            if tp is None or tp.size == 1:  # (under TP the target's lm_head is vocab-parallel: no rows here)
+                lm_rows = target.model.lm_head_rows(torch.arange(Vd, device=d2t.device) + d2t).to(dtype)
         ts.finish()
         draft = cls(cfg, copy.deepcopy(hf), layer, fc_w, fc_b, embed, own, target.model.compute_logits, d2t, lm_rows)
         draft.target_embed = target.model.embed
