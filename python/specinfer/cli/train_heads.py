@@ -9,8 +9,8 @@ HELP = "train a draft head (medusa, mlp_speculator, eagle, eagle3) for a target 
 DESCRIPTION = HELP + """
 
 The target greedily continues prompts (specinfer's bench prompt sets past the first 8 of each task,
-which the bench measures; then chunks of the Python standard library's sources wrapped in
-task-shaped instructions, through the target's chat template); the head learns those continuations from the target's hidden states.
+which the bench measures; 320 everyday assistant questions; then chunks of the Python standard
+library's sources wrapped in task-shaped instructions, through the target's chat template); the head learns those continuations from the target's hidden states.
 The head is written to --out in its public layout (use it with --method M --head DIR); rerunning
 the same command resumes from --out/train_state.pt. Ends with a held-out acceptance estimate
 (also in --out/train_report.json)."""

@@ -47,6 +47,35 @@ INSTRUCTIONS = (
 )
 
 
+# Everyday assistant questions (templates x topics), so the head also learns the target's chat
+# answers: the bench's chat and qa tasks are this kind of text, and stdlib chunks are not.
+CHAT_TEMPLATES = (
+    "Explain {} in simple terms.",
+    "Give me three practical tips about {}.",
+    "What are the most common mistakes people make with {}?",
+    "Write a short paragraph about {} for a beginner.",
+    "What is {}, and why does it matter?",
+    "Write a haiku about {}.",
+    "List the pros and cons of {}.",
+    "How would you teach {} to a ten-year-old?",
+)
+CHAT_TOPICS = (
+    "cooking pasta", "saving money", "learning a new language", "public speaking", "gardening",
+    "sleep", "running", "time management", "photography", "writing a resume", "recursion",
+    "version control with git", "unit testing", "the water cycle", "photosynthesis", "climate",
+    "the solar system", "volcanoes", "healthy breakfasts", "baking bread", "team meetings",
+    "remote work", "reading more books", "chess", "playing the guitar", "travel packing",
+    "job interviews", "email etiquette", "houseplants", "coffee", "bicycles", "first aid",
+    "databases", "spreadsheets", "password security", "the history of the internet", "rainbows",
+    "birds", "the ocean", "friendship",
+)
+
+
+def chat_prompts() -> list[str]:
+    """Every template over every topic, interleaved by topic (deterministic)."""
+    return [t.format(topic) for topic in CHAT_TOPICS for t in CHAT_TEMPLATES]
+
+
 def _bench_rows() -> list[dict]:
     data = Path(__file__).resolve().parent.parent / "bench" / "data"
     rows = []
@@ -57,7 +86,7 @@ def _bench_rows() -> list[dict]:
 
 def training_texts(max_prompts: int, stdlib_chunk_chars: int = 600, chunks_per_file: int = 8) -> list[tuple[str, bool]]:
     """(text, chat) pairs, deterministic: the bench prompts past each task's first
-    EVAL_PROMPTS_PER_TASK (chat), then chunks of the standard library's sources — skipping the
+    EVAL_PROMPTS_PER_TASK (chat), everyday questions (chat_prompts), then chunks of the standard library's sources — skipping the
     modules the bench prompts are cut from — each wrapped in one of INSTRUCTIONS (chat), every
     fifth one left as raw text to continue."""
     out, per_task, held_modules = [], {}, set()
@@ -68,6 +97,8 @@ def training_texts(max_prompts: int, stdlib_chunk_chars: int = 600, chunks_per_f
             held_modules.add(re.split(r"[. ]", src[len("stdlib:"):])[0])
         if i >= EVAL_PROMPTS_PER_TASK:
             out.append((row["prompt"], True))
+    bench_prompts = {row["prompt"] for row in _bench_rows()}
+    out += [(q, True) for q in chat_prompts() if q not in bench_prompts]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     n = 0
     for f in sorted(stdlib.glob("*.py")):
