@@ -35,8 +35,17 @@ def test_ctrl_c_cancels_the_step_then_a_worker_exception_reaches_user(tiny_dir):
         return handle(msg)
 
     rank0.handle = ctrl_c_in_the_fifth_step
-    with pytest.raises(KeyboardInterrupt):
-        gen.generate(ps, long, use_tqdm=False)
+    # Python's own Ctrl-C handler, as in a program that installed none (a full suite run once saw
+    # another one here: then SIGINT never became a KeyboardInterrupt). What was there is put back.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            gen.generate(ps, long, use_tqdm=False)
+    except BaseException:
+        gen.close()  # no engine left holding torch.distributed for the next test
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
     rank0.handle = handle
     assert len(calls) == 5
     assert [o.token_ids for o in gen.generate(ps, long, use_tqdm=False)] == want
