@@ -67,6 +67,16 @@ def test_cli_train_heads_writes_a_loadable_head(setup, tmp_path):
     assert len(gen.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)) == 1
 
 
+def _check_head_runs_greedy_exact(target, gen, prompts, method, head):
+    """The trained head drives speculation and the greedy output equals the target's alone."""
+    eng = Generator(str(target), max_model_len=256, num_kv_blocks=64,
+                    speculative={"method": method, "model": str(head), "num_speculative_tokens": 3})
+    want = gen.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    got = eng.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert eng.spec_metrics()["num_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("draft_vocab", [8192, 96])  # 8192 >= the tiny vocabulary: no d2t written
 def test_eagle_training_writes_a_head_the_engine_runs(setup, tmp_path, draft_vocab):
     target, gen, prompts, seqs = setup
@@ -78,12 +88,7 @@ def test_eagle_training_writes_a_head_the_engine_runs(setup, tmp_path, draft_voc
         assert len(saved["d2t"]) == draft_vocab
     assert report["steps"] == 6 and report["final_loss"] == report["final_loss"]  # not NaN
     assert report["held_out"]["positions"] > 0
-    eng = Generator(str(target), max_model_len=256, num_kv_blocks=64,
-                    speculative={"method": "eagle", "model": str(tmp_path / "e"), "num_speculative_tokens": 3})
-    want = gen.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    got = eng.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert eng.spec_metrics()["num_draft_tokens"] > 0
+    _check_head_runs_greedy_exact(target, gen, prompts, "eagle", tmp_path / "e")
 
 
 def test_eagle3_training_writes_a_head_the_engine_runs(tiny_dir, tmp_path):
@@ -175,9 +180,4 @@ def test_medusa_training_writes_a_head_the_engine_runs(setup, tmp_path, draft_vo
         assert len(saved["token_map"]) == draft_vocab and saved["lm_heads.0.weight"].shape[0] == draft_vocab
     else:
         assert "medusa_lm_head.safetensors" in files
-    eng = Generator(str(target), max_model_len=256, num_kv_blocks=64,
-                    speculative={"method": "medusa", "model": str(tmp_path / "m"), "num_speculative_tokens": 3})
-    want = gen.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    got = eng.generate(prompts[64:70], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert eng.spec_metrics()["num_draft_tokens"] > 0
+    _check_head_runs_greedy_exact(target, gen, prompts, "medusa", tmp_path / "m")
