@@ -184,12 +184,9 @@ class LlamaForCausalLM(nn.Module):
         """float32[n, hidden]: the lm_head rows of token ids (dense whatever the weights' form:
         plain, oneDNN-packed or int8). A head drafting over a truncated vocabulary scores these."""
         if self.tp is not None and self.tp.size > 1:
-            raise ValueError("lm_head rows of a vocab-parallel lm_head are spread over the ranks; a draft "
-                             "vocabulary (d2t) over the target's lm_head is not supported under tensor parallelism")
+            raise ValueError("lm_head_rows: this rank holds only its vocab shard of the lm_head")
         w = self.lm_head
-        if isinstance(w, Int8Weight):
-            return w.dequantize(ids)
-        if getattr(w, "is_mkldnn", False):
+        if getattr(w, "is_mkldnn", False):  # packed by the CPU platform: the dense tied table, or unpacked
             w = self.embed_tokens if self.config.tie_word_embeddings else w.to_dense()
         if isinstance(w, Int8Weight):
             return w.dequantize(ids)

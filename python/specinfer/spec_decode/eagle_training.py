@@ -2,7 +2,9 @@
 
 One draft layer over (x_{i+1}, f_i) pairs, trained as EAGLE trains it: regress the target's next
 feature f_{i+1} (smooth L1) plus 0.1 x cross-entropy of the target's lm_head over the draft
-feature against the target's own next token x_{i+2} (continuation positions only). Dense causal
+feature against the target's own next token x_{i+2} (continuation positions only; the softmax
+over the labels' vocabulary, distill_data.LabelSoftmax). With a draft vocabulary size below the
+target's, the export carries `d2t` (the most frequent training tokens; spec_decode/eagle.py). Dense causal
 attention over right-padded batches (padding never precedes a real position, so it is never
 attended). Initialisation: fc passes the feature through, o_proj and down_proj start at zero, so
 the untrained head drafts what the target's lm_head reads off f_i.
@@ -25,7 +27,7 @@ def _rms(x, w, eps):
 
 
 class EagleTrainer:
-    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor, seqs=None, draft_vocab_size: int | None = None):
+    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor, seqs, draft_vocab_size: int | None = None):
         c = target.config
         self.cfg, self.K = c, K
         H, nh, nkv, d, inter = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
@@ -44,10 +46,10 @@ class EagleTrainer:
         self.embed = target.model.embed_tokens.detach().float()
         self.lm = lm_head
         # the token loss is a softmax over the training labels' vocabulary (distill_data.LabelSoftmax)
-        self.label_softmax = LabelSoftmax(lm_head, seqs) if seqs is not None else None
+        self.label_softmax = LabelSoftmax(lm_head, seqs)
         # the draft vocabulary written into the checkpoint (d2t): the most frequent training tokens
         self.draft_ids = None
-        if seqs is not None and draft_vocab_size is not None and draft_vocab_size < c.vocab_size:
+        if draft_vocab_size is not None and draft_vocab_size < c.vocab_size:
             from specinfer.spec_decode.eagle3_training import draft_vocabulary
 
             self.draft_ids = draft_vocabulary(seqs, c.vocab_size, draft_vocab_size)
@@ -91,9 +93,7 @@ class EagleTrainer:
         h = self.forward(tokens, feats)
         reg = F.smooth_l1_loss(h[valid], next_feats[valid])
         labeled = labels >= 0  # continuation positions only: the lm_head runs on those rows alone
-        ce = self.label_softmax.loss(h[labeled], labels[labeled]) if self.label_softmax is not None else \
-            F.cross_entropy(h[labeled] @ self.lm.T, labels[labeled])
-        return reg + 0.1 * ce
+        return reg + 0.1 * self.label_softmax.loss(h[labeled], labels[labeled])
 
     @torch.no_grad()
     def drafts(self, tokens: torch.Tensor, feats: torch.Tensor, k: int) -> list[int]:
