@@ -138,6 +138,31 @@ def test_label_softmax_equals_full_softmax_restricted_to_the_labels(setup):
     assert torch.allclose(soft.loss(h, labels), want, atol=1e-5)
 
 
+def test_label_softmax_soft_loss_is_cross_entropy_against_the_targets_distribution(setup):
+    """EAGLE's token loss: cross-entropy against the target's own next-token distribution (read off
+    its states) over the label vocabulary, computed independently with masked full logits; it is
+    smallest when the head's states equal the target's."""
+    from specinfer.spec_decode.distill_data import LabelSoftmax, label_vocabulary
+
+    _, gen, _, seqs = setup
+    lm = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
+    soft = LabelSoftmax(lm, seqs)
+    ids = label_vocabulary(seqs, 256)
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    f = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+
+    def masked(x):
+        out = torch.full((len(x), 256), float("-inf"))
+        out[:, ids] = (x @ lm.T)[:, ids]
+        return out
+
+    p = torch.softmax(masked(f), -1)
+    logq = torch.log_softmax(masked(h), -1)[:, ids]
+    want = -(p[:, ids] * logq).sum(-1).mean()
+    assert torch.allclose(soft.soft_loss(h, f), want, atol=1e-5)
+    assert soft.soft_loss(f, f) < soft.soft_loss(h, f)  # Gibbs: the target's own states score best
+
+
 def test_training_prompts_leave_out_what_the_bench_measures():
     """train-heads never trains on the prompts the bench measures (the first of each task) nor on
     the standard-library modules those prompts are cut from."""

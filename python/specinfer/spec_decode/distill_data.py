@@ -185,3 +185,11 @@ class LabelSoftmax:
         """h [N, H], labels int64[N] target ids (-100: ignored)."""
         y = torch.where(labels >= 0, self.index[labels.clamp(min=0)], labels)
         return F.cross_entropy(h @ self.weight.T, y, ignore_index=-100)
+
+    def soft_loss(self, h: torch.Tensor, target_states: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy of h [N, H] against the target's own next-token distribution read off its
+        states [N, H] through the same rows (soft labels, as EAGLE trains: every position, also in
+        the prompt, where no continuation token is a label)."""
+        with torch.no_grad():
+            p = torch.softmax(target_states @ self.weight.T, -1)
+        return -(p * torch.log_softmax(h @ self.weight.T, -1)).sum(-1).mean()

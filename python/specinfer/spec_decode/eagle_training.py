@@ -2,8 +2,9 @@
 
 One draft layer over (x_{i+1}, f_i) pairs, trained as EAGLE trains it: regress the target's next
 feature f_{i+1} (smooth L1) plus 0.1 x cross-entropy of the target's lm_head over the draft
-feature against the target's own next token x_{i+2} (continuation positions only; the softmax
-over the labels' vocabulary, distill_data.LabelSoftmax). With a draft vocabulary size below the
+feature against the target's own next-token distribution read off f_{i+1} (soft labels, at every
+pair: prompt positions teach too, their labels being what the target would say there; the
+softmax over the labels' vocabulary, distill_data.LabelSoftmax). With a draft vocabulary size below the
 target's, the export carries `d2t` (the most frequent training tokens; spec_decode/eagle.py). Dense causal
 attention over right-padded batches (padding never precedes a real position, so it is never
 attended). Initialisation: fc passes the feature through, o_proj and down_proj start at zero, so
@@ -20,6 +21,8 @@ import torch.nn.functional as F
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
 from specinfer.spec_decode.distill_data import LabelSoftmax
 from specinfer.spec_decode.head_checkpoint import write_checkpoint
+
+CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the feature regression
 
 
 def _rms(x, w, eps):
@@ -82,18 +85,15 @@ class EagleTrainer:
         B, H = len(seqs), self.cfg.hidden_size
         tokens = torch.zeros(B, T, dtype=torch.int64)
         feats, next_feats = torch.zeros(B, T, H), torch.zeros(B, T, H)
-        labels = torch.full((B, T), -100, dtype=torch.int64)
         valid = torch.zeros(B, T, dtype=torch.bool)
         for b, s in enumerate(seqs):
             n = len(s.tokens) - 1  # pairs i = 0 .. n-1
             tokens[b, :n], feats[b, :n], next_feats[b, :n] = s.tokens[1:], s.final[:-1], s.final[1:]
             valid[b, : n - 1] = True  # f_{i+1} known for i <= n-2 (the last pair's next feature is f_n, absent)
-            i = torch.arange(max(s.prompt_len - 2, 0), n - 1)
-            labels[b, i] = s.tokens[i + 2]
         h = self.forward(tokens, feats)
         reg = F.smooth_l1_loss(h[valid], next_feats[valid])
-        labeled = labels >= 0  # continuation positions only: the lm_head runs on those rows alone
-        return reg + 0.1 * self.label_softmax.loss(h[labeled], labels[labeled])
+        # soft labels at every pair: the target's own next-token distribution read off f_{i+1}
+        return reg + CLS_WEIGHT * self.label_softmax.soft_loss(h[valid], next_feats[valid])
 
     @torch.no_grad()
     def drafts(self, tokens: torch.Tensor, feats: torch.Tensor, k: int) -> list[int]:

@@ -29,6 +29,7 @@ TRAINABLE = ("medusa", "mlp_speculator", "eagle", "eagle3")
 EAGLE_SEQS_PER_BATCH = 4
 WARMUP_STEPS = 20
 DECAY_FROM = 200
+HELD_OUT_EVERY = 10
 
 
 @dataclass(frozen=True)
@@ -188,13 +189,16 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
 
 
 def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Train on seqs (the last tenth held out), write the public layout to out, return the report."""
+    """Train on seqs (every HELD_OUT_EVERY-th held out), write the public layout to out, return the report."""
     from tqdm import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    n_held = max(1, len(seqs) // 10)
-    train_seqs, held = seqs[:-n_held] or seqs, seqs[-n_held:]
+    # every tenth sequence held out (the prompts come grouped by kind: bench tasks, chat questions,
+    # stdlib chunks; a stride holds out some of each)
+    held_ids = set(range(HELD_OUT_EVERY - 1, len(seqs), HELD_OUT_EVERY)) or {len(seqs) - 1}
+    held = [seqs[i] for i in sorted(held_ids)]
+    train_seqs = [s for i, s in enumerate(seqs) if i not in held_ids] or seqs
     if cfg.method in ("eagle", "eagle3"):
         if cfg.method == "eagle":
             from specinfer.spec_decode.eagle_training import EagleTrainer
