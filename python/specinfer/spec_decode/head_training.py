@@ -14,12 +14,7 @@ vocabulary and training-time-test unrolling; eagle3_training).
 
 Labels: Medusa and the MLP speculator learn the continuation tokens (hard labels, as Medusa-1 and
 IBM's speculators train); EAGLE the target's next-token distribution at every position, prompts
-included (soft labels, as EAGLE trains). Measured on SmolLM2-135M (docs/benchmarks.md): EAGLE, 800
-steps, held-out acceptance length 1.80 with labels at every position against 1.65 with the
-continuation tokens only (greedy labels at every position: 1.69, soft 1.67 on another split);
-Medusa and the MLP speculator, 7 minutes each, 1.58 and 1.52 with continuation tokens against
-1.54 and 1.46 with greedy labels at every position (their heads never see x_{t+1}, and the extra
-label cost leaves fewer steps).
+included (soft labels, as EAGLE trains; benches/eagle_label_ablation.py compares the choices).
 """
 from __future__ import annotations
 
