@@ -93,10 +93,27 @@ def test_cost_model_interpolates_measured_step_times():
     got = model.target_seconds(np.array([1, 2, 5, 300]))
     assert got == pytest.approx(list(truth.values()), abs=1e-4)
     assert model.target_seconds(np.array([3]))[0] == pytest.approx((0.104 * 2 + 0.113) / 3, abs=1e-4)
-    assert model.draft_seconds_per_token == pytest.approx(0.002)
+    assert model.draft_seconds(np.array([4, 2])) == pytest.approx([0.008, 0.004])  # one count seen: proportional
     # beyond the largest count seen: extended with a non-negative slope
     assert model.target_seconds(np.array([400]))[0] > 0.400
     assert model.step_seconds(1)(np.array([0, 4]))[1] == pytest.approx(0.113 + 4 * 0.002, abs=1e-4)
+
+
+def test_a_proposers_fixed_cost_per_step_is_not_charged_to_each_draft():
+    """EAGLE runs its head over the step's confirmed tokens before its first draft: proposer time
+    F + c n. Dividing it by the drafts made each draft look dearer the fewer were drafted (at
+    n = 1: F + c per draft), so the policy drafted less and less; a table of D(n) keeps the
+    marginal cost c, and the policy picks the analytically best n."""
+    F, c, S = 0.004, 0.001, 0.030  # fixed proposer part, per draft, a flat target step
+    model = StepCostModel(rate=0.2, min_steps=1)
+    for _ in range(20):
+        for n in (0, 1, 4):
+            model.record(1 + n, S, draft_tokens=n, draft_seconds=F + c * n)  # 1 decode + n drafts verified
+    assert model.draft_seconds(np.array([2, 3])) == pytest.approx([F + 2 * c, F + 3 * c])
+    accept = np.array([[0.5, 0.5, 0.5, 0.5]])
+    d = choose_num_drafts(accept, np.array([4]), model.step_seconds(1))
+    goodput = [(1 + sum(0.5 ** (j + 1) for j in range(n))) / (S + F + c * n) for n in range(5)]
+    assert d[0] == int(np.argmax(goodput)) == 4
 
 
 def test_every_step_drafting_k_still_separates_verification_from_drafting_cost():

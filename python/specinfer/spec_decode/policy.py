@@ -4,9 +4,9 @@ maximize goodput (expected emitted tokens per second of step time).
 Model. Request i's draft at position j (0-based within its proposal) is accepted with
 probability a_ij given that the drafts before it were; so with d_i drafts it emits in
 expectation E_i(d_i) = sum_{j=0..d_i} prod_{m<j} a_im tokens (the accepted drafts plus the
-recovered or bonus token). Drafting n tokens in all costs C(n) = S(B + n) + c_d * n seconds:
+recovered or bonus token). Drafting n tokens in all costs C(n) = S(B + n) + D(n) seconds:
 S(T) the measured time of a step whose target forward holds T tokens (B without drafts: the
-decodes and prefill chunks), c_d the proposer's measured time per drafted token. The goodput of
+decodes and prefill chunks), D(n) the proposer's measured time when it drafts n tokens. The goodput of
 a choice is sum_i E_i(d_i) / C(sum_i d_i).
 
 Choice. Adding the (d_i + 1)-th draft to request i adds g = prod_{m<=d_i} a_im expected tokens
@@ -23,10 +23,9 @@ request that gets no draft is never observed, so a low estimate would stick for 
 the text may have turned repetitive; so a request held at zero drafts for ``probe_after`` steps
 gets one draft (a probe). A probe that fails doubles the wait (up to ``max_probe_after``); one
 that is accepted resets it. The cost of exploring a request whose drafts keep failing is thus at
-most one draft every ``max_probe_after`` steps. Costs (StepCostModel): S(T) is a table of
-exponentially averaged step times per target-token count T, interpolated between the counts
-seen and extended beyond them with the slope of a least-squares line through the table; c_d
-an exponential average of proposer time per drafted token. (A single linear fit of step time
+most one draft every ``max_probe_after`` steps. Costs (StepCostModel): S(T) and D(n) are tables
+of exponentially averaged times per token count, interpolated between the counts seen and
+extended beyond them with the slope of a least-squares line through the table (TimeTable). (A single linear fit of step time
 on target and drafted tokens, the first design, cannot separate the two when every step drafts
 k: it then put most of the cost on drafting and stopped speculating where it paid.) Until
 enough steps are measured the policy uses the configured k. The engine uses it with
@@ -82,54 +81,73 @@ def choose_num_drafts(
     return d
 
 
+class TimeTable:
+    """Seconds by a count (tokens in a step), exponentially averaged per count; read back
+    interpolated between the counts seen and, beyond them, from the nearest seen count plus the
+    slope of a least-squares line through the table (>= 0). With a single count c seen: time
+    proportional to the count (constant if c = 0)."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self._by_count: dict[int, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_count)
+
+    def record(self, count: int, seconds: float) -> None:
+        old = self._by_count.get(int(count))
+        self._by_count[int(count)] = seconds if old is None else old + self.rate * (seconds - old)
+
+    def at(self, counts) -> np.ndarray:
+        counts = np.asarray(counts, dtype=np.float64)
+        keys = np.fromiter(self._by_count.keys(), dtype=np.float64, count=len(self._by_count))
+        vals = np.fromiter(self._by_count.values(), dtype=np.float64, count=len(self._by_count))
+        order = np.argsort(keys)
+        keys, vals = keys[order], vals[order]
+        if len(keys) == 1:
+            return np.full_like(counts, vals[0]) if keys[0] == 0 else vals[0] * counts / keys[0]
+        slope = max(float(np.polyfit(keys, vals, 1)[0]), 0.0)
+        out = np.interp(counts, keys, vals)
+        lo, hi = counts < keys[0], counts > keys[-1]
+        out[lo] = np.maximum(vals[0] - slope * (keys[0] - counts[lo]), 0.0)
+        out[hi] = vals[-1] + slope * (counts[hi] - keys[-1])
+        return out
+
+
 class StepCostModel:
     """Measured step cost: S(T), the seconds of a step's target part (schedule, forward,
-    verification, update) by its number of target tokens T, exponentially averaged per T; and
-    the proposer's seconds per drafted token, exponentially averaged."""
+    verification, update) by its number of target tokens T, and D(n), the proposer's seconds by
+    the number of tokens it drafts in the step (TimeTables). D is a table, not a cost per drafted
+    token: a proposer may pay a fixed part every step (EAGLE runs its head over the step's
+    confirmed tokens before the first draft), and divided by the drafts that part made each draft
+    look dearer the fewer were drafted, pushing the policy towards drafting nothing."""
 
     def __init__(self, rate: float = 0.2, min_steps: int = 8):
         self.rate, self.min_steps = rate, min_steps
-        self._by_tokens: dict[int, float] = {}
-        self.draft_seconds_per_token: float | None = None
+        self._target, self._draft = TimeTable(rate), TimeTable(rate)
         self.num_steps = 0
 
     def record(self, target_tokens: int, target_seconds: float, draft_tokens: int = 0,
                draft_seconds: float = 0.0) -> None:
-        t, r = int(target_tokens), self.rate
-        old = self._by_tokens.get(t)
-        self._by_tokens[t] = target_seconds if old is None else old + r * (target_seconds - old)
-        if draft_tokens > 0:
-            per = draft_seconds / draft_tokens
-            old = self.draft_seconds_per_token
-            self.draft_seconds_per_token = per if old is None else old + r * (per - old)
+        self._target.record(target_tokens, target_seconds)
+        self._draft.record(draft_tokens, draft_seconds)
         self.num_steps += 1
 
     @property
     def ready(self) -> bool:
         return self.num_steps >= self.min_steps
 
-    def target_seconds(self, tokens: np.ndarray) -> np.ndarray:
-        """S(T) for each T: interpolated between the token counts seen; beyond them, the nearest
-        seen count's time plus the slope of a least-squares line through the table (>= 0; with a
-        single count, time proportional to tokens)."""
-        tokens = np.asarray(tokens, dtype=np.float64)
-        keys = np.fromiter(self._by_tokens.keys(), dtype=np.float64, count=len(self._by_tokens))
-        vals = np.fromiter(self._by_tokens.values(), dtype=np.float64, count=len(self._by_tokens))
-        order = np.argsort(keys)
-        keys, vals = keys[order], vals[order]
-        if len(keys) == 1:
-            return vals[0] * tokens / keys[0]
-        slope = max(float(np.polyfit(keys, vals, 1)[0]), 0.0)
-        out = np.interp(tokens, keys, vals)
-        lo, hi = tokens < keys[0], tokens > keys[-1]
-        out[lo] = np.maximum(vals[0] - slope * (keys[0] - tokens[lo]), 0.0)
-        out[hi] = vals[-1] + slope * (tokens[hi] - keys[-1])
-        return out
+    def target_seconds(self, tokens) -> np.ndarray:
+        """S(T) for each T."""
+        return self._target.at(tokens)
+
+    def draft_seconds(self, drafts) -> np.ndarray:
+        """D(n) for each n (zero until a step is recorded)."""
+        return self._draft.at(drafts) if len(self._draft) else np.zeros(np.shape(drafts))
 
     def step_seconds(self, base_tokens: int) -> Callable[[np.ndarray], np.ndarray]:
         """C(n) for a step of base_tokens target tokens plus n drafted ones."""
-        c_d = self.draft_seconds_per_token or 0.0
-        return lambda n: self.target_seconds(base_tokens + np.asarray(n)) + c_d * np.asarray(n)
+        return lambda n: self.target_seconds(base_tokens + np.asarray(n)) + self.draft_seconds(n)
 
 
 class AcceptanceEstimates:
