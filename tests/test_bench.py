@@ -181,7 +181,7 @@ def _tiny_config(model_dir, prompt_dir, **kw):
              {"name": "no-spec"},
              {"name": "ngram-k2", "speculative": {"method": "ngram", "num_speculative_tokens": 2}},
              {"name": "self-draft-k3", "speculative": {"method": "draft_model", "model": str(model_dir),
-                                                       "num_speculative_tokens": 3}},
+                                                       "num_speculative_tokens": 3, "policy": "fixed"}},
              {"name": "draft-alone", "model": str(model_dir), "role": "cost"},
              {"name": "hf-generate", "engine": "hf"},
              {"name": "hf-assisted", "engine": "hf", "mode": "assisted", "draft_model": str(model_dir),

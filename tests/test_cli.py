@@ -286,3 +286,20 @@ def test_demo_bad_arguments():
 
 def test_demo_threads_flag_is_checked_before_loading():
     assert_one_line_error(run_cli("demo", "--threads", "two", timeout=60), "demo", "--threads")
+
+
+def test_spec_policy_flag_reaches_the_speculative_config():
+    import argparse
+
+    from specinfer.cli.errors import CliError
+    from specinfer.cli.options import add_speculative_arguments, speculative_config
+
+    p = argparse.ArgumentParser()
+    add_speculative_arguments(p)
+    assert speculative_config(p.parse_args(["-k", "3"])).policy == "auto"
+    for policy in ("fixed", "goodput", "auto"):
+        assert speculative_config(p.parse_args(["-k", "3", "--spec-policy", policy])).policy == policy
+    with pytest.raises(CliError, match="--spec-policy"):
+        speculative_config(p.parse_args(["--speculative-config", '{"method": "ngram"}', "--spec-policy", "fixed"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["-k", "3", "--spec-policy", "fastest"])

@@ -43,7 +43,8 @@ def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
     # tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts, every prompt twice
     # (prefix-cache hits)
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 3})
+                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 3,
+                                 "policy": "fixed"})
     seen = _record_proposals(gen)
     ps = prompts(8)
     gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
@@ -62,7 +63,8 @@ def test_eagle_drafts_equal_the_reference_across_split_proposals(target, tmp_pat
     path = hc.eagle1(tmp_path / "eagle", target)
     reference_drafts = EagleReference(target, path)
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=8, num_kv_blocks=64, max_model_len=128,
-                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 5})
+                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 5,
+                                 "policy": "fixed"})
     splits[0] = 0
     seen = _record_proposals(gen)
     gen.generate(prompts(4), SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
@@ -77,7 +79,8 @@ def test_eagle_keeps_up_while_speculation_is_disabled(target, tmp_path):
     path = hc.eagle1(tmp_path / "eagle", target)
     reference_drafts = EagleReference(target, path)
     gen = Generator(str(target), max_model_len=128, num_kv_blocks=64, speculative={
-        "method": "eagle", "model": str(path), "num_speculative_tokens": 2, "disable_by_batch_size": 4})
+        "method": "eagle", "model": str(path), "num_speculative_tokens": 2, "disable_by_batch_size": 4,
+        "policy": "fixed"})  # drafts counted below: every proposal k, not the goodput policy's choice
     seen = _record_proposals(gen)
     ps = prompts(6)
     params = [SamplingParams(max_tokens=6 + 4 * i, temperature=0.0) for i in range(6)]  # staggered finishes
@@ -105,7 +108,8 @@ def test_eagle_save_load_round_trip_gives_identical_proposals(target, tmp_path, 
     runs = []
     for p in (path, tmp_path / "saved"):
         gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64,
-                        speculative={"method": "eagle", "model": str(p), "num_speculative_tokens": 3})
+                        speculative={"method": "eagle", "model": str(p), "num_speculative_tokens": 3,
+                                     "policy": "fixed"})
         if p == path:
             gen.engine.proposer.draft.save(tmp_path / "saved")
         seen = _record_proposals(gen)
@@ -168,7 +172,8 @@ def test_eagle3_drafts_equal_the_reference(tiny_dir, tmp_path, variant):
         path = hc.eagle3(tmp_path / "e3", target, aux_ids=[3, 0, 1], layers_prefix=True, t2d=False)
     reference_drafts = Eagle3Reference(target, path)
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3})
+                    speculative={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3,
+                                 "policy": "fixed"})
     seen = _record_proposals(gen)
     ps = prompts(8)
     gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
@@ -202,7 +207,8 @@ def test_eagle3_save_load_round_trip_gives_identical_proposals(tiny_dir, tmp_pat
     runs = []
     for p in (path, tmp_path / "saved"):
         gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64,
-                        speculative={"method": "eagle3", "model": str(p), "num_speculative_tokens": 3})
+                        speculative={"method": "eagle3", "model": str(p), "num_speculative_tokens": 3,
+                                     "policy": "fixed"})
         if p == path:
             gen.engine.proposer.draft.save(tmp_path / "saved")
         seen = _record_proposals(gen)

@@ -104,7 +104,8 @@ def test_heads_read_the_hidden_state_of_the_sampled_position(target, tmp_path):
     path = hc.medusa_original(tmp_path / "zero", target, legacy=True, scale=0.0)
     # a budget of 9 with k = 4 cuts many proposals (split runs, verified without a bonus row)
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=9, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": "medusa", "model": str(path), "num_speculative_tokens": 4})
+                    speculative={"method": "medusa", "model": str(path), "num_speculative_tokens": 4,
+                                 "policy": "fixed"})
     proposer = gen.engine.proposer
     seen, splits = [], []
     inner = proposer.propose

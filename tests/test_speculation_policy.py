@@ -233,3 +233,43 @@ def test_a_request_held_at_zero_drafts_is_probed_again():
         if d:
             pol.observe_verification([7], [d], [d])
     assert pol.num_drafts([7], np.array([4]), 1)[0] > 0
+
+
+def test_the_default_policy_is_goodput_for_chains_and_fixed_for_trees():
+    """Issue 11: speculation chooses k per request with no flags; a token tree (whose shape is
+    the user's choice) keeps it, and "fixed" / an explicit "goodput" still mean what they say."""
+    from specinfer.spec_decode.config import SpeculativeConfig
+
+    assert SpeculativeConfig(method="ngram").policy == "auto"
+    assert SpeculativeConfig(method="ngram").uses_goodput_policy
+    assert SpeculativeConfig(method="ngram", policy="goodput").uses_goodput_policy
+    assert not SpeculativeConfig(method="ngram", policy="fixed").uses_goodput_policy
+    tree = SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=2,
+                             token_tree=[[0], [1], [0, 0]])
+    assert tree.policy == "auto" and not tree.uses_goodput_policy
+    with pytest.raises(ValueError, match="goodput"):
+        SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=2,
+                          token_tree=[[0], [1]], policy="goodput")
+
+
+def test_an_engine_with_no_policy_flag_chooses_drafts_for_goodput(target_and_draft):
+    """No flags: the engine holds the goodput policy and it chooses the drafts (a spy on its
+    choice), and greedy output equals the target alone; policy "fixed" holds none."""
+    from specinfer import Generator, SamplingParams
+
+    target, draft = target_and_draft
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    prompts = _prompts(4)
+    want = [o.token_ids for o in Generator(str(target), block_size=4).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    gen = Generator(str(target), block_size=4, speculative=spec)
+    pol = gen.engine.policy
+    assert pol is not None
+    pol.cost.min_steps = 2
+    chosen = []
+    choose = pol.num_drafts
+    pol.num_drafts = lambda ids, md, base: chosen.append(choose(ids, md, base)) or chosen[-1]
+    assert [o.token_ids for o in gen.generate(prompts, params, use_tqdm=False)] == want
+    assert chosen and pol.cost.num_steps > 0
+    fixed = Generator(str(target), block_size=4, speculative={**spec, "policy": "fixed"})
+    assert fixed.engine.policy is None

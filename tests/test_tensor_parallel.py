@@ -40,7 +40,7 @@ def test_tp2_draft_model(target_and_draft, draft_tp):
     """A draft model sharded over both ranks, or kept whole on the driver (draft TP 1)."""
     target, draft = target_and_draft
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-            "draft_tensor_parallel_size": draft_tp}
+            "draft_tensor_parallel_size": draft_tp, "policy": "fixed"}  # draft counts compared
     tp2 = run(target, 2, spec)
     key = (str(target), str(draft))
     if key not in _TP1_DRAFT_RUNS:  # the same TP=1 reference for both draft TPs
@@ -193,7 +193,7 @@ def test_tp4_with_draft_tp2(target_and_draft):
     draft group that is neither 1 nor N."""
     target, draft = target_and_draft
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-            "draft_tensor_parallel_size": 2}
+            "draft_tensor_parallel_size": 2, "policy": "fixed"}
     tp4 = run(target, 4, spec)
     check_same(run(target, 1, {**spec, "draft_tensor_parallel_size": None}), tp4)
     assert tp4["metrics"]["num_accepted_tokens"] > 0

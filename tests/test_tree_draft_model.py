@@ -42,7 +42,7 @@ def _gen(models, tree, k, **kw):
     return Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=36, max_model_len=128,
                      attention_backend="torch_ref",
                      speculative={"method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
-                                  "token_tree": tree}, **kw)
+                                  "token_tree": tree, "policy": "fixed"}, **kw)
 
 
 def test_static_tree_equals_brute_force_reference(target_and_draft, draft_ref):

@@ -60,7 +60,8 @@ def target(tiny_dir):
 def _gen(target, method, path, tree, k, **kw):
     return Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
                      attention_backend="torch_ref", speculative={
-                         "method": method, "model": str(path), "num_speculative_tokens": k, "token_tree": tree}, **kw)
+                         "method": method, "model": str(path), "num_speculative_tokens": k, "token_tree": tree,
+                         "policy": "fixed"}, **kw)
 
 
 def _check(seen, ref, tree, lookahead, every=3):

@@ -49,7 +49,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
-    from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, SCORERS, proposer_names
+    from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, POLICIES, SCORERS, proposer_names
 
     g = p.add_argument_group("speculative decoding (off unless --speculative-config, --method, --draft or -k is "
                              "given)")
@@ -71,6 +71,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance threshold")
     g.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance alpha")
     g.add_argument("--scorer", choices=sorted(SCORERS), default="mqa", help="how drafts go through the target")
+    g.add_argument("--spec-policy", choices=list(POLICIES), default=None,
+                   help="drafts per request and step: goodput = chosen 0..K from measured acceptance and step "
+                        "cost, fixed = K every step, auto = goodput for chains (default)")
     g.add_argument("--draft-tensor-parallel-size", type=int, default=None, metavar="N",
                    help="draft_model: shard the draft over N ranks, a divisor of --tensor-parallel-size "
                         "(default: all of them)")
@@ -138,7 +141,8 @@ def speculative_config(args):
         exit_layer=getattr(args, "exit_layer", None),
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
-        posterior_alpha=args.posterior_alpha, scorer=args.scorer, draft_tensor_parallel_size=draft_tp)
+        posterior_alpha=args.posterior_alpha, scorer=args.scorer, draft_tensor_parallel_size=draft_tp,
+        policy=getattr(args, "spec_policy", None) or "auto")
 
 
 def _speculative_config_json(args):
@@ -148,6 +152,7 @@ def _speculative_config_json(args):
 
     clashing = [flag for flag, value in (("--method", args.method), ("--draft", args.draft),
                                          ("-k", args.num_speculative_tokens),
+                                         ("--spec-policy", getattr(args, "spec_policy", None)),
                                          ("--draft-tensor-parallel-size",
                                           getattr(args, "draft_tensor_parallel_size", None))) if value is not None]
     if clashing:

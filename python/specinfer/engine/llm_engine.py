@@ -143,7 +143,7 @@ class LLMEngine:
         self.step_sampler = StepSampler(self.spec, self.loaded.eos_token_ids)
         self.metrics = SpecMetrics(self.spec.num_speculative_tokens if self.spec else 0)
         self.policy = (GoodputPolicy(self.spec.num_speculative_tokens)
-                       if self.spec is not None and self.spec.policy == "goodput" else None)
+                       if self.spec is not None and self.spec.uses_goodput_policy else None)
         self._num_drafted = 0  # draft tokens proposed in the current step (for the step-cost fit)
         self.num_mixed_steps = 0  # steps where prefill chunks and verification runs shared a forward
         self._requests: dict[int, RequestState] = {}

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, MODEL_METHODS, SCORERS, proposer_names
+from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, MODEL_METHODS, POLICIES, SCORERS, proposer_names
 from specinfer.spec_decode.token_tree import DynamicTree, StaticTree, parse_token_tree
 
 STATIC_TREE_METHODS = ("draft_model", "mlp_speculator", "medusa", "eagle", "eagle3")
@@ -28,9 +28,10 @@ class SpeculativeConfig:
     scorer: str = "mqa"  # or "batch_expansion"
     disable_by_batch_size: int | None = None  # no speculation while >= this many requests run
     # "fixed": every request drafts up to num_speculative_tokens; "goodput": drafts per request and
-    # step chosen from measured acceptance and step cost (spec_decode/policy.py; seeded requests
-    # keep the fixed k, so their tokens do not depend on timing)
-    policy: str = "fixed"
+    # step (0 .. num_speculative_tokens) chosen from measured acceptance and step cost
+    # (spec_decode/policy.py; seeded requests keep the fixed k, so their tokens do not depend on
+    # timing); "auto" (the default): "goodput" for chains, "fixed" with a token_tree
+    policy: str = "auto"
     # True: skip logprob work in steps that verify drafts; tokens emitted in such steps carry
     # no logprobs (their entry in RequestOutput.logprobs is an empty dict).
     disable_logprobs: bool = False
@@ -72,8 +73,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative.posterior_threshold must be in [0, 1] (got {self.posterior_threshold!r})")
         if not 0.0 <= self.posterior_alpha <= 1.0:
             raise ValueError(f"speculative.posterior_alpha must be in [0, 1] (got {self.posterior_alpha!r})")
-        if self.policy not in ("fixed", "goodput"):
-            raise ValueError(f"speculative.policy {self.policy!r} is unknown; choose 'fixed' or 'goodput'")
+        if self.policy not in POLICIES:
+            raise ValueError(f"speculative.policy {self.policy!r} is unknown; choose one of {list(POLICIES)}")
         tree = parse_token_tree(self.token_tree)
         object.__setattr__(self, "token_tree", tree)
         if tree is not None:
@@ -85,7 +86,7 @@ class SpeculativeConfig:
             if tree.max_depth > k:
                 raise ValueError(f"speculative.token_tree is {tree.max_depth} deep but num_speculative_tokens "
                                  f"is {k}; raise num_speculative_tokens to at least the tree's depth")
-            if self.policy != "fixed":
+            if self.policy == "goodput":
                 raise ValueError("speculative.policy 'goodput' chooses chain lengths; it does not apply "
                                  "with a token_tree")
         dtp = self.draft_tensor_parallel_size
@@ -94,6 +95,11 @@ class SpeculativeConfig:
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"speculative.disable_by_batch_size must be an integer >= 1 or None (got {d!r})")
+
+    @property
+    def uses_goodput_policy(self) -> bool:
+        """Whether drafts per request are chosen for goodput ("goodput", or "auto" on chains)."""
+        return self.policy == "goodput" or (self.policy == "auto" and self.token_tree is None)
 
     @property
     def num_draft_slots(self) -> int:

@@ -27,6 +27,8 @@ MODEL_METHODS: dict[str, str] = {
 
 ACCEPTANCE_METHODS = frozenset({"rejection_sampler", "typical_acceptance_sampler"})
 SCORERS = frozenset({"mqa", "batch_expansion"})
+# drafts per request and step: "auto" (goodput on chains, fixed with a token tree), "fixed" (k), "goodput"
+POLICIES = ("auto", "fixed", "goodput")
 
 
 def register_proposer(name: str, target: str) -> None:
