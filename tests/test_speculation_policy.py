@@ -273,3 +273,28 @@ def test_an_engine_with_no_policy_flag_chooses_drafts_for_goodput(target_and_dra
     assert chosen and pol.cost.num_steps > 0
     fixed = Generator(str(target), block_size=4, speculative={**spec, "policy": "fixed"})
     assert fixed.engine.policy is None
+
+
+def test_probes_go_where_a_draft_is_cheap_and_wait_where_it_costs_a_token():
+    """A compute-bound large batch (a draft costs what a decode token costs: 5 ms + 1 ms per
+    token) gets no probes for its held requests, since even a draft accepted at the prior 0.6
+    would lower goodput; the same held request alone in a step is probed. Probing every held
+    request every few steps cost 5 % of throughput at batch 64 (docs/benchmarks.md)."""
+    def policy():
+        pol = GoodputPolicy(k=4, probe_after=2, max_probe_after=2)
+        for t in (1, 2, 5, 64, 65, 68, 128, 300):  # S(T) = 5 ms + 1 ms per token, no drafting cost
+            pol.observe_step(t, 0.005 + 0.001 * t, 0, 0.0)
+        return pol
+
+    big, R = policy(), 64
+    for c in range(R):
+        for _ in range(10):
+            big.observe_verification([c], [4], [0])
+    probes = sum(int(big.num_drafts(list(range(R)), np.full(R, 4), R).sum()) for _ in range(10))
+    assert probes == 0
+    one = policy()
+    for _ in range(10):
+        one.observe_verification([0], [4], [0])
+    probes = sum(int(one.num_drafts([0], np.array([4]), 1).sum()) for _ in range(10))
+    assert probes >= 3  # probed every other step, the failures not reported here
+    # the marginal rule: with 64 requests, (E + 0.6) / S(T + 1) < E / S(T) since 0.6 / 64 < 1 / 69

@@ -21,9 +21,13 @@ Estimates. a_ij: a per-request exponentially weighted estimate per position, sta
 engine-wide estimate for that position (itself an EWMA, starting from a prior). Exploration: a
 request that gets no draft is never observed, so a low estimate would stick for good although
 the text may have turned repetitive; so a request held at zero drafts for ``probe_after`` steps
-gets one draft (a probe). A probe that fails doubles the wait (up to ``max_probe_after``); one
-that is accepted resets it. The cost of exploring a request whose drafts keep failing is thus at
-most one draft every ``max_probe_after`` steps. Costs (StepCostModel): S(T) and D(n) are tables
+gets one draft (a probe), if a draft accepted with the prior probability (``probe_accept``, the
+optimism of a fresh request) would pay at this step's marginal cost: on a CPU at batch 1 a probe
+costs a few percent of a step and always goes, at batch 64 it costs about what a decode token
+costs and only goes where speculation could pay at all (probing every held request every few
+steps cost 5 % of throughput there). A probe that fails doubles the wait (up to
+``max_probe_after``); one that is accepted resets it. The cost of exploring a request whose
+drafts keep failing is thus at most one draft every ``max_probe_after`` steps. Costs (StepCostModel): S(T) and D(n) are tables
 of exponentially averaged times per token count, interpolated between the counts seen and
 extended beyond them with the slope of a least-squares line through the table (TimeTable). (A single linear fit of step time
 on target and drafted tokens, the first design, cannot separate the two when every step drafts
@@ -206,8 +210,9 @@ class AcceptanceEstimates:
 class GoodputPolicy:
     """What the engine holds: acceptance estimates, the step-cost fit, and the choice."""
 
-    def __init__(self, k: int, probe_after: int = 8, max_probe_after: int = 64):
-        self.acceptance = AcceptanceEstimates(k)
+    def __init__(self, k: int, probe_after: int = 8, max_probe_after: int = 64, prior: float = 0.6):
+        self.acceptance = AcceptanceEstimates(k, prior=prior)
+        self.probe_accept = prior
         self.cost = StepCostModel()
         self.probe_after, self.max_probe_after = probe_after, max_probe_after
         self._wait: dict[int, int] = {}  # core id -> steps held at zero drafts before the next probe
@@ -230,17 +235,33 @@ class GoodputPolicy:
         if not self.cost.ready or len(core_ids) == 0:
             return max_drafts
         accept = np.stack([self.acceptance.of(int(c)) for c in core_ids])
-        chosen = choose_num_drafts(accept, max_drafts, self.cost.step_seconds(base_tokens))
+        seconds = self.cost.step_seconds(base_tokens)
+        chosen = choose_num_drafts(accept, max_drafts, seconds)
+        due = []
         for i, c in enumerate(core_ids):
             c = int(c)
             if chosen[i] or not max_drafts[i]:
                 self._held.pop(c, None)
                 continue
-            held = self._held.get(c, 0) + 1
-            if held >= self._wait.get(c, self.probe_after):
-                chosen[i], held = 1, 0  # a probe: one draft
-            self._held[c] = held
+            self._held[c] = self._held.get(c, 0) + 1
+            if self._held[c] >= self._wait.get(c, self.probe_after):
+                due.append(i)
+        if due:
+            self._probe(due, core_ids, accept, chosen, seconds)
         return chosen
+
+    def _probe(self, due, core_ids, accept, chosen, seconds) -> None:
+        """One draft for each request due a probe while one more draft, accepted with the prior
+        probability, still raises the step's goodput (a held request stays due otherwise)."""
+        emitted = sum(expected_emitted(accept[i], int(d)) for i, d in enumerate(chosen))
+        n = int(chosen.sum())
+        costs = np.asarray(seconds(np.arange(n, n + len(due) + 1)), dtype=np.float64)
+        for j, i in enumerate(due):
+            if (emitted + self.probe_accept) / max(costs[j + 1], 1e-12) < emitted / max(costs[j], 1e-12):
+                break
+            chosen[i] = 1
+            emitted += self.probe_accept
+            self._held[int(core_ids[i])] = 0
 
     def forget(self, core_ids) -> None:
         for c in core_ids:
