@@ -22,14 +22,11 @@ from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
 from specinfer.models.int8_linear import Int8Weight, check_quantization, int8_linear
 from specinfer.models.packed_linear import dense_linear
+from specinfer.models.rms_norm import rms_norm
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
 
 
-def _rms_norm_fallback(x, shape, weight, eps):  # torch < 2.4 has no F.rms_norm
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
-_rms_norm = getattr(F, "rms_norm", _rms_norm_fallback)
+_rms_norm = rms_norm
 
 
 def _param(*shape: int, dtype, device) -> nn.Parameter:

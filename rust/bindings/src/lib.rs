@@ -7,6 +7,7 @@
 
 mod cpu_attention;
 mod cpu_linear;
+mod cpu_norm;
 
 use std::sync::{Arc, Mutex};
 
@@ -513,6 +514,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<UpdateOutput>()?;
     cpu_attention::register(m)?;
     cpu_linear::register(m)?;
+    cpu_norm::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
