@@ -30,7 +30,9 @@ def tiny(tiny_dir):
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    gen = Generator(tiny, speculative={"method": "ngram", "num_speculative_tokens": 3}, **ENGINE_KW)
+    # policy "fixed": the metrics tests count drafts of short requests (the goodput policy may draft none)
+    gen = Generator(tiny, speculative={"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"},
+                    **ENGINE_KW)
     srv = start_server(gen.engine, ServeConfig(MODEL, max_requests_in_flight=CAPACITY))
     yield srv
     srv.stop()

@@ -30,7 +30,7 @@ HEADS = {
 def test_tp2_head_equals_tp1(tiny_dir, tmp_path, case):
     model_kw, method, write = HEADS[case]
     target = tiny_dir("llama", False, **model_kw)[0]
-    spec = {"method": method, "model": str(write(tmp_path / "head", target)), "num_speculative_tokens": 3}
+    spec = {"method": method, "model": str(write(tmp_path / "head", target)), "num_speculative_tokens": 3, "policy": "fixed"}
     tp1, tp2 = run(target, 1, spec), run(target, 2, spec)
     check_same(tp1, tp2)
     if case != "eagle3_truncated":  # a random EAGLE-3 head rarely agrees with the tiny target
@@ -59,7 +59,7 @@ def test_tp2_heads_keep_only_their_shard(tiny_dir, tmp_path):
     target = tiny_dir("llama", False)[0]
     medusa = hc.medusa_vllm(tmp_path / "m", target, num_heads=3, truncated=97)
     gen = Generator(str(target), tensor_parallel_size=2, distributed_timeout_s=60, **SETTINGS,
-                    speculative={"method": "medusa", "model": str(medusa), "num_speculative_tokens": 3})
+                    speculative={"method": "medusa", "model": str(medusa), "num_speculative_tokens": 3, "policy": "fixed"})
     try:
         heads = gen.engine.proposer.head.lm_heads
         assert [tuple(h.shape) for h in heads] == [(49, 64)] * 3
@@ -67,7 +67,7 @@ def test_tp2_heads_keep_only_their_shard(tiny_dir, tmp_path):
         gen.close()
     eagle = hc.eagle1(tmp_path / "e", target, embed=True)
     gen = Generator(str(target), tensor_parallel_size=2, distributed_timeout_s=60, **SETTINGS,
-                    speculative={"method": "eagle", "model": str(eagle), "num_speculative_tokens": 3})
+                    speculative={"method": "eagle", "model": str(eagle), "num_speculative_tokens": 3, "policy": "fixed"})
     try:
         draft = gen.engine.proposer.draft
         assert draft.num_kv_heads == 1 and draft.kv_caches[0].shape[3] == 1
