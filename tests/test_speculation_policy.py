@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specinfer.spec_decode.policy import (GoodputPolicy, AcceptanceEstimates, StepCostModel, choose_num_drafts,
-                                          expected_emitted, linear_cost)
+                                          drafts_that_shorten_the_run, expected_emitted, linear_cost)
 
 
 def brute_force(accept, max_drafts, seconds):
@@ -268,7 +268,7 @@ def test_an_engine_with_no_policy_flag_chooses_drafts_for_goodput(target_and_dra
     pol.cost.min_steps = 2
     chosen = []
     choose = pol.num_drafts
-    pol.num_drafts = lambda ids, md, base: chosen.append(choose(ids, md, base)) or chosen[-1]
+    pol.num_drafts = lambda *a: chosen.append(choose(*a)) or chosen[-1]
     assert [o.token_ids for o in gen.generate(prompts, params, use_tqdm=False)] == want
     assert chosen and pol.cost.num_steps > 0
     fixed = Generator(str(target), block_size=4, speculative={**spec, "policy": "fixed"})
@@ -298,3 +298,53 @@ def test_probes_go_where_a_draft_is_cheap_and_wait_where_it_costs_a_token():
     probes = sum(int(one.num_drafts([0], np.array([4]), 1).sum()) for _ in range(10))
     assert probes >= 3  # probed every other step, the failures not reported here
     # the marginal rule: with 64 requests, (E + 0.6) / S(T + 1) < E / S(T) since 0.6 / 64 < 1 / 69
+
+
+# --- a whole batch: drafts only where they can shorten the run ------------------------------
+
+def test_in_a_whole_batch_only_requests_that_would_finish_last_keep_drafts():
+    """Projected end M = max(horizon, max tokens_left / E(d)): a request that finishes within M
+    at one token per step loses its drafts; the one that sets M keeps them."""
+    accept = np.full((3, 4), 0.9)
+    chosen = np.array([4, 4, 0])
+    # request 2 drafts nothing and has 40 tokens left: the run takes >= 40 steps, so request 0
+    # (20 left) and request 1 (40 left) finish in time at one token per step
+    assert drafts_that_shorten_the_run(accept, chosen, np.array([20, 40, 40])).tolist() == [0, 0, 0]
+    # request 1 has 100 left: it sets the end (100 / E(4) < 100) and keeps its drafts
+    assert drafts_that_shorten_the_run(accept, chosen, np.array([20, 100, 40])).tolist() == [0, 4, 0]
+    # a lone request keeps its drafts; a request not chosen for (horizon) sets the end as well
+    assert drafts_that_shorten_the_run(accept[:1], np.array([4]), np.array([30])).tolist() == [4]
+    assert drafts_that_shorten_the_run(accept[:1], np.array([4]), np.array([30]), horizon=30).tolist() == [0]
+    # every request drafting at the same rate from the same start: all keep their drafts
+    assert drafts_that_shorten_the_run(accept, np.array([4, 4, 4]), np.array([48, 48, 48])).tolist() == [4, 4, 4]
+
+
+def test_generate_tells_the_policy_tokens_left_and_stream_and_waiting_requests_do_not(target_and_draft):
+    """Generator.generate marks its requests as a whole batch: while all of them run and none
+    waits, the policy is given each request's tokens left; stream() and a queue of waiting
+    requests (max_num_seqs below the batch) give it none. Greedy output stays exact."""
+    from specinfer import Generator, SamplingParams
+
+    target, draft = target_and_draft
+    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in (6, 30, 12)]
+    prompts = _prompts(3)
+    want = [o.token_ids for o in Generator(str(target), block_size=4).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    seen = {}
+    for name, kw in (("whole", {}), ("queued", {"max_num_seqs": 2})):
+        gen = Generator(str(target), block_size=4, speculative=spec, **kw)
+        pol = gen.engine.policy
+        pol.cost.min_steps = 2
+        calls = []
+        choose = pol.num_drafts
+        pol.num_drafts = lambda *a: calls.append(a) or choose(*a)
+        assert [o.token_ids for o in gen.generate(prompts, params, use_tqdm=False)] == want
+        seen[name] = [a[3] for a in calls]
+        n = len(calls)
+        got = [o.token_ids for o in gen.stream(prompts, params) if o.finished]
+        assert sorted(got) == sorted(want)
+        assert all(a[3] is None for a in calls[n:])  # streamed: every request's progress counts
+    assert seen["whole"] and all(left is not None for left in seen["whole"])
+    lefts = [left for left in seen["whole"] if len(left)]
+    assert lefts and max(int(left.max()) for left in lefts) <= 30
+    assert any(left is None for left in seen["queued"])  # while the third prompt waited

@@ -96,7 +96,7 @@ class Generator:
                     with self._mail_lock:
                         self._mailboxes[name] = deque()
                     names.append(name)
-                    self.engine.add_request(name, p, sp, prompt_token_ids=ids, stream=stream)
+                    self.engine.add_request(name, p, sp, prompt_token_ids=ids, stream=stream, whole_batch=not stream)
             except BaseException:
                 self._abort(names)
                 raise

@@ -221,11 +221,15 @@ class LLMEngine:
         return self.tokenizer.encode(text).ids  # the loader makes encode add BOS iff the model wants it
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None, stream: bool = False) -> None:
+                    prompt_token_ids: list[int] | None = None, stream: bool = False,
+                    whole_batch: bool = False) -> None:
         """Validate and queue one request. `prompt_token_ids`, when given, is what runs (`prompt` is
         then only echoed back); it is validated like a token-id prompt. Raises ValueError naming the
         field; on any error nothing of the request is left behind. With stream=True,
-        step(final_only=True) still returns its intermediate outputs (deltas since its last one)."""
+        step(final_only=True) still returns its intermediate outputs (deltas since its last one).
+        whole_batch=True says the caller waits for all its requests together (Generator.generate):
+        while every running request says so and none waits, the speculation policy drafts only
+        where drafts can shorten the run (spec_decode/policy.py)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str (got {type(request_id).__name__})")
@@ -244,7 +248,8 @@ class LLMEngine:
             # request it cannot map, and a refusal by the core leaves nothing behind
             st = RequestState(request_id, core_id, prompt if isinstance(prompt, str) else None, ids, params,
                               IncrementalDetokenizer(self.tokenizer, params.stop), seed,
-                              logprobs=[] if params.logprobs is not None else None, stream=stream)
+                              logprobs=[] if params.logprobs is not None else None, stream=stream,
+                              whole_batch=whole_batch)
             self._requests[core_id] = st
             self._by_name[request_id] = core_id
             eos = list(self.loaded.eos_token_ids)

@@ -40,6 +40,20 @@ def draft_budgets(engine, states) -> np.ndarray:
     return out
 
 
+def whole_batch_tokens_left(engine, states, alive) -> np.ndarray | None:
+    """int64[R] the most tokens each request may still emit, when the run ends with its last
+    request: every request was added by a caller that waits for its whole batch
+    (Generator.generate) and none waits for a slot; else None (a finished request's slot is
+    refilled, so every request's progress counts)."""
+    if engine.core.num_waiting() or engine.core.num_running() != int(alive.sum()):
+        return None
+    if not all(st.whole_batch for st in states):
+        return None
+    return np.array([0 if st.finished else max(0, min(st.params.max_tokens - len(st.output_token_ids),
+                                                      engine.max_model_len - st.num_tokens))
+                     for st in states], dtype=np.int64)
+
+
 def propose_next_step(engine, sched, states, emitted, hidden) -> None:
     R = len(states)
     kept = spend_verified_drafts(engine._draft_probs, states, emitted)
@@ -59,7 +73,14 @@ def propose_next_step(engine, sched, states, emitted, hidden) -> None:
     speculate = sampled & wants & ~kept & (max_drafts > 0)
     if engine.policy is not None:  # unseeded requests: drafts chosen for goodput (seeded keep k)
         free = np.flatnonzero(speculate & np.array([st.params.seed is None for st in states], dtype=bool))
-        chosen = engine.policy.num_drafts([states[r].core_id for r in free], max_drafts[free], int(alive.sum()))
+        left = whole_batch_tokens_left(engine, states, alive)
+        horizon = 0.0
+        if left is not None:
+            others = np.ones(R, dtype=bool)
+            others[free] = False
+            horizon = float(left[others].max()) if others.any() else 0.0
+        chosen = engine.policy.num_drafts([states[r].core_id for r in free], max_drafts[free], int(alive.sum()),
+                                          None if left is None else left[free], horizon)
         max_drafts[free] = chosen
         speculate &= max_drafts > 0
     num_scheduled = np.asarray(sched.num_scheduled_tokens, np.int64)

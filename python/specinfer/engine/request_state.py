@@ -27,6 +27,7 @@ class RequestState:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     stream: bool = False  # intermediate outputs wanted (deltas since the last output)
+    whole_batch: bool = False  # its caller waits for its whole batch (the speculation policy may use it)
     # the delta since the last output, for streaming
     new_token_ids: list[int] = field(default_factory=list)
     num_text_sent: int = 0  # characters of text already handed out in outputs

@@ -35,6 +35,18 @@ k: it then put most of the cost on drafting and stopped speculating where it pai
 enough steps are measured the policy uses the configured k. The engine uses it with
 ``speculative={"policy": "goodput"}``; seeded requests keep the configured k (their tokens must
 not depend on timing).
+
+Whole batches. Goodput per step is the right value where a finished request's slot is refilled
+(a server, or a queue of waiting requests). When the caller waits for a whole batch
+(``Generator.generate``) and nothing is waiting, the run ends when its last request does: a
+request that finishes early saves nothing unless it was the last, so its accepted drafts buy
+nothing and its rejected ones cost target tokens (measured at batch 64 on CPU: 2362 drafts, 52
+steps against 53 without speculation, 0.93x). There the policy is told each request's tokens
+left (R_r, an upper bound: EOS may come first) and projects the run's length in steps as
+M = max_r R_r / E_r(d_r) (E_r: the expected tokens per step of the drafts chosen; 1 with none,
+and for requests it does not choose for); a request that would finish within M even at one
+token per step (R_r <= M) gets no drafts (``drafts_that_shorten_the_run``). The request that
+sets M keeps its drafts, so a lone request (batch 1, the tail of a batch) drafts as before.
 """
 from __future__ import annotations
 
@@ -83,6 +95,22 @@ def choose_num_drafts(
     best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-12))[0])  # fewest drafts among ties
     np.add.at(d, np.asarray(order[:best], dtype=np.int64), 1)
     return d
+
+
+def drafts_that_shorten_the_run(accept: np.ndarray, chosen: np.ndarray, tokens_left: np.ndarray,
+                                horizon: float = 0.0) -> np.ndarray:
+    """For a batch whose caller waits for its last request: keep a request's drafts only if
+    without them it would finish after the run's projected end, M = max(horizon,
+    max_r tokens_left_r / E_r(chosen_r)) steps (horizon: the steps of the requests not chosen
+    for, at one token per step). Returns a copy of `chosen`."""
+    out = np.asarray(chosen, dtype=np.int64).copy()
+    if len(out) == 0:
+        return out
+    left = np.asarray(tokens_left, dtype=np.float64)
+    rate = np.array([expected_emitted(accept[i], int(d)) for i, d in enumerate(out)])
+    end = max(float(horizon), float((left / rate).max()))
+    out[left <= end] = 0
+    return out
 
 
 class TimeTable:
@@ -230,10 +258,18 @@ class GoodputPolicy:
                      draft_seconds: float) -> None:
         self.cost.record(target_tokens, target_seconds, draft_tokens, draft_seconds)
 
-    def num_drafts(self, core_ids, max_drafts: np.ndarray, base_tokens: int) -> np.ndarray:
-        """Drafts per request (at most max_drafts); max_drafts itself until costs are known."""
-        if not self.cost.ready or len(core_ids) == 0:
+    def num_drafts(self, core_ids, max_drafts: np.ndarray, base_tokens: int,
+                   tokens_left: np.ndarray | None = None, horizon: float = 0.0) -> np.ndarray:
+        """Drafts per request (at most max_drafts); max_drafts itself until costs are known.
+        With `tokens_left` (a whole batch, nothing waiting; see the module doc) only drafts that
+        can shorten the run are kept; `horizon`: the steps left of the requests not chosen for."""
+        if len(core_ids) == 0:
             return max_drafts
+        if not self.cost.ready:
+            if tokens_left is None:
+                return max_drafts
+            accept = np.stack([self.acceptance.of(int(c)) for c in core_ids])
+            return drafts_that_shorten_the_run(accept, max_drafts, tokens_left, horizon)
         accept = np.stack([self.acceptance.of(int(c)) for c in core_ids])
         seconds = self.cost.step_seconds(base_tokens)
         chosen = choose_num_drafts(accept, max_drafts, seconds)
@@ -248,6 +284,8 @@ class GoodputPolicy:
                 due.append(i)
         if due:
             self._probe(due, core_ids, accept, chosen, seconds)
+        if tokens_left is not None:
+            chosen = drafts_that_shorten_the_run(accept, chosen, tokens_left, horizon)
         return chosen
 
     def _probe(self, due, core_ids, accept, chosen, seconds) -> None:
