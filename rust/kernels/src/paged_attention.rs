@@ -605,7 +605,12 @@ unsafe fn item_avx2<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn item_avx512<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
-    attend::<E, Avx512>(ctx, it, out)
+    match few_rows::vectors_per_row(ctx, it) {
+        Some(2) => few_rows::attend_few_rows::<E, 2>(ctx, it, out),
+        Some(4) => few_rows::attend_few_rows::<E, 4>(ctx, it, out),
+        Some(8) => few_rows::attend_few_rows::<E, 8>(ctx, it, out),
+        _ => attend::<E, Avx512>(ctx, it, out),
+    }
 }
 
 /// One item: online softmax over key chunks. Rows r = i * group + j (query token i of the
@@ -997,6 +1002,10 @@ unsafe fn pv_axpy<L: Lanes>(
         }
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+#[path = "paged_attention_few_rows.rs"]
+mod few_rows;
 
 #[cfg(test)]
 #[path = "paged_attention_tests.rs"]

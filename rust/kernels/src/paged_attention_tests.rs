@@ -622,3 +622,30 @@ fn bad_tree_masks_are_refused_naming_the_field() {
     layout.set_tree_masks(vec![0, 0], vec![-5]).unwrap(); // no tree token: tree_start unread
     assert!(layout.tree.is_none());
 }
+
+/// Items of fewer than 8 query rows (decodes and runs of 2-3 tokens with GQA groups of 1-3)
+/// at head dims 32 / 64 / 128 take the AVX-512 few-rows path where the CPU has it: contexts
+/// across key-chunk boundaries (31, 32, 33, 100 keys), block sizes 1 and 16, rows of one item
+/// with different causal limits.
+#[test]
+fn few_row_items_match_dense_oracle() {
+    const FEW: &[(usize, usize)] = &[
+        (30, 1),
+        (31, 1),
+        (32, 1),
+        (99, 1),
+        (30, 2),
+        (31, 3),
+        (0, 2),
+        (64, 3),
+    ];
+    for isa in Isa::supported() {
+        for d in [32, 64, 128] {
+            for bs in [1, 16] {
+                for (h, hkv) in [(2, 2), (4, 2), (6, 2), (9, 3)] {
+                    check_f32(FEW, bs, h, hkv, d, isa, 1);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! The AVX-512 path of the paged-attention kernel for items of few query rows (a decode's GQA
+//! group, short verification runs: fewer than half a vector of rows) with head_dim 32, 64 or
+//! 128 and no tree mask. The general per-row path (`attend_item`) spent about 170 cycles per
+//! key and kv head on a bf16 batch-16 decode (a horizontal sum per score, the accumulators
+//! loaded and stored once per key): here a chunk's K and V rows are converted to f32 once, the
+//! scores of 16 keys are summed into one vector by a transpose-reduction, and each row's
+//! accumulator stays in registers across the chunk. Same rows, masks and online softmax as
+//! `attend_item`; f32 arithmetic.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::{chunk_offsets, exp_shifted, Ctx, Item, OutPtr, KEY_CHUNK};
+use crate::elem::Elem;
+use crate::simd::Avx512;
+
+/// Items with fewer rows than this take the path (2 * rows < 16 lanes, as in `attend`).
+pub(super) const MAX_ROWS: usize = 8;
+const MAX_DIM: usize = 128;
+
+/// Whether this path takes the item: Some(vectors per head row) or None.
+pub(super) fn vectors_per_row<E>(ctx: &Ctx<'_, E>, it: &Item) -> Option<usize> {
+    let rows = (it.q1 - it.q0) * ctx.group;
+    if rows >= MAX_ROWS || rows == 0 {
+        return None;
+    }
+    if let Some(tree) = ctx.layout.tree.as_ref() {
+        if tree.has_tree[it.seq] {
+            return None;
+        }
+    }
+    match ctx.geo.head_dim {
+        32 => Some(2),
+        64 => Some(4),
+        128 => Some(8),
+        _ => None,
+    }
+}
+
+/// lane j of the result = the sum of the 16 lanes of v[j].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose_sum(v: &[__m512; 16]) -> __m512 {
+    // pairs: per 128-bit lane (a0+a2, b0+b2, a1+a3, b1+b3)
+    let mut w = [_mm512_setzero_ps(); 8];
+    for j in 0..8 {
+        let (a, b) = (v[2 * j], v[2 * j + 1]);
+        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    }
+    // quads: per 128-bit lane the lane's sums of four consecutive inputs
+    let mut u = [_mm512_setzero_ps(); 4];
+    for j in 0..4 {
+        let (a, b) = (w[2 * j], w[2 * j + 1]);
+        u[j] = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(a, b),
+            _mm512_shuffle_ps::<0xEE>(a, b),
+        );
+    }
+    // across the four 128-bit lanes
+    let a = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x44>(u[0], u[1]),
+        _mm512_shuffle_f32x4::<0xEE>(u[0], u[1]),
+    );
+    let b = _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x44>(u[2], u[3]),
+        _mm512_shuffle_f32x4::<0xEE>(u[2], u[3]),
+    );
+    _mm512_add_ps(
+        _mm512_shuffle_f32x4::<0x88>(a, b),
+        _mm512_shuffle_f32x4::<0xDD>(a, b),
+    )
+}
+
+thread_local! {
+    static CHUNK_BUFFER: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// This thread's scratch of at least `len` f32s (zeroed once when it grows, not per item).
+/// Valid until the thread's next call; an item runs start to end on one thread.
+fn chunk_buffer(len: usize) -> *mut f32 {
+    CHUNK_BUFFER.with(|b| {
+        let mut v = b.borrow_mut();
+        if v.len() < len {
+            v.resize(len, 0.0);
+        }
+        v.as_mut_ptr()
+    })
+}
+
+/// The largest of at most 32 scores (NaN-free: finite scores and -inf).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn row_max(x: &[f32]) -> f32 {
+    let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut m = ninf;
+    for c0 in (0..x.len()).step_by(16) {
+        let rest = (x.len() - c0).min(16);
+        let mask = ((1u32 << rest) - 1) as __mmask16;
+        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(ninf, mask, x.as_ptr().add(c0)));
+    }
+    _mm512_reduce_max_ps(m)
+}
+
+/// One item (see the module doc); NV = head_dim / 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize>(
+    ctx: &Ctx<'_, E>,
+    it: &Item,
+    out: OutPtr<E>,
+) {
+    let d = NV * 16;
+    let (g, hkv, bs) = (ctx.group, ctx.geo.num_kv_heads, ctx.geo.block_size);
+    let lay = ctx.layout;
+    let start = lay.query_start_loc[it.seq] as usize;
+    let n = lay.query_start_loc[it.seq + 1] as usize - start;
+    let context_start = lay.seq_lens[it.seq] as usize - n;
+    let table = &lay.block_table[it.seq * lay.table_width..(it.seq + 1) * lay.table_width];
+    let rows = (it.q1 - it.q0) * g;
+    let mut scratch = [0.0f32; MAX_DIM];
+    let mut q = [[_mm512_setzero_ps(); NV]; MAX_ROWS]; // scaled queries
+    let mut limit = [0usize; MAX_ROWS]; // last key each row sees
+    let scale = _mm512_set1_ps(ctx.scale);
+    for i in 0..it.q1 - it.q0 {
+        for j in 0..g {
+            let r = i * g + j;
+            let src = E::row(
+                ctx.q.row(start + it.q0 + i, it.kv_head * g + j),
+                &mut scratch[..d],
+            );
+            for (v, reg) in q[r].iter_mut().enumerate() {
+                *reg = _mm512_mul_ps(scale, _mm512_loadu_ps(src.as_ptr().add(16 * v)));
+            }
+            limit[r] = context_start + it.q0 + i;
+        }
+    }
+    let first_limit = context_start + it.q0;
+    let num_keys = context_start + it.q1;
+    let mut acc = [[_mm512_setzero_ps(); NV]; MAX_ROWS];
+    let mut run_max = [f32::NEG_INFINITY; MAX_ROWS];
+    let mut run_sum = [0.0f32; MAX_ROWS];
+    let mut p = [[0.0f32; KEY_CHUNK]; MAX_ROWS]; // scores, then probabilities
+                                                 // a chunk's K and V rows as f32 (non-f32 caches): [2, KEY_CHUNK, d], this thread's buffer
+    let buf = std::slice::from_raw_parts_mut(chunk_buffer(2 * KEY_CHUNK * d), 2 * KEY_CHUNK * d);
+    let (kbuf, vbuf) = buf.split_at_mut(KEY_CHUNK * d);
+    let mut krows = [std::ptr::null::<f32>(); KEY_CHUNK];
+    let mut vrows = [std::ptr::null::<f32>(); KEY_CHUNK];
+    let mut offsets = [0usize; KEY_CHUNK];
+    let mut next = [0usize; KEY_CHUNK];
+    let line_elems = (64 / std::mem::size_of::<E>()).max(1); // elements per cache line
+    chunk_offsets(
+        &mut next[..KEY_CHUNK.min(num_keys)],
+        table,
+        0,
+        bs,
+        hkv,
+        it.kv_head,
+        d,
+    );
+    for k0 in (0..num_keys).step_by(KEY_CHUNK) {
+        let kn = KEY_CHUNK.min(num_keys - k0);
+        offsets[..kn].copy_from_slice(&next[..kn]);
+        // the next chunk's rows are fetched while this one is computed (blocks are scattered
+        // over the pool, which the hardware prefetcher does not follow)
+        let k1 = k0 + KEY_CHUNK;
+        if k1 < num_keys {
+            let kn1 = KEY_CHUNK.min(num_keys - k1);
+            chunk_offsets(&mut next[..kn1], table, k1, bs, hkv, it.kv_head, d);
+            for &off in &next[..kn1] {
+                for e in (0..d).step_by(line_elems) {
+                    _mm_prefetch::<_MM_HINT_T1>(ctx.k_cache.as_ptr().add(off + e) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(ctx.v_cache.as_ptr().add(off + e) as *const i8);
+                }
+            }
+        }
+        for c in 0..kn {
+            let off = offsets[c];
+            let slot = c * d..(c + 1) * d;
+            krows[c] = E::row(&ctx.k_cache[off..off + d], &mut kbuf[slot.clone()]).as_ptr();
+            vrows[c] = E::row(&ctx.v_cache[off..off + d], &mut vbuf[slot]).as_ptr();
+        }
+        // scores, 16 keys at a time per row
+        for r in 0..rows {
+            let qr = &q[r];
+            for c0 in (0..kn).step_by(16) {
+                let m = 16.min(kn - c0);
+                let mut t = [_mm512_setzero_ps(); 16];
+                for (c, tc) in t.iter_mut().enumerate().take(m) {
+                    let kp = krows[c0 + c];
+                    let mut s = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kp));
+                    for (v, qv) in qr.iter().enumerate().skip(1) {
+                        s = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kp.add(16 * v)), s);
+                    }
+                    *tc = s;
+                }
+                _mm512_storeu_ps(p[r].as_mut_ptr().add(c0), transpose_sum(&t));
+            }
+        }
+        if k0 + kn - 1 > first_limit {
+            for (r, pr) in p.iter_mut().enumerate().take(rows) {
+                for (c, x) in pr.iter_mut().enumerate().take(kn) {
+                    if k0 + c > limit[r] {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        // online softmax and P V per row, the row's accumulator in registers
+        for r in 0..rows {
+            let pr = &mut p[r][..kn];
+            let chunk_max = row_max(pr);
+            if chunk_max == f32::NEG_INFINITY {
+                continue; // every key of the chunk is in this row's future
+            }
+            let mut a = acc[r];
+            let new_max = run_max[r].max(chunk_max);
+            if new_max > run_max[r] && run_sum[r] > 0.0 {
+                let correction = (run_max[r] - new_max).exp();
+                run_sum[r] *= correction;
+                let cv = _mm512_set1_ps(correction);
+                for reg in a.iter_mut() {
+                    *reg = _mm512_mul_ps(*reg, cv);
+                }
+            }
+            run_max[r] = new_max;
+            run_sum[r] += exp_shifted::<Avx512>(pr, new_max); // masked: exp(-inf) = 0
+            for (c, &w) in pr.iter().enumerate() {
+                let (wv, vp) = (_mm512_set1_ps(w), vrows[c]);
+                for (v, reg) in a.iter_mut().enumerate() {
+                    *reg = _mm512_fmadd_ps(wv, _mm512_loadu_ps(vp.add(16 * v)), *reg);
+                }
+            }
+            acc[r] = a;
+        }
+    }
+    let h = ctx.geo.num_heads;
+    for i in 0..it.q1 - it.q0 {
+        for j in 0..g {
+            let r = i * g + j;
+            let inv = _mm512_set1_ps(1.0 / run_sum[r]); // > 0: key 0 is visible to every row
+            for (v, reg) in acc[r].iter().enumerate() {
+                _mm512_storeu_ps(scratch.as_mut_ptr().add(16 * v), _mm512_mul_ps(*reg, inv));
+            }
+            let dst = out
+                .0
+                .add(((start + it.q0 + i) * h + it.kv_head * g + j) * d);
+            for (e, &x) in scratch[..d].iter().enumerate() {
+                *dst.add(e) = E::from_f32(x);
+            }
+        }
+    }
+}
