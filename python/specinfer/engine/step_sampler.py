@@ -24,6 +24,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from specinfer.sample.argmax import argmax_last
 from specinfer.sample import (LogprobsTensors, RandomStreams, Sampler, SamplingMetadata, compute_logprobs,
                               probs_from_logits, rejection_sample)
 from specinfer.sample.tree_layout import is_chain_request, node_depths
@@ -126,7 +127,7 @@ class StepSampler:
         tree_paths = {}
         if num_draft.sum() == 0:
             if all(st.params.temperature == 0.0 for st in s_states):
-                tokens = logits.argmax(dim=-1)  # all greedy: nothing else to do
+                tokens = argmax_last(logits)  # all greedy: nothing else to do
             else:
                 tokens = self.sampler(logits, sampling_metadata(s_states, device=logits.device)).token_ids
             counts = np.ones(len(sampling), dtype=np.int32)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .argmax import argmax_last
 from .metadata import SamplingMetadata
 
 
@@ -98,7 +99,7 @@ def probs_from_logits(
     meta: SamplingMetadata,
 ) -> torch.Tensor:  # float32/float64[L, V]; greedy rows one-hot at the raw-logits argmax
     """The distribution each row samples from (target and draft alike)."""
-    argmax = logits.argmax(dim=-1)  # [L]
+    argmax = argmax_last(logits)  # [L]
     dtype = _working_dtype(logits)
     if meta.all_greedy:
         return torch.nn.functional.one_hot(argmax, logits.shape[-1]).to(dtype)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from .argmax import argmax_last
 from .draft_layout import DraftLayout
 from .random_streams import ACCEPT, SAMPLE, RandomStreams, sample_from_weights
 
@@ -95,7 +96,7 @@ def rejection_sample(
     device = target_probs.device
     is_greedy = is_greedy.to(device)
     all_greedy = bool(is_greedy.all())
-    target_argmax = target_probs.argmax(dim=-1)  # [N + B]
+    target_argmax = argmax_last(target_probs)  # [N + B]
 
     # Acceptance, greedy requests: exact match with the target argmax.
     accept = layout.draft_tokens == target_argmax[layout.target_index]  # [R, max_k]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .argmax import argmax_last
 from .logits_processor import probs_from_logits
 from .metadata import SamplingMetadata
 from .random_streams import SAMPLE, sample_from_weights
@@ -35,7 +36,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(
                 f"logits has shape {tuple(logits.shape)}, expected [{meta.num_rows}, vocab]")
-        token_ids = logits.argmax(dim=-1)  # greedy rows are done
+        token_ids = argmax_last(logits)  # greedy rows are done
         if not meta.all_greedy:
             if meta.streams is None:
                 raise ValueError("streams: rows with temperature > 0 need random streams")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .argmax import argmax_last
 from .draft_layout import DraftLayout
 from .random_streams import SAMPLE, RandomStreams, sample_from_weights
 
@@ -45,7 +46,7 @@ def typical_acceptance_sample(
                                is_greedy, len(streams), has_bonus)
     device = target_probs.device
     is_greedy = is_greedy.to(device)
-    target_argmax = target_probs.argmax(dim=-1)  # [N + R]
+    target_argmax = argmax_last(target_probs)  # [N + R]
 
     rows = target_probs[layout.target_index]  # [R, max_k, V]
     threshold = torch.clamp(
