@@ -49,3 +49,21 @@ def test_a_bad_dtype_reaching_the_kernel_is_a_value_error():
     x = torch.zeros(2, 4)
     with pytest.raises(ValueError, match="dtype"):
         kernel(x.data_ptr(), 2, 4, x.data_ptr(), 1e-5, x.data_ptr(), "float16", 1)
+
+
+def test_float32_inference_takes_the_kernel_within_a_few_ulps_of_torch():
+    """Float32 without autograd runs the one-pass kernel (torch's CPU rms_norm takes several
+    passes): within a few float32 ulps of torch, across shapes and thread counts."""
+    from unittest import mock
+
+    import specinfer.models.rms_norm as mod
+
+    g = torch.Generator().manual_seed(0)
+    for rows, dim in ((1, 576), (16, 576), (300, 64), (7, 17)):
+        x = torch.randn(rows, dim, generator=g) * 3
+        w = torch.randn(dim, generator=g)
+        with mock.patch.object(mod, "_torch_rms_norm", side_effect=AssertionError("torch path taken")):
+            got = rms_norm(x, (dim,), w, 1e-5)
+        want = F.rms_norm(x, (dim,), w, 1e-5)
+        assert got.dtype == torch.float32
+        assert torch.allclose(got, want, rtol=4e-6, atol=1e-6), (rows, dim, (got - want).abs().max())
