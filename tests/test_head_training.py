@@ -23,7 +23,8 @@ def setup(tiny_dir):
 
 def _acceptance(target, head, prompts):
     gen = Generator(str(target), max_model_len=256, num_kv_blocks=128,
-                    speculative={"method": "mlp_speculator", "model": str(head), "num_speculative_tokens": 4})
+                    speculative={"method": "mlp_speculator", "model": str(head), "num_speculative_tokens": 4,
+                                 "policy": "fixed"})  # every request drafts k: acceptance over all of them
     gen.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0), use_tqdm=False)
     return gen.spec_metrics()["acceptance_rate"]
 

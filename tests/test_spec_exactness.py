@@ -116,7 +116,8 @@ def test_disable_by_batch_size(models, reference):
     run, and exactly the same drafts when fewer than 4 requests ever run."""
     target, _ = models
     prompts, want = reference
-    base = {"method": "ngram", "num_speculative_tokens": 3}
+    # policy fixed: with the default one, a whole batch drafts only where drafts can shorten it
+    base = {"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"}
     # staggered lengths: requests finish one by one, so speculation resumes once < 4 remain
     params = [SamplingParams(max_tokens=4 + 2 * i, temperature=0.0) for i in range(8)]
 
