@@ -6,6 +6,20 @@
 //! ([`Isa::detect`], `is_x86_feature_detected!`). [`Scalar`] is the portable fallback (and the
 //! path on non-x86 targets); LLVM still auto-vectorizes it for the baseline ISA.
 
+/// Hint the cache to fetch the line holding `p` into L2 (a no-op off x86-64). Never faults, so
+/// `p` may point past the end of a buffer (build it with `wrapping_add`).
+#[inline(always)]
+pub fn prefetch_l2(p: *const i8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch hint reads nothing architecturally and cannot fault.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        _mm_prefetch::<_MM_HINT_T1>(p)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// The instruction set a kernel call runs with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Isa {
