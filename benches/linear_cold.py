@@ -1,10 +1,10 @@
 """GEMM weights streamed cold, as a decode step reads them: every linear of SmolLM2-135M's 30 layers
 (q|k|v 576->960, o 576->576, gate|up 576->3072, down 1536->576; 106 M weights, more than the L2
 holds) run back to back at M activation rows, per weight form: int8 (our kernel), oneDNN-packed
-fp32 and bf16 (what the engine runs for those dtypes). Forms are interleaved per repeat; prints
+fp32 and bf16, plain bf16 and fp32 through our few-rows kernel (models/few_rows_linear.py). Forms are interleaved per repeat; prints
 each form's median time per pass over all layers and the weight bytes streamed per second.
 
-    python benches/linear_cold.py --rows 1 5 16 --repeats 7 --threads 1 [--forms int8 bf16 fp32]
+    python benches/linear_cold.py --rows 1 5 16 --repeats 7 --threads 1 [--forms int8 bf16 ...]
 """
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import time
 
 import torch
 
+from specinfer.models.few_rows_linear import few_rows_linear
 from specinfer.models.int8_linear import Int8Weight, int8_linear
 from specinfer.models.packed_linear import pack_weight, packed_linear, packing_supported
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's GEMMs
 LAYERS = 30
+FORMS = ["int8", "bf16", "fp32", "bf16-kernel", "fp32-kernel"]
 
 
 def build(form: str):
@@ -32,6 +34,10 @@ def build(form: str):
                 w = Int8Weight(n, k)
                 w.load(None, dense)
                 nbytes += w.nbytes
+            elif form.endswith("-kernel"):  # plain dense weights through our few-rows kernel
+                dtype = torch.bfloat16 if form.startswith("bf16") else torch.float32
+                w = dense.to(dtype).contiguous()
+                nbytes += w.numel() * w.element_size()
             else:
                 dtype = torch.bfloat16 if form == "bf16" else torch.float32
                 if not packing_supported(dtype):
@@ -41,13 +47,15 @@ def build(form: str):
             weights.append((w, k))
     if form == "int8":
         return weights, int8_linear, nbytes, torch.float32
+    if form.endswith("-kernel"):
+        return weights, few_rows_linear, nbytes, torch.bfloat16 if form.startswith("bf16") else torch.float32
     return weights, packed_linear, nbytes, torch.bfloat16 if form == "bf16" else torch.float32
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 16])
-    ap.add_argument("--forms", nargs="+", default=["int8", "bf16", "fp32"], choices=["int8", "bf16", "fp32"])
+    ap.add_argument("--forms", nargs="+", default=FORMS, choices=FORMS)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""The CPU platform: the Rust paged-attention kernel (cpu_native), fp32, host memory, oneDNN-packed GEMMs."""
+"""The CPU platform: the Rust paged-attention kernel (cpu_native), fp32, host memory, few-rows / oneDNN GEMMs."""
 from __future__ import annotations
 
 import os
@@ -26,13 +26,20 @@ class CpuPlatform(Platform):
         return name
 
     def prepare_model(self, model) -> None:
-        """Pre-pack GEMM weights for oneDNN (MKL's small-M sgemm is slow on non-Intel CPUs;
-        packed oneDNN keeps decode and verification GEMMs fast)."""
+        """Choose how GEMMs run. float32 (with AVX2/AVX-512): plain weights through the few-rows
+        Rust kernel for decodes, verifications and small batches, F.linear for prefill chunks
+        (models/few_rows_linear.py). Other dtypes: weights pre-packed for oneDNN (MKL's small-M
+        sgemm is slow on non-Intel CPUs; packed oneDNN keeps decode and verification GEMMs fast).
+        SPECINFER_PACK_WEIGHTS=0 keeps dense weights and F.linear (a reference for tests)."""
         if os.environ.get("SPECINFER_PACK_WEIGHTS", "1") == "0":
             return
+        from specinfer.models.few_rows_linear import few_rows_linear, kernel_preferred, plain_weight
         from specinfer.models.packed_linear import pack_weight, packed_linear, packing_supported
 
-        if packing_supported(model.embed_tokens.dtype):
+        dtype = model.embed_tokens.dtype
+        if kernel_preferred(dtype):
+            model.pack_linear_weights(plain_weight, few_rows_linear)
+        elif packing_supported(dtype):
             model.pack_linear_weights(pack_weight, packed_linear)
 
 

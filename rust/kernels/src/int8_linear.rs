@@ -1,31 +1,12 @@
 //! Weight-only int8 linear: `out[M, N] = x[M, K] · (q[N, K] * scale)^T (+ bias)`, the weights
 //! int8 with one f32 scale per group of `group` consecutive inputs of a row (GGUF Q8_0: 32;
-//! per output channel: K). Activations and accumulation stay f32.
-//!
-//! Each weight vector is widened to f32 and scaled once, then multiplies up to 8 activation
-//! rows held in vector registers, so a decode (M = 1) reads a quarter of the f32 weight bytes
-//! and a verification or batch step reuses every widened vector up to 8 times. Work is
-//! split over output rows (rayon); one call reads each weight once per 8 activation rows.
+//! per output channel: K). Activations and accumulation stay f32. The kernel is
+//! [`crate::few_rows_linear`]'s: a decode (M = 1) reads a quarter of the f32 weight bytes and a
+//! verification or batch step reuses every widened weight vector up to 8 times.
 
-use rayon::prelude::*;
-
+use crate::few_rows_linear::{few_rows_linear, Weights};
 use crate::paged_attention::AttentionError as KernelError;
-#[cfg(target_arch = "x86_64")]
-use crate::simd::{Avx2, Avx512};
-use crate::simd::{prefetch_l2, I8Rows, Isa, Scalar};
-use crate::threads;
-
-/// Output rows per work item.
-const ROWS_PER_ITEM: usize = 16;
-/// How many blocks of NR output rows ahead the decode path prefetches its weights.
-const PREFETCH_BLOCKS: usize = 4;
-
-fn err<T>(field: &'static str, message: impl Into<String>) -> Result<T, KernelError> {
-    Err(KernelError {
-        field,
-        message: message.into(),
-    })
-}
+use crate::simd::Isa;
 
 /// int8 weights `[n, k]` with f32 scales `[n, k / group]`.
 #[derive(Clone, Copy, Debug)]
@@ -35,43 +16,6 @@ pub struct Int8Weight<'a> {
     pub n: usize,
     pub k: usize,
     pub group: usize,
-}
-
-impl Int8Weight<'_> {
-    fn validate(&self) -> Result<(), KernelError> {
-        if self.group == 0 || self.group % 16 != 0 || self.k % self.group != 0 {
-            return err(
-                "group",
-                format!(
-                    "{} must be a multiple of 16 dividing k = {}",
-                    self.group, self.k
-                ),
-            );
-        }
-        if self.q.len() != self.n * self.k {
-            return err(
-                "weight",
-                format!(
-                    "has {} elements, expected {} x {}",
-                    self.q.len(),
-                    self.n,
-                    self.k
-                ),
-            );
-        }
-        if self.scales.len() != self.n * (self.k / self.group) {
-            return err(
-                "scales",
-                format!(
-                    "has {} elements, expected {} x {}",
-                    self.scales.len(),
-                    self.n,
-                    self.k / self.group
-                ),
-            );
-        }
-        Ok(())
-    }
 }
 
 /// out `[m, n]` = x `[m, k]` · w^T (+ bias `[n]`); all row-major contiguous.
@@ -84,217 +28,21 @@ pub fn int8_linear(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    w.validate()?;
-    if !isa.is_supported() {
-        return err(
-            "isa",
-            format!("{} is not supported by this CPU", isa.name()),
-        );
-    }
-    if x.len() != m * w.k {
-        return err(
-            "x",
-            format!("has {} elements, expected {m} x {}", x.len(), w.k),
-        );
-    }
-    if out.len() != m * w.n {
-        return err(
-            "out",
-            format!("has {} elements, expected {m} x {}", out.len(), w.n),
-        );
-    }
-    if let Some(b) = bias {
-        if b.len() != w.n {
-            return err(
-                "bias",
-                format!("has {} elements, expected {}", b.len(), w.n),
-            );
-        }
-    }
-    let items: Vec<usize> = (0..w.n).step_by(ROWS_PER_ITEM).collect();
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    let run: RowsFn = match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => rows_avx512,
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => rows_avx2,
-        _ => rows_scalar,
+    let Int8Weight {
+        q,
+        scales,
+        n,
+        k,
+        group,
+    } = w;
+    let w = Weights {
+        q,
+        scales,
+        n,
+        k,
+        group,
     };
-    let job = Job { x, m, w, bias };
-    let pool = if num_threads > 1 && items.len() > 1 {
-        threads::pool(num_threads)
-    } else {
-        None
-    };
-    match pool {
-        // SAFETY: `run` matches the supported `isa`; items write disjoint output columns.
-        Some(pool) => pool.install(|| {
-            items
-                .par_iter()
-                .for_each(|&n0| unsafe { run(&job, n0, out_ptr) })
-        }),
-        None => items
-            .iter()
-            .for_each(|&n0| unsafe { run(&job, n0, out_ptr) }),
-    }
-    Ok(())
-}
-
-struct Job<'a> {
-    x: &'a [f32],
-    m: usize,
-    w: Int8Weight<'a>,
-    bias: Option<&'a [f32]>,
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: items write disjoint columns of out.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-type RowsFn = unsafe fn(&Job<'_>, usize, OutPtr);
-
-unsafe fn rows_scalar(job: &Job<'_>, n0: usize, out: OutPtr) {
-    output_rows::<Scalar>(job, n0, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn rows_avx2(job: &Job<'_>, n0: usize, out: OutPtr) {
-    output_rows::<Avx2>(job, n0, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn rows_avx512(job: &Job<'_>, n0: usize, out: OutPtr) {
-    output_rows::<Avx512>(job, n0, out)
-}
-
-/// Output rows n0 .. n0 + ROWS_PER_ITEM for every activation row, up to 8 activation rows per
-/// pass over the weights (16 accumulators spill on AVX2 and measured slower with AVX-512 too):
-/// a verification run of 1 + k <= 8 rows reads each weight once.
-#[inline(always)]
-unsafe fn output_rows<L: I8Rows>(job: &Job<'_>, n0: usize, out: OutPtr) {
-    let n1 = (n0 + ROWS_PER_ITEM).min(job.w.n);
-    let mut m0 = 0;
-    while m0 < job.m {
-        let mc = (job.m - m0).min(8);
-        match mc {
-            8 => block::<L, 8>(job, n0, n1, m0, out),
-            7 => block::<L, 7>(job, n0, n1, m0, out),
-            6 => block::<L, 6>(job, n0, n1, m0, out),
-            5 => block::<L, 5>(job, n0, n1, m0, out),
-            4 => block::<L, 4>(job, n0, n1, m0, out),
-            3 => block::<L, 3>(job, n0, n1, m0, out),
-            2 => block::<L, 2>(job, n0, n1, m0, out),
-            _ => block::<L, 1>(job, n0, n1, m0, out),
-        }
-        m0 += mc;
-    }
-}
-
-/// Activation rows m0 .. m0 + MC against output rows n0 .. n1: MC x NR accumulators in
-/// registers, each widened weight vector used MC times and each activation load NR times. NR
-/// (output rows per pass) is as large as the register file allows: AVX-512 has 32 vector
-/// registers, AVX2 16.
-#[inline(always)]
-unsafe fn block<L: I8Rows, const MC: usize>(
-    job: &Job<'_>,
-    n0: usize,
-    n1: usize,
-    m0: usize,
-    out: OutPtr,
-) {
-    let nr = match (L::W, MC) {
-        (16, 1..=4) => 4,
-        (16, _) | (8, 1..=4) => 2,
-        _ => 1,
-    };
-    let mut n = n0;
-    while n + nr <= n1 {
-        match nr {
-            4 => rows_of::<L, MC, 4>(job, n, m0, out),
-            2 => rows_of::<L, MC, 2>(job, n, m0, out),
-            _ => rows_of::<L, MC, 1>(job, n, m0, out),
-        }
-        n += nr;
-    }
-    while n < n1 {
-        rows_of::<L, MC, 1>(job, n, m0, out);
-        n += 1;
-    }
-}
-
-/// Output rows n .. n + NR against activation rows m0 .. m0 + MC.
-#[inline(always)]
-unsafe fn rows_of<L: I8Rows, const MC: usize, const NR: usize>(
-    job: &Job<'_>,
-    n: usize,
-    m0: usize,
-    out: OutPtr,
-) {
-    let (k, g, w) = (job.w.k, job.w.group, L::W);
-    let groups = k / g;
-    let xp = job.x.as_ptr().add(m0 * k);
-    let mut acc: [[L::V; MC]; NR] = [[L::splat(0.0); MC]; NR];
-    for gi in 0..groups {
-        let s: [L::V; NR] =
-            std::array::from_fn(|r| L::splat(*job.w.scales.as_ptr().add((n + r) * groups + gi)));
-        // The weights are read front to back, NR rows at a time, and a row is short (k bytes):
-        // too short for the hardware prefetcher to ramp up on, so cold weights (a decode walks
-        // every layer's) came at 6 GB/s. Fetch the lines PREFETCH_BLOCKS blocks of NR rows ahead,
-        // as many bytes per group as the group consumes (NR * g).
-        let ahead = job.w.q.as_ptr().wrapping_add((n + NR * PREFETCH_BLOCKS) * k + gi * NR * g);
-        let mut off = 0;
-        while off < NR * g {
-            prefetch_l2(ahead.wrapping_add(off));
-            off += 64;
-        }
-        if MC <= 2 {
-            // few activation rows: sum the group against the unscaled weights, scale the sum
-            // once (one multiply per group instead of one per weight vector; decodes are bound
-            // by the widening, not by memory: 10-14 GB/s of int8 before)
-            let mut part: [[L::V; MC]; NR] = [[L::splat(0.0); MC]; NR];
-            let mut e = gi * g;
-            while e < (gi + 1) * g {
-                let wv: [L::V; NR] =
-                    std::array::from_fn(|r| L::load_i8(job.w.q.as_ptr().add((n + r) * k + e)));
-                for mi in 0..MC {
-                    let xv = L::load(xp.add(mi * k + e));
-                    for r in 0..NR {
-                        part[r][mi] = L::fma(xv, wv[r], part[r][mi]);
-                    }
-                }
-                e += w;
-            }
-            for r in 0..NR {
-                for mi in 0..MC {
-                    acc[r][mi] = L::fma(part[r][mi], s[r], acc[r][mi]);
-                }
-            }
-            continue;
-        }
-        let mut e = gi * g;
-        while e < (gi + 1) * g {
-            let wv: [L::V; NR] = std::array::from_fn(|r| {
-                L::mul(L::load_i8(job.w.q.as_ptr().add((n + r) * k + e)), s[r])
-            });
-            for mi in 0..MC {
-                let xv = L::load(xp.add(mi * k + e));
-                for r in 0..NR {
-                    acc[r][mi] = L::fma(xv, wv[r], acc[r][mi]);
-                }
-            }
-            e += w;
-        }
-    }
-    for r in 0..NR {
-        let b = job.bias.map_or(0.0, |b| b[n + r]);
-        for (mi, a) in acc[r].iter().enumerate() {
-            *out.0.add((m0 + mi) * job.w.n + n + r) = L::sum(*a) + b;
-        }
-    }
+    few_rows_linear(isa, num_threads, x, m, w, bias, out)
 }
 
 /// Symmetric absmax quantization of `w` `[n, k]` in groups of `group` inputs (GGUF Q8_0's rule:

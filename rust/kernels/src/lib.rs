@@ -3,21 +3,26 @@
 //! - [`paged_attention`]: causal attention of a whole mixed batch (prefill chunks, decodes,
 //!   1 + k verification runs) straight over the paged KV block pool, with the KV store of the
 //!   batch's new keys/values fused in front.
-//! - [`int8_linear`]: weight-only int8 linear (int8 weights with per-group f32 scales, e.g.
-//!   GGUF Q8_0's blocks of 32, f32 activations).
+//! - [`few_rows_linear`]: linear layers at few activation rows (decodes, verification runs,
+//!   small batches), streaming the weights with prefetch; its entry points are
+//!   [`int8_linear`] (weight-only int8 with per-group f32 scales, e.g. GGUF Q8_0's blocks of
+//!   32) and [`dense_linear`] (bf16 or f32 weights). Activations f32.
 //! - [`rms_norm`]: RMSNorm over rows in one pass (f32 arithmetic, one rounding for bf16).
 //! - [`simd`]: the vector primitives (dot, axpy, scale) for AVX-512, AVX2+FMA and a portable
 //!   fallback, chosen at run time ([`simd::Isa::detect`]).
 //! - [`elem`]: the element types the cache may hold (f32, bf16) and their f32 conversions.
 //! - [`threads`]: the rayon pool the kernels run on, sized per call.
 
+pub mod dense_linear;
 pub mod elem;
+pub mod few_rows_linear;
 pub mod int8_linear;
 pub mod paged_attention;
 pub mod rms_norm;
 pub mod simd;
 pub mod threads;
 
+pub use dense_linear::{bf16_linear, f32_linear};
 pub use elem::{Bf16, Elem};
 pub use int8_linear::{int8_linear, quantize, Int8Weight};
 pub use paged_attention::{
