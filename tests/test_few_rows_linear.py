@@ -3,7 +3,7 @@ platform serves float32 models through it."""
 import pytest
 import torch
 
-from specinfer.models.few_rows_linear import KERNEL_MAX_ROWS, few_rows_linear, kernel_preferred
+from specinfer.models.few_rows_linear import GEMM_ENV, few_rows_linear, kernel_preferred
 from specinfer.platform import resolve_platform
 
 
@@ -25,7 +25,7 @@ def test_matches_f_linear(dtype, rows):
 def test_a_row_does_not_depend_on_the_rows_beside_it():
     """Decode (1 row) and verification (1 + k rows) see the same logits bit for bit."""
     torch.manual_seed(0)
-    w, x = torch.randn(50, 64), torch.randn(KERNEL_MAX_ROWS[torch.float32], 64)
+    w, x = torch.randn(50, 64), torch.randn(40, 64)
     together = few_rows_linear(x, w)
     for i in range(x.shape[0]):
         assert torch.equal(few_rows_linear(x[i:i + 1], w), together[i:i + 1])
@@ -40,14 +40,36 @@ def test_inputs_the_kernel_cannot_take_fall_back_to_f_linear():
     assert torch.equal(few_rows_linear(x16, w16), torch.nn.functional.linear(x16, w16))
 
 
-def test_cpu_platform_serves_float32_through_the_kernel(tiny_dir):
+def test_cpu_platform_serves_float32_through_the_kernel_when_asked(tiny_dir, monkeypatch):
     from specinfer.loader import load_model
 
     path, _ = tiny_dir("llama", False)
-    loaded = load_model(path)
-    resolve_platform("cpu").prepare_model(loaded.model)
-    layer = loaded.model.layers[0]
+    default = load_model(path)
+    resolve_platform("cpu").prepare_model(default.model)
+    assert default.model.layers[0].linear is not few_rows_linear  # oneDNN-packed by default
+    monkeypatch.setenv(GEMM_ENV, "few_rows")
+    asked = load_model(path)
+    resolve_platform("cpu").prepare_model(asked.model)
+    layer = asked.model.layers[0]
     if kernel_preferred(torch.float32):
         assert layer.linear is few_rows_linear and not getattr(layer.qkv_weight, "is_mkldnn", False)
+        assert asked.model.linear is few_rows_linear
     else:  # no AVX2 / AVX-512: oneDNN packing as before
         assert layer.linear is not few_rows_linear
+
+
+def test_greedy_speculation_is_exact_with_the_kernel(tiny_dir, monkeypatch):
+    """Every row count through one arithmetic: n-gram speculation (1 + k rows, mixed batches)
+    gives the target-alone greedy output token for token."""
+    from specinfer import Generator, SamplingParams
+
+    monkeypatch.setenv(GEMM_ENV, "few_rows")
+    path, _ = tiny_dir("llama", False)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(10, 40)), [3, 4] * 9]
+    alone = Generator(str(path), max_model_len=128).generate(prompts, greedy, use_tqdm=False)
+    spec = Generator(str(path), max_model_len=128, speculative={
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "policy": "fixed"})
+    outs = spec.generate(prompts, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    assert spec.spec_metrics()["num_draft_tokens"] > 0

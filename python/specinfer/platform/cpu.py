@@ -26,10 +26,10 @@ class CpuPlatform(Platform):
         return name
 
     def prepare_model(self, model) -> None:
-        """Choose how GEMMs run. float32 (with AVX2/AVX-512): plain weights through the few-rows
-        Rust kernel for decodes, verifications and small batches, F.linear for prefill chunks
-        (models/few_rows_linear.py). Other dtypes: weights pre-packed for oneDNN (MKL's small-M
-        sgemm is slow on non-Intel CPUs; packed oneDNN keeps decode and verification GEMMs fast).
+        """Choose how GEMMs run: weights pre-packed for oneDNN (MKL's small-M sgemm is slow on
+        non-Intel CPUs; packed oneDNN keeps decode and verification GEMMs fast); with
+        SPECINFER_CPU_GEMM=few_rows, float32 models run plain weights through the few-rows Rust
+        kernel (faster decodes, slower prefill: models/few_rows_linear.py).
         SPECINFER_PACK_WEIGHTS=0 keeps dense weights and F.linear (a reference for tests)."""
         if os.environ.get("SPECINFER_PACK_WEIGHTS", "1") == "0":
             return
