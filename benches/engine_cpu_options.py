@@ -1,14 +1,18 @@
 """End-to-end decode throughput of SmolLM2-135M under CPU engine options, side by side:
-attention backend (torch_ref vs cpu_native) and weight precision (float32 / bfloat16 / int8).
+attention backend (torch_ref vs cpu_native), weight precision (float32 / bfloat16 / int8) and the
+float32 GEMM path (oneDNN-packed, or `few_rows`: SPECINFER_CPU_GEMM=few_rows).
 Methods interleaved per repeat; prints tok/s per method and batch, and the median ratio
 against the first method.
 
     python benches/engine_cpu_options.py --repeats 3 --max-tokens 32 --batches 1,16 --threads 1 \\
         --methods torch_ref:float32,cpu_native:float32,cpu_native:bfloat16,cpu_native:float32:int8
+    python benches/engine_cpu_options.py --repeats 3 --max-tokens 64 --batches 1,16 --threads 1 \
+        --methods cpu_native:float32,cpu_native:float32::few_rows
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -16,12 +20,24 @@ import torch
 
 from specinfer import Generator, SamplingParams
 from specinfer.bench.prompting import load_task
+from specinfer.models.few_rows_linear import GEMM_ENV
 
 
 def make_generator(model, method: str):
-    backend, dtype, *quant = method.split(":")
-    kw = {"quantization": quant[0]} if quant else {}
-    return Generator(model, dtype=dtype, enable_prefix_caching=False, attention_backend=backend, **kw)
+    """backend:dtype[:quantization[:gemm]]; gemm "few_rows" sets SPECINFER_CPU_GEMM while loading."""
+    backend, dtype, *rest = method.split(":")
+    quant, gemm = (rest + ["", ""])[:2]
+    kw = {"quantization": quant} if quant else {}
+    old = os.environ.get(GEMM_ENV)
+    if gemm:
+        os.environ[GEMM_ENV] = gemm
+    try:
+        return Generator(model, dtype=dtype, enable_prefix_caching=False, attention_backend=backend, **kw)
+    finally:
+        if old is None:
+            os.environ.pop(GEMM_ENV, None)
+        else:
+            os.environ[GEMM_ENV] = old
 
 
 def main(argv=None):
