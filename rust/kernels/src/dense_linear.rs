@@ -95,7 +95,9 @@ mod tests {
                     (0..m * n)
                         .map(|i| {
                             let (mi, ni) = (i / n, i % n);
-                            (0..k).map(|e| x[mi * k + e] as f64 * w(ni * k + e)).sum::<f64>()
+                            (0..k)
+                                .map(|e| x[mi * k + e] as f64 * w(ni * k + e))
+                                .sum::<f64>()
                                 + bias[ni] as f64
                         })
                         .collect()
@@ -105,11 +107,15 @@ mod tests {
                 for isa in Isa::supported() {
                     for threads in [1, 3] {
                         let mut out_f = vec![0.0f32; m * n];
-                        f32_linear(isa, threads, &x, m, &wf, n, k, Some(&bias), &mut out_f).unwrap();
+                        f32_linear(isa, threads, &x, m, &wf, n, k, Some(&bias), &mut out_f)
+                            .unwrap();
                         let mut out_b = vec![0.0f32; m * n];
-                        bf16_linear(isa, threads, &x, m, &wb, n, k, Some(&bias), &mut out_b).unwrap();
+                        bf16_linear(isa, threads, &x, m, &wb, n, k, Some(&bias), &mut out_b)
+                            .unwrap();
                         for i in 0..m * n {
-                            for (o, r, what) in [(out_f[i], want_f[i], "f32"), (out_b[i], want_b[i], "bf16")] {
+                            for (o, r, what) in
+                                [(out_f[i], want_f[i], "f32"), (out_b[i], want_b[i], "bf16")]
+                            {
                                 assert!(
                                     (o as f64 - r).abs() < 1e-4 * (1.0 + r.abs()),
                                     "{what} {isa:?} m={m} n={n} k={k} {i}: {o} vs {r}"
@@ -132,7 +138,18 @@ mod tests {
             f32_linear(isa, 1, &x, 9, &w, n, k, None, &mut all).unwrap();
             for mi in 0..9 {
                 let mut one = vec![0.0f32; n];
-                f32_linear(isa, 1, &x[mi * k..(mi + 1) * k], 1, &w, n, k, None, &mut one).unwrap();
+                f32_linear(
+                    isa,
+                    1,
+                    &x[mi * k..(mi + 1) * k],
+                    1,
+                    &w,
+                    n,
+                    k,
+                    None,
+                    &mut one,
+                )
+                .unwrap();
                 assert_eq!(one, all[mi * n..(mi + 1) * n], "{isa:?} row {mi}");
             }
         }
@@ -148,9 +165,21 @@ mod tests {
         let w = vec![0.0f32; 2 * 32];
         let e = f32_linear(Isa::Scalar, 1, &x[..31], 1, &w, 2, 32, None, &mut out).unwrap_err();
         assert_eq!(e.field, "x");
-        let e = f32_linear(Isa::Scalar, 1, &x[..32], 1, &w[..63], 2, 32, None, &mut out).unwrap_err();
+        let e =
+            f32_linear(Isa::Scalar, 1, &x[..32], 1, &w[..63], 2, 32, None, &mut out).unwrap_err();
         assert_eq!(e.field, "weight");
-        let e = f32_linear(Isa::Scalar, 1, &x[..32], 1, &w, 2, 32, Some(&[0.0]), &mut out).unwrap_err();
+        let e = f32_linear(
+            Isa::Scalar,
+            1,
+            &x[..32],
+            1,
+            &w,
+            2,
+            32,
+            Some(&[0.0]),
+            &mut out,
+        )
+        .unwrap_err();
         assert_eq!(e.field, "bias");
     }
 }

@@ -15,9 +15,9 @@ use rayon::prelude::*;
 
 use crate::elem::Bf16;
 use crate::paged_attention::AttentionError as KernelError;
+use crate::simd::{prefetch_l2, I8Rows, Isa, Scalar};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
-use crate::simd::{prefetch_l2, I8Rows, Isa, Scalar};
 use crate::threads;
 
 /// Output rows per work item.

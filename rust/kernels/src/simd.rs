@@ -9,6 +9,7 @@
 /// Hint the cache to fetch the line holding `p` into L2 (a no-op off x86-64). Never faults, so
 /// `p` may point past the end of a buffer (build it with `wrapping_add`).
 #[inline(always)]
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // a prefetch hint reads nothing: no dereference
 pub fn prefetch_l2(p: *const i8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch hint reads nothing architecturally and cannot fault.
