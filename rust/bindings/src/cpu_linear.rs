@@ -1,5 +1,5 @@
 //! `int8_linear` and `dense_linear`: the few-rows linear kernels (`specinfer_kernels::int8_linear`,
-//! `bf16_linear`, `f32_linear`) over torch tensors' memory, GIL released. The callers,
+//! `dense_linear`) over torch tensors' memory, GIL released. The callers,
 //! `specinfer.models.int8_linear` and `specinfer.models.few_rows_linear`, assert
 //! the memory contract (CPU, dtypes, contiguity, shapes) before passing `data_ptr()`s; this layer
 //! derives every buffer's length from the shapes it is given and the kernel re-checks them.
@@ -119,11 +119,11 @@ pub fn dense_linear(
         if bf16 {
             // SAFETY: as above, w holds n * k bf16 values
             let w = unsafe { std::slice::from_raw_parts(w_ptr as *const Bf16, n * k) };
-            kernels::bf16_linear(isa, num_threads, x, m, w, n, k, bias, out)
+            kernels::dense_linear(isa, num_threads, x, m, w, n, k, bias, out)
         } else {
             // SAFETY: as above, w holds n * k f32 values
             let w = unsafe { std::slice::from_raw_parts(w_ptr as *const f32, n * k) };
-            kernels::f32_linear(isa, num_threads, x, m, w, n, k, bias, out)
+            kernels::dense_linear(isa, num_threads, x, m, w, n, k, bias, out)
         }
     })
     .map_err(|e| PyValueError::new_err(e.to_string()))

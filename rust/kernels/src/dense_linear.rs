@@ -4,21 +4,22 @@
 //! bf16 GEMM multiplies; each output row's sum is independent of M.
 
 use crate::elem::Bf16;
-use crate::few_rows_linear::{few_rows_linear, Weights};
+use crate::few_rows_linear::{few_rows_linear, WeightElem, Weights};
 use crate::paged_attention::AttentionError as KernelError;
 use crate::simd::Isa;
 
 /// Inputs per loop step (and per prefetch step): k must be a multiple of it.
 pub const K_STEP: usize = 16;
 
-/// out `[m, n]` = x `[m, k]` · w`[n, k]`^T (+ bias `[n]`), w bf16; all row-major contiguous.
+/// out `[m, n]` = x `[m, k]` · w`[n, k]`^T (+ bias `[n]`), w of bf16 ([`Bf16`]) or f32; all
+/// row-major contiguous.
 #[allow(clippy::too_many_arguments)]
-pub fn bf16_linear(
+pub fn dense_linear<W: DenseElem>(
     isa: Isa,
     num_threads: usize,
     x: &[f32],
     m: usize,
-    w: &[Bf16],
+    w: &[W],
     n: usize,
     k: usize,
     bias: Option<&[f32]>,
@@ -34,28 +35,10 @@ pub fn bf16_linear(
     few_rows_linear(isa, num_threads, x, m, w, bias, out)
 }
 
-/// out `[m, n]` = x `[m, k]` · w`[n, k]`^T (+ bias `[n]`), w f32; all row-major contiguous.
-#[allow(clippy::too_many_arguments)]
-pub fn f32_linear(
-    isa: Isa,
-    num_threads: usize,
-    x: &[f32],
-    m: usize,
-    w: &[f32],
-    n: usize,
-    k: usize,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-) -> Result<(), KernelError> {
-    let w = Weights {
-        q: w,
-        scales: &[],
-        n,
-        k,
-        group: step(k),
-    };
-    few_rows_linear(isa, num_threads, x, m, w, bias, out)
-}
+/// The unscaled weight elements.
+pub trait DenseElem: WeightElem {}
+impl DenseElem for Bf16 {}
+impl DenseElem for f32 {}
 
 /// The loop unit: 32 inputs (one or two vectors) where k allows, else 16 (k not a multiple of
 /// 16 is refused by the kernel, naming `group`).
@@ -70,18 +53,7 @@ fn step(k: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn rand(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::few_rows_linear::test_rand as rand;
 
     #[test]
     fn matches_f64_reference_for_every_isa_row_count_and_weight_type() {
@@ -107,10 +79,10 @@ mod tests {
                 for isa in Isa::supported() {
                     for threads in [1, 3] {
                         let mut out_f = vec![0.0f32; m * n];
-                        f32_linear(isa, threads, &x, m, &wf, n, k, Some(&bias), &mut out_f)
+                        dense_linear(isa, threads, &x, m, &wf, n, k, Some(&bias), &mut out_f)
                             .unwrap();
                         let mut out_b = vec![0.0f32; m * n];
-                        bf16_linear(isa, threads, &x, m, &wb, n, k, Some(&bias), &mut out_b)
+                        dense_linear(isa, threads, &x, m, &wb, n, k, Some(&bias), &mut out_b)
                             .unwrap();
                         for i in 0..m * n {
                             for (o, r, what) in
@@ -135,10 +107,10 @@ mod tests {
         let x = rand(9 * k, 13);
         for isa in Isa::supported() {
             let mut all = vec![0.0f32; 9 * n];
-            f32_linear(isa, 1, &x, 9, &w, n, k, None, &mut all).unwrap();
+            dense_linear(isa, 1, &x, 9, &w, n, k, None, &mut all).unwrap();
             for mi in 0..9 {
                 let mut one = vec![0.0f32; n];
-                f32_linear(
+                dense_linear(
                     isa,
                     1,
                     &x[mi * k..(mi + 1) * k],
@@ -160,15 +132,15 @@ mod tests {
         let w = vec![0.0f32; 2 * 40];
         let x = vec![0.0f32; 40];
         let mut out = vec![0.0f32; 2];
-        let e = f32_linear(Isa::Scalar, 1, &x, 1, &w, 2, 40, None, &mut out).unwrap_err();
+        let e = dense_linear(Isa::Scalar, 1, &x, 1, &w, 2, 40, None, &mut out).unwrap_err();
         assert_eq!(e.field, "group"); // 40 inputs: not a multiple of 16
         let w = vec![0.0f32; 2 * 32];
-        let e = f32_linear(Isa::Scalar, 1, &x[..31], 1, &w, 2, 32, None, &mut out).unwrap_err();
+        let e = dense_linear(Isa::Scalar, 1, &x[..31], 1, &w, 2, 32, None, &mut out).unwrap_err();
         assert_eq!(e.field, "x");
         let e =
-            f32_linear(Isa::Scalar, 1, &x[..32], 1, &w[..63], 2, 32, None, &mut out).unwrap_err();
+            dense_linear(Isa::Scalar, 1, &x[..32], 1, &w[..63], 2, 32, None, &mut out).unwrap_err();
         assert_eq!(e.field, "weight");
-        let e = f32_linear(
+        let e = dense_linear(
             Isa::Scalar,
             1,
             &x[..32],

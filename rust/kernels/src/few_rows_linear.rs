@@ -251,7 +251,7 @@ unsafe fn rows_of<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
     m0: usize,
     out: OutPtr,
 ) {
-    let (k, g, w) = (job.w.k, job.w.group, L::W);
+    let (k, g) = (job.w.k, job.w.group);
     let groups = k / g;
     let q = job.w.q.as_ptr();
     let xp = job.x.as_ptr().add(m0 * k);
@@ -266,19 +266,9 @@ unsafe fn rows_of<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
             prefetch_l2(ahead.wrapping_add(off));
             off += 64;
         }
-        let e0 = gi * g;
+        let at = |e: usize| (q, xp, k, n, e);
         if !W::SCALED {
-            let mut e = e0;
-            while e < e0 + g {
-                let wv: [L::V; NR] = std::array::from_fn(|r| W::widen::<L>(q.add((n + r) * k + e)));
-                for mi in 0..MC {
-                    let xv = L::load(xp.add(mi * k + e));
-                    for r in 0..NR {
-                        acc[r][mi] = L::fma(xv, wv[r], acc[r][mi]);
-                    }
-                }
-                e += w;
-            }
+            group_fma::<L, W, MC, NR>(at(gi * g), g, None, &mut acc);
             continue;
         }
         let s: [L::V; NR] =
@@ -288,17 +278,7 @@ unsafe fn rows_of<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
             // once (one multiply per group instead of one per weight vector; decodes were bound
             // by the widening, not by memory: 10-14 GB/s of int8 before)
             let mut part: [[L::V; MC]; NR] = [[L::splat(0.0); MC]; NR];
-            let mut e = e0;
-            while e < e0 + g {
-                let wv: [L::V; NR] = std::array::from_fn(|r| W::widen::<L>(q.add((n + r) * k + e)));
-                for mi in 0..MC {
-                    let xv = L::load(xp.add(mi * k + e));
-                    for r in 0..NR {
-                        part[r][mi] = L::fma(xv, wv[r], part[r][mi]);
-                    }
-                }
-                e += w;
-            }
+            group_fma::<L, W, MC, NR>(at(gi * g), g, None, &mut part);
             for r in 0..NR {
                 for mi in 0..MC {
                     acc[r][mi] = L::fma(part[r][mi], s[r], acc[r][mi]);
@@ -306,18 +286,7 @@ unsafe fn rows_of<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
             }
             continue;
         }
-        let mut e = e0;
-        while e < e0 + g {
-            let wv: [L::V; NR] =
-                std::array::from_fn(|r| L::mul(W::widen::<L>(q.add((n + r) * k + e)), s[r]));
-            for mi in 0..MC {
-                let xv = L::load(xp.add(mi * k + e));
-                for r in 0..NR {
-                    acc[r][mi] = L::fma(xv, wv[r], acc[r][mi]);
-                }
-            }
-            e += w;
-        }
+        group_fma::<L, W, MC, NR>(at(gi * g), g, Some(s), &mut acc);
     }
     for r in 0..NR {
         let b = job.bias.map_or(0.0, |b| b[n + r]);
@@ -325,4 +294,47 @@ unsafe fn rows_of<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
             *out.0.add((m0 + mi) * job.w.n + n + r) = L::sum(*a) + b;
         }
     }
+}
+
+/// acc[r][mi] += x[mi, e0 .. e0 + g] * w[n + r, e0 .. e0 + g] lane-wise, each widened weight
+/// vector multiplied by `scale[r]` first when given. `at` = (weights, x rows, k, n, e0).
+#[inline(always)]
+unsafe fn group_fma<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
+    at: (*const W, *const f32, usize, usize, usize),
+    g: usize,
+    scale: Option<[L::V; NR]>,
+    acc: &mut [[L::V; MC]; NR],
+) {
+    let (q, xp, k, n, e0) = at;
+    let mut e = e0;
+    while e < e0 + g {
+        let wv: [L::V; NR] = std::array::from_fn(|r| {
+            let v = W::widen::<L>(q.add((n + r) * k + e));
+            match scale {
+                Some(s) => L::mul(v, s[r]),
+                None => v,
+            }
+        });
+        for mi in 0..MC {
+            let xv = L::load(xp.add(mi * k + e));
+            for r in 0..NR {
+                acc[r][mi] = L::fma(xv, wv[r], acc[r][mi]);
+            }
+        }
+        e += L::W;
+    }
+}
+
+/// Deterministic values in [-1, 1) for the kernels' tests (xorshift).
+#[cfg(test)]
+pub(crate) fn test_rand(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
 }

@@ -66,18 +66,7 @@ pub fn quantize(w: &[f32], n: usize, k: usize, group: usize) -> (Vec<i8>, Vec<f3
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn rand(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::few_rows_linear::test_rand as rand;
 
     #[test]
     fn matches_dequantized_f64_reference_for_every_isa_and_row_count() {

@@ -22,7 +22,7 @@ pub mod rms_norm;
 pub mod simd;
 pub mod threads;
 
-pub use dense_linear::{bf16_linear, f32_linear};
+pub use dense_linear::dense_linear;
 pub use elem::{Bf16, Elem};
 pub use int8_linear::{int8_linear, quantize, Int8Weight};
 pub use paged_attention::{
