@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from specinfer import Generator, SamplingParams
-from specinfer.spec_decode.distill_data import build_sequences
+from specinfer.spec_decode.distill_data import DistillSequence, build_sequences
 from specinfer.spec_decode.head_training import MLPSpeculatorTrainer, TrainConfig, train
 
 
@@ -207,3 +207,40 @@ def test_medusa_training_writes_a_head_the_engine_runs(setup, tmp_path, draft_vo
     else:
         assert "medusa_lm_head.safetensors" in files
     _check_head_runs_greedy_exact(target, gen, prompts, "medusa", tmp_path / "m")
+
+
+def test_bf16_training_lowers_the_loss_and_the_head_runs_greedy_exact(setup, tmp_path):
+    """train_dtype="bfloat16": training under CPU autocast (fp32 master weights) lowers the held-out
+    loss, the export is fp32 and drives exact greedy speculation; a bad dtype is refused."""
+    target, gen, prompts, seqs = setup
+    cfg = dict(steps=1, save_every=1, draft_vocab_size=96, train_dtype="bfloat16")
+    first = train(gen.engine.loaded, seqs, tmp_path / "one", TrainConfig("eagle", **cfg), progress=False)
+    report = train(gen.engine.loaded, seqs, tmp_path / "e", TrainConfig("eagle", **{**cfg, "steps": 40}),
+                   progress=False)
+    assert report["held_out_loss"] < first["held_out_loss"], (first["held_out_loss"], report["held_out_loss"])
+    assert load_file(str(tmp_path / "e" / "model.safetensors"))["fc.weight"].dtype == torch.float32
+    _check_head_runs_greedy_exact(target, gen, prompts, "eagle", tmp_path / "e")
+    with pytest.raises(ValueError, match="train_dtype"):
+        TrainConfig("eagle", train_dtype="float16")
+
+
+def test_distillation_data_with_aux_states_serves_a_head_that_reads_none(setup, tmp_path):
+    """cached_sequences: data built for EAGLE-3 (aux states) is reused by EAGLE-1 / Medusa / MLP
+    (aux dropped), never the other way round, and never for another model or prompt count."""
+    from specinfer.cli.train_heads import cached_sequences
+
+    _, _, _, seqs = setup
+    with_aux = [DistillSequence(s.tokens, s.prompt_len, s.final, torch.zeros(len(s.tokens), 3)) for s in seqs[:3]]
+    path, key = tmp_path / "distill_data.pt", {"model": "m", "prompts": 3, "max_tokens": 48, "aux": [0, 1, 2]}
+    assert cached_sequences(path, key, lambda: with_aux) is with_aux
+    built = []
+
+    def build():
+        built.append(1)
+        return seqs[:3]
+
+    reused = cached_sequences(path, {**key, "aux": []}, build)
+    assert not built and [s.aux for s in reused] == [None] * 3
+    assert all(torch.equal(a.final, b.final) for a, b in zip(reused, with_aux))
+    cached_sequences(path, {**key, "aux": [], "prompts": 4}, build)
+    assert built == [1]

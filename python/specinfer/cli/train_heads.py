@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=8192, metavar="N",
                    help="eagle, eagle3, medusa: draft vocabulary size (the target's most frequent tokens; d2t / "
                         "Medusa's token_map in the checkpoint), default 8192; the target's vocabulary size or more: none")
+    p.add_argument("--train-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="matmul precision of training (fp32 master weights either way); auto: bfloat16 where "
+                        "the CPU multiplies bf16 natively (AMX / avx512_bf16), else float32")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -41,9 +44,13 @@ def run(args) -> int:
     from specinfer.spec_decode.distill_data import build_sequences, training_prompts
     from specinfer.spec_decode.head_training import TrainConfig, train
 
+    from specinfer.platform.cpu import bf16_matmul_is_native
+
     check_model(args.model, "target")
+    dtype = args.train_dtype if args.train_dtype != "auto" else "bfloat16" if bf16_matmul_is_native() else "float32"
     cfg = TrainConfig(args.method, num_heads=args.num_heads, steps=args.steps, batch_size=args.batch_size,
-                      lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size, max_seconds=None if args.minutes is None else 60 * args.minutes)
+                      lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size, train_dtype=dtype,
+                      max_seconds=None if args.minutes is None else 60 * args.minutes)
     gen = Generator(args.model, max_num_seqs=64)
     print(f"distillation data: {args.prompts} continuations of {args.max_tokens} tokens with the target ...", file=sys.stderr)
     aux = ()
@@ -65,16 +72,18 @@ def run(args) -> int:
 
 def cached_sequences(path: Path, key: dict, build):
     """The distillation data of an earlier run with the same key (resuming, or another head
-    trained in the same --out), else build() and keep it there."""
+    trained in the same --out; data built with EAGLE-3's aux states also serves a head that reads
+    none), else build() and keep it there."""
     import torch
 
     from specinfer.spec_decode.distill_data import DistillSequence
 
     if path.exists():
         saved = torch.load(path, weights_only=False)
-        if saved.get("key") == key:
+        have = saved.get("key") or {}
+        if have == key or (not key["aux"] and {**have, "aux": []} == key):  # aux states kept: not needed here
             print(f"reusing the distillation data in {path}", file=sys.stderr)
-            return [DistillSequence(**s) for s in saved["seqs"]]
+            return [DistillSequence(**{**s, "aux": s["aux"] if key["aux"] else None}) for s in saved["seqs"]]
     seqs = build()
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "seqs": [vars(s) for s in seqs]}, path)

@@ -57,3 +57,9 @@ def host_available_bytes() -> int:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError):  # pragma: no cover - non-POSIX
         return 8 << 30
+
+
+def bf16_matmul_is_native() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX / avx512_bf16, through oneDNN): bf16 autocast
+    is then faster than float32, elsewhere emulated and slower."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())

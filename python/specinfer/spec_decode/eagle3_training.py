@@ -7,7 +7,8 @@ the training continuations; `d2t` maps draft ids to target ids). As EAGLE-3 trai
 regression, only the token loss, with "training-time test" unrolling: step 1 feeds the target's
 features; step s > 1 feeds the head's own step s-1 output at the same pair (token x_{i+s}), and its
 query at position i + s - 1 sees step 1's keys at pair positions <= i and its own chain's keys of
-steps 2..s at pair i — exactly what the engine's draft KV holds when it drafts (eagle_proposer).
+steps 2..s at pair i — exactly what the engine's draft KV holds when it drafts (eagle_proposer;
+the layer and its unrolling: draft_layer_unroll, shared with EAGLE-1's trainer).
 Loss = sum_s 0.8^(s-1) CE(lm_head(norm(h_s)), x_{i+s+1}) over continuation positions whose label
 is in the draft vocabulary. Initialisation: fc reads the last aux layer through, the norm and
 lm_head start as the target's final norm and lm_head rows, o_proj and down_proj start at zero, so
@@ -21,16 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specinfer.models.rope import apply_rope, rope_factors, rope_table
+from specinfer.models.rope import rope_table
+from specinfer.spec_decode.draft_layer_unroll import UnrolledDraftLayer, rms
 from specinfer.spec_decode.eagle3 import default_aux_layers
 from specinfer.spec_decode.head_checkpoint import write_checkpoint
 
 TTT_STEPS = 3  # unrolled steps per training position
 STEP_WEIGHT = 0.8
-
-
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
 def training_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -53,7 +51,7 @@ def draft_vocabulary(seqs, vocab_size: int, size: int) -> torch.Tensor:
     return torch.sort(order[:size]).values
 
 
-class Eagle3Trainer:
+class Eagle3Trainer(UnrolledDraftLayer):
     def __init__(self, target, seqs, seed: int, draft_vocab_size: int, lm_head: torch.Tensor):
         c = target.config
         self.cfg, self.target_cfg = c, c
@@ -80,53 +78,18 @@ class Eagle3Trainer:
         self.embed = target.model.embed_tokens.detach().float()
         self.rope_cos, self.rope_sin = rope_table(c, c.max_position_embeddings)
 
-    # ---- the layer, dense, with explicit key masks ---------------------------------------------
-    def _qkv(self, tokens, g, positions):
-        """tokens int64[B, T], g [B, T, H], positions int64[T] -> q [B, T, nh, d], k, v [B, T, nkv, d]."""
+    def _inputs(self, tokens, g):  # EAGLE-3: cat(norm(embed(x_{i+1})), hidden_norm(g_i)), 2H wide; g is the residual
         c, p = self.cfg, self.params
-        B, T, H = g.shape
-        x = torch.cat([_rms(self.embed[tokens], p["in_ln"], c.rms_norm_eps),
-                       _rms(g, p["hid_ln"], c.rms_norm_eps)], -1)
-        q = F.linear(x, p["q"]).view(B, T, c.num_heads, c.head_dim)
-        k = F.linear(x, p["k"]).view(B, T, c.num_kv_heads, c.head_dim)
-        v = F.linear(x, p["v"]).view(B, T, c.num_kv_heads, c.head_dim)
-        cos, sin = rope_factors(self.rope_cos[positions], self.rope_sin[positions])  # [T, 1, d]
-        qk = apply_rope(torch.cat([q, k], 2).reshape(B * T, -1, c.head_dim), cos.repeat(B, 1, 1),
-                        sin.repeat(B, 1, 1)).view(B, T, -1, c.head_dim)
-        return qk[:, :, : c.num_heads], qk[:, :, c.num_heads:], v
+        return g, torch.cat([rms(self.embed[tokens], p["in_ln"], c.rms_norm_eps),
+                             rms(g, p["hid_ln"], c.rms_norm_eps)], -1)
 
-    def _finish(self, g, q, keys, values, mask):
-        """Attention of q [B, T, nh, d] over keys/values [B, S, nkv, d] with mask bool[T, S], then the MLP."""
-        c, p = self.cfg, self.params
-        B, T = q.shape[:2]
-        rep = c.num_heads // c.num_kv_heads
-        attn = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2).repeat_interleave(rep, 1),
-            values.transpose(1, 2).repeat_interleave(rep, 1), attn_mask=mask, scale=c.head_dim ** -0.5)
-        h = g + F.linear(attn.transpose(1, 2).reshape(B, T, -1), p["o"])
-        u = _rms(h, p["post_ln"], c.rms_norm_eps)
-        return h + F.linear(F.silu(F.linear(u, p["gate"])) * F.linear(u, p["up"]), p["down"])
-
-    def unroll(self, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """tokens int64[B, T + steps - 1] (x_{i+1} for pair i, then the following tokens), aux
-        [B, T, 3H] -> per step s the outputs h_s [B, T, H] (pair i of step s predicts x_{i+s+1})."""
-        B, T = aux.shape[:2]
-        g = F.linear(aux, self.params["fc"])
-        pos = torch.arange(T)
-        causal = pos[None, :] <= pos[:, None]  # [T, T]
-        keys, values, outs = [], [], []
-        for s in range(steps):
-            q, k, v = self._qkv(tokens[:, s:s + T], g, pos + s)
-            keys.append(k)
-            values.append(v)
-            diag = [torch.eye(T, dtype=torch.bool)] * s  # the chain's own earlier steps at the same pair
-            mask = torch.cat([causal, *diag], 1)
-            g = self._finish(g, q, torch.cat(keys, 1), torch.cat(values, 1), mask)
-            outs.append(g)
-        return outs
+    def unroll_aux(self, tokens: torch.Tensor, aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """tokens int64[B, T + steps - 1], aux [B, T, 3H] -> per step the outputs [B, T, H]
+        (draft_layer_unroll.UnrolledDraftLayer.unroll over g = fc(aux))."""
+        return self.unroll(tokens, F.linear(aux, self.params["fc"]), steps)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., Vd]
-        return _rms(h, self.params["norm"], self.cfg.rms_norm_eps) @ self.params["lm_head"].T
+        return rms(h, self.params["norm"], self.cfg.rms_norm_eps) @ self.params["lm_head"].T
 
     # ---- training --------------------------------------------------------------------------------
     def loss_on(self, seqs, steps: int = TTT_STEPS) -> torch.Tensor:
@@ -143,7 +106,7 @@ class Eagle3Trainer:
                 i = torch.arange(max(s.prompt_len - 2 - j, 0), n - 1 - j)
                 labels[j, b, i] = self.t2d[s.tokens[i + j + 2]]
         labels[labels < 0] = -100  # labels outside the draft vocabulary teach nothing
-        outs = self.unroll(tokens, aux, steps)
+        outs = self.unroll_aux(tokens, aux, steps)
         loss = 0.0
         for j, h in enumerate(outs):
             loss = loss + STEP_WEIGHT ** j * F.cross_entropy(self.draft_logits(h).view(B * T, -1),
@@ -156,7 +119,7 @@ class Eagle3Trainer:
         out = []
         toks = tokens[None]
         for s in range(k):
-            hs = self.unroll(toks, aux[None], s + 1)
+            hs = self.unroll_aux(toks, aux[None], s + 1)
             d = int(self.tid[self.draft_logits(hs[s][0, -1]).argmax()])
             out.append(d)
             toks = torch.cat([toks, torch.tensor([[d]])], 1)

@@ -4,11 +4,14 @@ One draft layer over (x_{i+1}, f_i) pairs, trained as EAGLE trains it: regress t
 feature f_{i+1} (smooth L1) plus 0.1 x cross-entropy of the target's lm_head over the draft
 feature against the target's own next-token distribution read off f_{i+1} (soft labels, at every
 pair: prompt positions teach too, their labels being what the target would say there; the
-softmax over the labels' vocabulary, distill_data.LabelSoftmax). With a draft vocabulary size below the
-target's, the export carries `d2t` (the most frequent training tokens; spec_decode/eagle.py). Dense causal
-attention over right-padded batches (padding never precedes a real position, so it is never
-attended). Initialisation: fc passes the feature through, o_proj and down_proj start at zero, so
-the untrained head drafts what the target's lm_head reads off f_i.
+softmax over the labels' vocabulary, distill_data.LabelSoftmax). Unrolled over TTT_STEPS steps as
+the engine drafts (draft_layer_unroll: step s feeds the head's own step s-1 feature at the same
+pair; its losses weigh STEP_WEIGHT^(s-1)), so the chain's later drafts are trained on the head's
+own features rather than only teacher-forced (HASS / EAGLE-3's training-time test). With a draft
+vocabulary size below the target's, the export carries `d2t` (the most frequent training tokens;
+spec_decode/eagle.py). Dense attention over right-padded batches (padding never precedes a real
+position, so it is never attended). Initialisation: fc passes the feature through, o_proj and
+down_proj start at zero, so the untrained head drafts what the target's lm_head reads off f_i.
 """
 from __future__ import annotations
 
@@ -18,21 +21,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specinfer.models.rope import apply_rope, rope_factors, rope_table
+from specinfer.models.rope import rope_table
 from specinfer.spec_decode.distill_data import LabelSoftmax
+from specinfer.spec_decode.draft_layer_unroll import UnrolledDraftLayer
 from specinfer.spec_decode.head_checkpoint import write_checkpoint
 
 CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the feature regression
+TTT_STEPS = 3  # unrolled steps per training pair (1: teacher-forced only, EAGLE-1's own recipe)
+STEP_WEIGHT = 0.8  # step s's losses weigh STEP_WEIGHT^(s-1) (EAGLE-3's)
 
 
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
-class EagleTrainer:
-    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor, seqs, draft_vocab_size: int | None = None):
+class EagleTrainer(UnrolledDraftLayer):
+    def __init__(self, target, K: int, seed: int, lm_head: torch.Tensor, seqs, draft_vocab_size: int | None = None,
+                 ttt_steps: int = TTT_STEPS):
         c = target.config
-        self.cfg, self.K = c, K
+        self.cfg, self.K, self.ttt_steps = c, K, ttt_steps
         H, nh, nkv, d, inter = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size
         g = torch.Generator().manual_seed(seed)
 
@@ -56,44 +59,37 @@ class EagleTrainer:
             from specinfer.spec_decode.eagle3_training import draft_vocabulary
 
             self.draft_ids = draft_vocabulary(seqs, c.vocab_size, draft_vocab_size)
-        cos, sin = rope_table(c, c.max_position_embeddings)
-        self.rope_cos, self.rope_sin = cos, sin
+        self.rope_cos, self.rope_sin = rope_table(c, c.max_position_embeddings)
+
+    def _inputs(self, tokens, g):  # EAGLE-1: fc(cat(embed(x_{i+1}), f_i)), which is also the residual
+        x = F.linear(torch.cat([self.embed[tokens], g.to(self.embed.dtype)], -1), self.params["fc_w"],
+                     self.params["fc_b"])
+        return x, x
 
     def forward(self, tokens: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """tokens int64[B, T] (x_{i+1}), feats [B, T, H] (f_i) -> [B, T, H] draft features (causal)."""
-        c, p = self.cfg, self.params
-        B, T, H = feats.shape
-        x = F.linear(torch.cat([self.embed[tokens], feats], -1), p["fc_w"], p["fc_b"])
-        q = F.linear(x, p["q"]).view(B, T, c.num_heads, c.head_dim)
-        k = F.linear(x, p["k"]).view(B, T, c.num_kv_heads, c.head_dim)
-        v = F.linear(x, p["v"]).view(B, T, c.num_kv_heads, c.head_dim)
-        pos = torch.arange(T)
-        cos, sin = rope_factors(self.rope_cos[pos], self.rope_sin[pos])  # [T, 1, D]
-        qk = apply_rope(torch.cat([q, k], 2).reshape(B * T, -1, c.head_dim), cos.repeat(B, 1, 1),
-                        sin.repeat(B, 1, 1)).view(B, T, -1, c.head_dim)
-        q, k = qk[:, :, : c.num_heads], qk[:, :, c.num_heads:]
-        rep = c.num_heads // c.num_kv_heads
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1),
-                                              v.transpose(1, 2).repeat_interleave(rep, 1), is_causal=True,
-                                              scale=c.head_dim ** -0.5)  # [B, nh, T, d]
-        h = x + F.linear(attn.transpose(1, 2).reshape(B, T, -1), p["o"])
-        u = _rms(h, p["post_ln"], c.rms_norm_eps)
-        return h + F.linear(F.silu(F.linear(u, p["gate"])) * F.linear(u, p["up"]), p["down"])
+        return self.unroll(tokens, feats, 1)[0]
 
     def loss_on(self, seqs) -> torch.Tensor:
+        steps = self.ttt_steps
         T = max(len(s.tokens) for s in seqs) - 1
         B, H = len(seqs), self.cfg.hidden_size
-        tokens = torch.zeros(B, T, dtype=torch.int64)
-        feats, next_feats = torch.zeros(B, T, H), torch.zeros(B, T, H)
-        valid = torch.zeros(B, T, dtype=torch.bool)
+        tokens = torch.zeros(B, T + steps - 1, dtype=torch.int64)
+        feats, states = torch.zeros(B, T, H), torch.zeros(B, T + steps, H)
+        valid = torch.zeros(steps, B, T, dtype=torch.bool)
         for b, s in enumerate(seqs):
             n = len(s.tokens) - 1  # pairs i = 0 .. n-1
-            tokens[b, :n], feats[b, :n], next_feats[b, :n] = s.tokens[1:], s.final[:-1], s.final[1:]
-            valid[b, : n - 1] = True  # f_{i+1} known for i <= n-2 (the last pair's next feature is f_n, absent)
-        h = self.forward(tokens, feats)
-        reg = F.smooth_l1_loss(h[valid], next_feats[valid])
-        # soft labels at every pair: the target's own next-token distribution read off f_{i+1}
-        return reg + CLS_WEIGHT * self.label_softmax.soft_loss(h[valid], next_feats[valid])
+            tokens[b, :n], feats[b, :n], states[b, :n + 1] = s.tokens[1:], s.final[:-1], s.final
+            for j in range(steps):  # step j + 1 at pair i predicts f_{i+1+j}, kept for i + 1 + j <= n - 1
+                valid[j, b, : n - 1 - j] = True
+        loss = 0.0
+        for j, h in enumerate(self.unroll(tokens, feats, steps)):
+            nxt, v = states[:, 1 + j:1 + j + T], valid[j]
+            h = h[v].float()
+            # soft labels at every pair: the target's own next-token distribution read off f_{i+1+j}
+            loss = loss + STEP_WEIGHT ** j * (F.smooth_l1_loss(h, nxt[v])
+                                              + CLS_WEIGHT * self.label_softmax.soft_loss(h, nxt[v]))
+        return loss
 
     @torch.no_grad()
     def drafts(self, tokens: torch.Tensor, feats: torch.Tensor, k: int) -> list[int]:

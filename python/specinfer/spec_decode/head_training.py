@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from specinfer.spec_decode.distill_data import DistillSequence, LabelSoftmax
 
 TRAINABLE = ("medusa", "mlp_speculator", "eagle", "eagle3")
+TRAIN_DTYPES = ("float32", "bfloat16")
 EAGLE_SEQS_PER_BATCH = 4
 WARMUP_STEPS = 20
 DECAY_FROM = 200
@@ -48,10 +49,15 @@ class TrainConfig:
     save_every: int = 50
     max_grad_norm: float = 1.0  # gradients clipped to this norm
     draft_vocab_size: int = 8192  # eagle, eagle3, medusa: the draft vocabulary (most frequent target tokens)
+    # "bfloat16": the loss under CPU autocast (bf16 matmuls, fp32 master weights and optimizer state;
+    # ~2.5x the steps per second on a CPU with AMX / avx512_bf16), or "float32"
+    train_dtype: str = "float32"
 
     def __post_init__(self):
         if self.method not in TRAINABLE:
             raise ValueError(f"train-heads --method must be one of {list(TRAINABLE)} (got {self.method!r})")
+        if self.train_dtype not in TRAIN_DTYPES:
+            raise ValueError(f"train-heads train_dtype must be one of {list(TRAIN_DTYPES)} (got {self.train_dtype!r})")
         for name in ("num_heads", "steps", "batch_size", "save_every", "draft_vocab_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -183,6 +189,20 @@ def acceptance_estimate(head, seqs: list[DistillSequence], K: int) -> dict:
             "acceptance_rate": float(accepted.float().sum() / (len(accepted) * K))}
 
 
+@torch.no_grad()
+def held_out_loss(trainer, held: list[DistillSequence], cfg: TrainConfig) -> float:
+    """The training loss over every held-out sequence (float32, no autocast): beside final_loss
+    (one training batch's) it tells learning from overfitting."""
+    if cfg.method in ("eagle", "eagle3"):
+        chunks = [held[i:i + EAGLE_SEQS_PER_BATCH] for i in range(0, len(held), EAGLE_SEQS_PER_BATCH)]
+        return float(sum(trainer.loss_on(c) * len(c) for c in chunks) / len(held))
+    try:
+        f, toks = _examples(held, cfg.num_heads)
+    except ValueError:  # held-out continuations too short for the heads: nothing to score
+        return float("nan")
+    return float(trainer.loss(f, toks))
+
+
 def learning_rate(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up over WARMUP_STEPS, constant to DECAY_FROM, then inverse-square-root decay:
     a function of the step alone, so a resumed run (whatever --steps / --minutes) equals an
@@ -253,7 +273,7 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
         for group in opt.param_groups:
             group["lr"] = learning_rate(cfg, step)
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train_dtype == "bfloat16"):
             value = batch_loss(g)
             opt.zero_grad()
             value.backward()
@@ -285,6 +305,6 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     else:
         held_out = acceptance_estimate(type(trainer).load(out, target), held, cfg.num_heads)
     report = {"method": cfg.method, "steps": step, "final_loss": loss, "train_positions": int(num_positions),
-              "held_out": held_out}
+              "held_out_loss": held_out_loss(trainer, held, cfg), "held_out": held_out}
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     return report

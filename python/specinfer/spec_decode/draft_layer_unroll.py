@@ -1,0 +1,79 @@
+"""The one dense draft layer that EAGLE heads train, unrolled as the engine drafts with it.
+
+"Training-time test" (EAGLE-3; HASS for EAGLE-1/2): step 1 reads the target's own feature at every
+pair; step s > 1 reads the head's own step s-1 output at the same pair, with the token that follows,
+and its query at position i + s - 1 sees step 1's keys at pairs <= i and its own chain's keys of
+steps 2..s at pair i, which is exactly what the engine's draft KV holds when it drafts a chain
+(eagle_proposer): the history's true pairs, then the chain's drafted pairs. So positions 2..k of a
+chain are trained on the head's own features, not only teacher-forced.
+
+Subclasses say what enters the layer (`_inputs`: EAGLE-1 fc(cat(embed(x), f)) with the fc output as
+the residual; EAGLE-3 cat(norm(embed(x)), hidden_norm(g)), 2H wide, with g as the residual); the
+attention (RoPE, GQA) and the MLP are shared. Parameters: q, k, v, o, post_ln, gate, up, down.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specinfer.models.rope import apply_rope, rope_factors
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 (also under bf16 autocast, whose matmuls hand back bf16)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def chain_mask(T: int, step: int) -> torch.Tensor:
+    """bool[T, (step + 1) T]: the keys a step-`step` query at pair i sees (0-based steps): step 0's
+    keys at pairs <= i (causal), then each later step's key at pair i alone."""
+    pos = torch.arange(T)
+    return torch.cat([pos[None, :] <= pos[:, None], *[torch.eye(T, dtype=torch.bool)] * step], 1)
+
+
+class UnrolledDraftLayer:
+    cfg: object  # the target's ModelConfig (heads, head_dim, eps)
+    params: dict[str, torch.Tensor]
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def _inputs(self, tokens: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens int64[B, T], g [B, T, H] -> (residual [B, T, H], layer input [B, T, W])."""
+        raise NotImplementedError
+
+    def _attend_mlp(self, resid, x, positions, keys, values, step):
+        """One step of the layer; keys/values (lists) collect this step's K/V for later steps."""
+        c, p = self.cfg, self.params
+        B, T = x.shape[:2]
+        q = F.linear(x, p["q"]).view(B, T, c.num_heads, c.head_dim)
+        k = F.linear(x, p["k"]).view(B, T, c.num_kv_heads, c.head_dim)
+        v = F.linear(x, p["v"]).view(B, T, c.num_kv_heads, c.head_dim)
+        cos, sin = rope_factors(self.rope_cos[positions], self.rope_sin[positions])  # [T, 1, d]
+        qk = apply_rope(torch.cat([q, k], 2).reshape(B * T, -1, c.head_dim), cos.repeat(B, 1, 1),
+                        sin.repeat(B, 1, 1)).view(B, T, -1, c.head_dim)
+        q = qk[:, :, : c.num_heads]
+        keys.append(qk[:, :, c.num_heads:])
+        values.append(v)
+        rep = c.num_heads // c.num_kv_heads
+        kk, vv = torch.cat(keys, 1).transpose(1, 2), torch.cat(values, 1).transpose(1, 2)
+        mask = chain_mask(T, step)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), kk.repeat_interleave(rep, 1).to(q.dtype), vv.repeat_interleave(rep, 1).to(q.dtype),
+            attn_mask=mask if step else None, is_causal=not step, scale=c.head_dim ** -0.5)  # [B, nh, T, d]
+        h = resid + F.linear(attn.transpose(1, 2).reshape(B, T, -1), p["o"])
+        u = rms(h, p["post_ln"], c.rms_norm_eps)
+        return h + F.linear(F.silu(F.linear(u, p["gate"])) * F.linear(u, p["up"]), p["down"])
+
+    def unroll(self, tokens: torch.Tensor, first: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """tokens int64[B, T + steps - 1] (x_{i+1} for pair i, then the tokens that follow), first
+        [B, T, H] (the target's features at the pairs) -> per step s the outputs [B, T, H] (step s
+        at pair i is the draft feature of position i + s + 1)."""
+        T = first.shape[1]
+        pos = torch.arange(T)
+        g, keys, values, outs = first, [], [], []
+        for s in range(steps):
+            resid, x = self._inputs(tokens[:, s:s + T], g)
+            g = self._attend_mlp(resid, x, pos + s, keys, values, s)
+            outs.append(g)
+        return outs

@@ -1,0 +1,95 @@
+"""The unrolled draft layer that EAGLE trainers train ("training-time test"): step s at pair i
+equals the layer run densely over the pairs the engine's draft KV holds when it drafts a chain (the
+history's true pairs up to i, then the chain's own pairs), for EAGLE-1 and EAGLE-3 alike; under bf16
+autocast it stays close to fp32 and training lowers the loss."""
+import types
+
+import pytest
+import torch
+
+from specinfer.models.config import ModelConfig
+from specinfer.spec_decode.distill_data import DistillSequence
+from specinfer.spec_decode.draft_layer_unroll import chain_mask
+from specinfer.spec_decode.eagle3_training import Eagle3Trainer
+from specinfer.spec_decode.eagle_training import EagleTrainer
+
+H, V, T = 32, 64, 12
+
+
+def _target():
+    cfg = ModelConfig("llama", V, H, 48, 6, 4, 2, 8, 1e-5, 10000.0, 128, tie_word_embeddings=True)
+    emb = torch.randn(V, H, generator=torch.Generator().manual_seed(1))
+    return types.SimpleNamespace(config=cfg, model=types.SimpleNamespace(embed_tokens=emb,
+                                                                         norm=torch.ones(H)))
+
+
+def _seqs(n=6, aux=False):
+    g = torch.Generator().manual_seed(2)
+    return [DistillSequence(torch.randint(0, V, (T + 4,), generator=g), 4, torch.randn(T + 4, H, generator=g),
+                            torch.randn(T + 4, 3 * H, generator=g) if aux else None) for _ in range(n)]
+
+
+def _randomize(trainer):  # o_proj / down_proj start at zero: give every weight a value, so attention counts
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in trainer.params.values():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def test_chain_mask():
+    m = chain_mask(3, 2)
+    assert m.shape == (3, 9)
+    assert m[:, :3].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert m[:, 3:6].tolist() == m[:, 6:].tolist() == torch.eye(3, dtype=torch.bool).tolist()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_unrolled_steps_equal_the_chain_recomputed_densely(kind):
+    target = _target()
+    seqs = _seqs(aux=kind == "eagle3")
+    if kind == "eagle":
+        tr = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs)
+        first = seqs[0].final[None, :T]
+        run = lambda toks, f, steps: tr.unroll(toks, f, steps)  # noqa: E731
+    else:
+        tr = Eagle3Trainer(target, seqs, 0, V, target.model.embed_tokens)
+        first = torch.nn.functional.linear(seqs[0].aux[None, :T], tr.params["fc"])
+        run = lambda toks, f, steps: tr.unroll(toks, f, steps)  # noqa: E731
+    _randomize(tr)
+    steps = 3
+    tokens = seqs[0].tokens[None, 1:T + steps]  # x_{i+1} for pair i, then the tokens that follow
+    with torch.no_grad():
+        outs = run(tokens, first, steps)
+        for i in (0, 4, T - 1):
+            # the dense chain at pair i: true pairs 0..i, then (x_{i+1+s}, the chain's step s-1 output at i)
+            toks, feats = tokens[:, :i + 1], first[:, :i + 1]
+            for s in range(1, steps):
+                toks = torch.cat([toks, tokens[:, i + s:i + s + 1]], 1)
+                feats = torch.cat([feats, outs[s - 1][:, i:i + 1]], 1)
+                dense = run(toks, feats, 1)[0][:, -1]
+                assert torch.allclose(dense, outs[s][:, i], atol=1e-4), (kind, i, s)
+            assert torch.allclose(run(tokens[:, :i + 1], first[:, :i + 1], 1)[0][:, -1], outs[0][:, i], atol=1e-4)
+
+
+def test_eagle_ttt_steps_change_the_loss_and_one_step_is_teacher_forced():
+    target, seqs = _target(), _seqs()
+    one = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs, ttt_steps=1)
+    three = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs, ttt_steps=3)
+    _randomize(one)
+    _randomize(three)
+    with torch.no_grad():
+        l1, l3 = float(one.loss_on(seqs[:2])), float(three.loss_on(seqs[:2]))
+    assert l3 > l1 > 0  # the later steps add their (weighted) losses
+
+
+def test_bf16_autocast_loss_is_close_to_fp32_and_has_gradients():
+    target, seqs = _target(), _seqs()
+    tr = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs)
+    _randomize(tr)
+    full = tr.loss_on(seqs[:3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = tr.loss_on(seqs[:3])
+    assert half.dtype == torch.float32
+    assert abs(float(half) - float(full)) < 0.05 * float(full)
+    half.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in tr.params.values())
