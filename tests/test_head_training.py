@@ -227,7 +227,7 @@ def test_bf16_training_lowers_the_loss_and_the_head_runs_greedy_exact(setup, tmp
 def test_distillation_data_with_aux_states_serves_a_head_that_reads_none(setup, tmp_path):
     """cached_sequences: data built for EAGLE-3 (aux states) is reused by EAGLE-1 / Medusa / MLP
     (aux dropped), never the other way round, and never for another model or prompt count."""
-    from specinfer.cli.train_heads import cached_sequences
+    from specinfer.spec_decode.distill_data import cached_sequences
 
     _, _, _, seqs = setup
     with_aux = [DistillSequence(s.tokens, s.prompt_len, s.final, torch.zeros(len(s.tokens), 3)) for s in seqs[:3]]

@@ -97,13 +97,15 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int = 256)
 def check_model(name: str | None, what: str = "model") -> None:
     """Fail fast on a name that is neither a pack nor an existing path (before any load)."""
     from specinfer.packs import is_pack_name
+    from specinfer.spec_decode.trained_heads import TRAINED_HEADS, is_trained_head_name
 
-    if name is None or is_pack_name(name) or Path(name).exists():
+    if name is None or is_pack_name(name) or is_trained_head_name(name) or Path(name).exists():
         return
     from specinfer.packs import BUILTIN_PACKS
 
     packs = ", ".join(p.name for p in BUILTIN_PACKS.packs)
-    raise CliError(f"{what} {name!r} is neither a known pack ({packs}) nor an existing HF directory or .gguf file")
+    raise CliError(f"{what} {name!r} is neither a known pack ({packs}), a trained head ({', '.join(TRAINED_HEADS)}) "
+                   f"nor an existing HF directory, head directory or .gguf file")
 
 
 def speculative_config(args):

@@ -13,7 +13,9 @@ which the bench measures; 320 everyday assistant questions; then chunks of the P
 library's sources wrapped in task-shaped instructions, through the target's chat template); the head learns those continuations from the target's hidden states.
 The head is written to --out in its public layout (use it with --method M --head DIR); rerunning
 the same command resumes from --out/train_state.pt. Ends with a held-out acceptance estimate
-(also in --out/train_report.json)."""
+(also in --out/train_report.json). Named heads (speculative.model "smollm2-135m-eagle", "-medusa",
+"-mlp") run this pipeline by a fixed recipe on first use and are cached
+(spec_decode/trained_heads.py)."""
 
 
 def add_arguments(p) -> None:
@@ -40,51 +42,17 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from specinfer.cli.options import check_model
-    from specinfer.generator import Generator
-    from specinfer.spec_decode.distill_data import build_sequences, training_prompts
-    from specinfer.spec_decode.head_training import TrainConfig, train
-
     from specinfer.platform.cpu import bf16_matmul_is_native
+    from specinfer.spec_decode.head_training import TrainConfig, train_head
 
     check_model(args.model, "target")
     dtype = args.train_dtype if args.train_dtype != "auto" else "bfloat16" if bf16_matmul_is_native() else "float32"
     cfg = TrainConfig(args.method, num_heads=args.num_heads, steps=args.steps, batch_size=args.batch_size,
                       lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size, train_dtype=dtype,
                       max_seconds=None if args.minutes is None else 60 * args.minutes)
-    gen = Generator(args.model, max_num_seqs=64)
-    print(f"distillation data: {args.prompts} continuations of {args.max_tokens} tokens with the target ...", file=sys.stderr)
-    aux = ()
-    if args.method == "eagle3":  # the three target layers an EAGLE-3 head reads
-        from specinfer.spec_decode.eagle3_training import training_aux_layers
-
-        aux = training_aux_layers(gen.engine.loaded.config.num_layers)
-    seqs = cached_sequences(Path(args.out) / "distill_data.pt", {"model": args.model, "prompts": args.prompts,
-                                                                  "max_tokens": args.max_tokens, "aux": list(aux)},
-                            lambda: build_sequences(gen, training_prompts(gen.engine.loaded, args.prompts),
-                                                    args.max_tokens, aux))
-    report = train(gen.engine.loaded, seqs, args.out, cfg, progress=not args.no_progress)
+    report = train_head(args.model, Path(args.out), cfg, args.prompts, args.max_tokens, progress=not args.no_progress)
     h = report["held_out"]
     print(json.dumps(report, indent=2))
     print(f"held-out estimate: mean acceptance length {h['mean_acceptance_length']:.2f} at k={args.num_heads}, "
           f"acceptance per position {[round(a, 3) for a in h['acceptance_per_position']]}", file=sys.stderr)
     return 0
-
-
-def cached_sequences(path: Path, key: dict, build):
-    """The distillation data of an earlier run with the same key (resuming, or another head
-    trained in the same --out; data built with EAGLE-3's aux states also serves a head that reads
-    none), else build() and keep it there."""
-    import torch
-
-    from specinfer.spec_decode.distill_data import DistillSequence
-
-    if path.exists():
-        saved = torch.load(path, weights_only=False)
-        have = saved.get("key") or {}
-        if have == key or (not key["aux"] and {**have, "aux": []} == key):  # aux states kept: not needed here
-            print(f"reusing the distillation data in {path}", file=sys.stderr)
-            return [DistillSequence(**{**s, "aux": s["aux"] if key["aux"] else None}) for s in saved["seqs"]]
-    seqs = build()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"key": key, "seqs": [vars(s) for s in seqs]}, path)
-    return seqs

@@ -39,6 +39,7 @@ from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.policy import GoodputPolicy
 from specinfer.spec_decode.registry import proposer_class
+from specinfer.spec_decode.trained_heads import resolve_head
 
 
 @dataclass
@@ -101,8 +102,9 @@ class LLMEngine:
                                   sched_cfg.max_num_batched_tokens,
                                   lambda m, kv, be: self.executor.make_runner(m, kv, be, self._limits),
                                   self.executor.make_eager_runner,
-                                  lambda method, path: self.executor.load_head(method, path, self.loaded,
-                                                                               dtype=self.loaded.model.norm.dtype))
+                                  lambda method, path: self.executor.load_head(
+                                      method, resolve_head(path, method, model), self.loaded,
+                                      dtype=self.loaded.model.norm.dtype))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size

@@ -159,6 +159,26 @@ def build_sequences(generator, prompts: list, max_tokens: int, aux_layers: tuple
     return out
 
 
+def cached_sequences(path: Path, key: dict, build) -> list[DistillSequence]:
+    """The distillation data of an earlier run with the same key (resuming, or another head of
+    the same target; data built with EAGLE-3's aux states also serves a head that reads none),
+    else build() and keep it at path."""
+    import sys
+
+    if path.exists():
+        saved = torch.load(path, weights_only=False)
+        have = saved.get("key") or {}
+        if have == key or (not key["aux"] and {**have, "aux": []} == key):  # aux states kept: not needed here
+            print(f"reusing the distillation data in {path}", file=sys.stderr)
+            return [DistillSequence(**{**s, "aux": s["aux"] if key["aux"] else None}) for s in saved["seqs"]]
+    seqs = build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    torch.save({"key": key, "seqs": [vars(s) for s in seqs]}, tmp)
+    tmp.replace(path)  # never a half-written file at path
+    return seqs
+
+
 def label_vocabulary(seqs: list[DistillSequence], vocab_size: int) -> torch.Tensor:
     """int64[n] ascending: every token that is a training label (a continuation token past the prompt)."""
     seen = torch.zeros(vocab_size, dtype=torch.bool)

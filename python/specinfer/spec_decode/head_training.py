@@ -308,3 +308,26 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
               "held_out_loss": held_out_loss(trainer, held, cfg), "held_out": held_out}
     (out / "train_report.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def train_head(target_model: str, out: Path, cfg: TrainConfig, prompts: int, max_tokens: int, *,
+               progress: bool = True, data_path: Path | None = None) -> dict:
+    """The whole `specinfer train-heads` pipeline: load the target, build (or reuse, from data_path,
+    default out/distill_data.pt) the distillation data of `prompts` greedy continuations of
+    `max_tokens` tokens, train, write the head to out; returns the report."""
+    import sys
+
+    from specinfer.generator import Generator
+    from specinfer.spec_decode.distill_data import build_sequences, cached_sequences, training_prompts
+
+    gen = Generator(target_model, max_num_seqs=64)
+    aux = ()
+    if cfg.method == "eagle3":  # the three target layers an EAGLE-3 head reads
+        from specinfer.spec_decode.eagle3_training import training_aux_layers
+
+        aux = training_aux_layers(gen.engine.loaded.config.num_layers)
+    print(f"distillation data: {prompts} continuations of {max_tokens} tokens with the target ...", file=sys.stderr)
+    key = {"model": target_model, "prompts": prompts, "max_tokens": max_tokens, "aux": list(aux)}
+    seqs = cached_sequences(Path(data_path) if data_path is not None else Path(out) / "distill_data.pt", key,
+                            lambda: build_sequences(gen, training_prompts(gen.engine.loaded, prompts), max_tokens, aux))
+    return train(gen.engine.loaded, seqs, out, cfg, progress=progress)
