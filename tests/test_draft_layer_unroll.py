@@ -93,3 +93,16 @@ def test_bf16_autocast_loss_is_close_to_fp32_and_has_gradients():
     assert abs(float(half) - float(full)) < 0.05 * float(full)
     half.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in tr.params.values())
+
+
+def test_eagle_trainer_reads_back_its_export(tmp_path):
+    target, seqs = _target(), _seqs()
+    tr = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs, draft_vocab_size=40)
+    _randomize(tr)
+    tr.save(tmp_path, target)
+    back = EagleTrainer(target, 3, 1, target.model.embed_tokens, seqs)  # another seed, no draft vocabulary
+    back.load_export(tmp_path)
+    assert all(torch.equal(tr.params[k], back.params[k]) for k in tr.params)
+    assert torch.equal(back.draft_ids, tr.draft_ids)
+    toks, feats = seqs[1].tokens[1:9], seqs[1].final[:8]
+    assert back.drafts(toks, feats, 3) == tr.drafts(toks, feats, 3)

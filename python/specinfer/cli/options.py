@@ -61,7 +61,8 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model "
                    "(pack name, HF directory or .gguf; same tokenizer as the target)")
     g.add_argument("--head", default=None, metavar="DIR", help="draft-head checkpoint directory for --method "
-                   "mlp_speculator, medusa, eagle or eagle3 (their public layouts)")
+                   "mlp_speculator, medusa, eagle or eagle3 (their public layouts), or a named head "
+                   "(smollm2-135m-eagle, -medusa, -mlp: trained once on first use, then cached)")
     g.add_argument("--exit-layer", type=int, default=None, metavar="E",
                    help="layer_skip: draft with the target's first E layers")
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=None, metavar="K",
@@ -136,7 +137,8 @@ def speculative_config(args):
     if head is not None and (method == "draft_model" or method not in MODEL_METHODS):
         raise CliError(f"--head is only used by --method {', '.join(m for m in MODEL_METHODS if m != 'draft_model')}")
     if method in MODEL_METHODS and method != "draft_model" and head is None:
-        raise CliError(f"--method {method} needs --head DIR (the head's checkpoint directory)")
+        raise CliError(f"--method {method} needs --head DIR (the head's checkpoint directory or a named head)")
+    check_model(head, "--head")
     k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
     return SpeculativeConfig(
         method=method, num_speculative_tokens=k, model=head if head is not None else args.draft,

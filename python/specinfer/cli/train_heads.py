@@ -34,6 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=8192, metavar="N",
                    help="eagle, eagle3, medusa: draft vocabulary size (the target's most frequent tokens; d2t / "
                         "Medusa's token_map in the checkpoint), default 8192; the target's vocabulary size or more: none")
+    p.add_argument("--ttt-steps", type=int, default=None, metavar="S",
+                   help="eagle: chain steps unrolled per training pair (training-time test; default 1: teacher-forced)")
     p.add_argument("--train-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="matmul precision of training (fp32 master weights either way); auto: bfloat16 where "
                         "the CPU multiplies bf16 natively (AMX / avx512_bf16), else float32")
@@ -49,6 +51,7 @@ def run(args) -> int:
     dtype = args.train_dtype if args.train_dtype != "auto" else "bfloat16" if bf16_matmul_is_native() else "float32"
     cfg = TrainConfig(args.method, num_heads=args.num_heads, steps=args.steps, batch_size=args.batch_size,
                       lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size, train_dtype=dtype,
+                      **({} if args.ttt_steps is None else {"ttt_steps": args.ttt_steps}),
                       max_seconds=None if args.minutes is None else 60 * args.minutes)
     report = train_head(args.model, Path(args.out), cfg, args.prompts, args.max_tokens, progress=not args.no_progress)
     h = report["held_out"]

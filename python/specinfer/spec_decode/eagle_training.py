@@ -4,10 +4,12 @@ One draft layer over (x_{i+1}, f_i) pairs, trained as EAGLE trains it: regress t
 feature f_{i+1} (smooth L1) plus 0.1 x cross-entropy of the target's lm_head over the draft
 feature against the target's own next-token distribution read off f_{i+1} (soft labels, at every
 pair: prompt positions teach too, their labels being what the target would say there; the
-softmax over the labels' vocabulary, distill_data.LabelSoftmax). Unrolled over TTT_STEPS steps as
-the engine drafts (draft_layer_unroll: step s feeds the head's own step s-1 feature at the same
-pair; its losses weigh STEP_WEIGHT^(s-1)), so the chain's later drafts are trained on the head's
-own features rather than only teacher-forced (HASS / EAGLE-3's training-time test). With a draft
+softmax over the labels' vocabulary, distill_data.LabelSoftmax). With ttt_steps > 1 the layer is
+unrolled as the engine drafts (draft_layer_unroll: step s feeds the head's own step s-1 feature at
+the same pair; its losses weigh STEP_WEIGHT^(s-1)), so the chain's later drafts are trained on the
+head's own features rather than only teacher-forced (HASS / EAGLE-3's training-time test); each
+step costs about another teacher-forced pass, and in a fixed CPU time budget fewer, unrolled steps
+trained a weaker head (docs/benchmarks.md), so the default stays 1. With a draft
 vocabulary size below the target's, the export carries `d2t` (the most frequent training tokens;
 spec_decode/eagle.py). Dense attention over right-padded batches (padding never precedes a real
 position, so it is never attended). Initialisation: fc passes the feature through, o_proj and
@@ -27,7 +29,7 @@ from specinfer.spec_decode.draft_layer_unroll import UnrolledDraftLayer
 from specinfer.spec_decode.head_checkpoint import write_checkpoint
 
 CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the feature regression
-TTT_STEPS = 3  # unrolled steps per training pair (1: teacher-forced only, EAGLE-1's own recipe)
+TTT_STEPS = 1  # unrolled steps per training pair by default (1: teacher-forced only, EAGLE-1's own recipe)
 STEP_WEIGHT = 0.8  # step s's losses weigh STEP_WEIGHT^(s-1) (EAGLE-3's)
 
 
@@ -103,6 +105,22 @@ class EagleTrainer(UnrolledDraftLayer):
             toks, f = torch.cat([toks, torch.tensor([d])]), torch.cat([f, h[None]])
         return out
 
+    _EXPORT_NAMES = {"fc_w": "fc.weight", "fc_b": "fc.bias", "q": "layers.0.self_attn.q_proj.weight",
+                     "k": "layers.0.self_attn.k_proj.weight", "v": "layers.0.self_attn.v_proj.weight",
+                     "o": "layers.0.self_attn.o_proj.weight", "gate": "layers.0.mlp.gate_proj.weight",
+                     "up": "layers.0.mlp.up_proj.weight", "down": "layers.0.mlp.down_proj.weight",
+                     "post_ln": "layers.0.post_attention_layernorm.weight"}
+
+    def load_export(self, out: Path) -> None:
+        """Take the parameters (and draft vocabulary) of a head this trainer's save() wrote."""
+        from safetensors.torch import load_file
+
+        t = load_file(str(Path(out) / "model.safetensors"))
+        with torch.no_grad():
+            for name, key in self._EXPORT_NAMES.items():
+                self.params[name].copy_(t[key])
+        self.draft_ids = None if "d2t" not in t else torch.arange(len(t["d2t"])) + t["d2t"]
+
     def save(self, out: Path, target) -> None:
         c, p = self.cfg, {k: v.detach() for k, v in self.params.items()}
         inter = c.intermediate_size
@@ -113,11 +131,7 @@ class EagleTrainer(UnrolledDraftLayer):
               "rope_theta": c.rope_theta, "hidden_act": "silu", "bias": True, "torch_dtype": "float32"}
         if c.rope_scaling is not None:
             hf["rope_scaling"] = dict(c.rope_scaling)
-        t = {"fc.weight": p["fc_w"], "fc.bias": p["fc_b"], "layers.0.self_attn.q_proj.weight": p["q"],
-             "layers.0.self_attn.k_proj.weight": p["k"], "layers.0.self_attn.v_proj.weight": p["v"],
-             "layers.0.self_attn.o_proj.weight": p["o"], "layers.0.mlp.gate_proj.weight": p["gate"],
-             "layers.0.mlp.up_proj.weight": p["up"], "layers.0.mlp.down_proj.weight": p["down"],
-             "layers.0.post_attention_layernorm.weight": p["post_ln"]}
+        t = {key: p[name] for name, key in self._EXPORT_NAMES.items()}
         if self.draft_ids is not None:  # specinfer's draft-vocabulary extension (spec_decode/eagle.py)
             hf["draft_vocab_size"] = len(self.draft_ids)
             t["d2t"] = self.draft_ids - torch.arange(len(self.draft_ids))

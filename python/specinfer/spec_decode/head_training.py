@@ -52,13 +52,14 @@ class TrainConfig:
     # "bfloat16": the loss under CPU autocast (bf16 matmuls, fp32 master weights and optimizer state;
     # ~2.5x the steps per second on a CPU with AMX / avx512_bf16), or "float32"
     train_dtype: str = "float32"
+    ttt_steps: int = 1  # eagle: chain steps unrolled per training pair (eagle_training; 1: teacher-forced)
 
     def __post_init__(self):
         if self.method not in TRAINABLE:
             raise ValueError(f"train-heads --method must be one of {list(TRAINABLE)} (got {self.method!r})")
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"train-heads train_dtype must be one of {list(TRAIN_DTYPES)} (got {self.train_dtype!r})")
-        for name in ("num_heads", "steps", "batch_size", "save_every", "draft_vocab_size"):
+        for name in ("num_heads", "steps", "batch_size", "save_every", "draft_vocab_size", "ttt_steps"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"train-heads {name} must be a positive integer (got {v!r})")
@@ -228,7 +229,7 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
             from specinfer.spec_decode.eagle_training import EagleTrainer
 
             trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target), train_seqs,
-                                   cfg.draft_vocab_size)
+                                   cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps)
         else:
             from specinfer.spec_decode.eagle3_training import Eagle3Trainer
 

@@ -37,6 +37,7 @@ class HeadRecipe:
     steps: int  # optimizer steps: fixed, so the result does not depend on the machine's speed
     num_heads: int = 4
     draft_vocab_size: int = 8192
+    ttt_steps: int = 1  # eagle: chain steps unrolled per training pair (eagle_training)
     seed: int = 0
     minutes: float = 0.0  # about how long it takes on a 2-core CI-class machine (shown to the user)
 
@@ -107,7 +108,7 @@ def resolve_head(model: str, method: str, target: str, *, table: dict[str, HeadR
 
         cfg = head_training.TrainConfig(recipe.method, num_heads=recipe.num_heads, steps=recipe.steps,
                                         seed=recipe.seed, draft_vocab_size=recipe.draft_vocab_size,
-                                        train_dtype=dtype)
+                                        ttt_steps=recipe.ttt_steps, train_dtype=dtype)
         # the distillation data is shared by every head of the target (built once: the slow part)
         data = root / f"distill-{re.sub(r'[^A-Za-z0-9_.-]', '_', recipe.target)}.pt"
         head_training.train_head(recipe.target, work, cfg, recipe.prompts, recipe.max_tokens, progress=progress,
