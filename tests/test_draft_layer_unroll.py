@@ -106,3 +106,24 @@ def test_eagle_trainer_reads_back_its_export(tmp_path):
     assert torch.equal(back.draft_ids, tr.draft_ids)
     toks, feats = seqs[1].tokens[1:9], seqs[1].final[:8]
     assert back.drafts(toks, feats, 3) == tr.drafts(toks, feats, 3)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_later_steps_at_a_subset_of_pairs_equal_the_full_unroll_there(kind):
+    target = _target()
+    seqs = _seqs(aux=kind == "eagle3")
+    if kind == "eagle":
+        tr = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs)
+        first = seqs[0].final[None, :T]
+    else:
+        tr = Eagle3Trainer(target, seqs, 0, V, target.model.embed_tokens)
+        first = torch.nn.functional.linear(seqs[0].aux[None, :T], tr.params["fc"])
+    _randomize(tr)
+    tokens = seqs[0].tokens[None, 1:T + 3]
+    pairs = torch.tensor([1, 4, 7, 11])
+    with torch.no_grad():
+        full, part = tr.unroll(tokens, first, 3), tr.unroll(tokens, first, 3, pairs)
+    assert part[0].shape == full[0].shape and torch.allclose(part[0], full[0])
+    for s in (1, 2):
+        assert part[s].shape == (1, 4, H)
+        assert torch.allclose(part[s], full[s][:, pairs], atol=1e-5), s

@@ -25,11 +25,13 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def chain_mask(T: int, step: int) -> torch.Tensor:
-    """bool[T, (step + 1) T]: the keys a step-`step` query at pair i sees (0-based steps): step 0's
-    keys at pairs <= i (causal), then each later step's key at pair i alone."""
-    pos = torch.arange(T)
-    return torch.cat([pos[None, :] <= pos[:, None], *[torch.eye(T, dtype=torch.bool)] * step], 1)
+def chain_mask(T: int, step: int, pairs: torch.Tensor | None = None) -> torch.Tensor:
+    """bool[n, T + step n]: the keys a step-`step` query at pair i sees (0-based steps): step 0's
+    keys at pairs <= i (causal), then each later step's key at pair i alone. pairs int64[n]: the
+    pairs that later steps run at (default all T)."""
+    rows = torch.arange(T) if pairs is None else pairs
+    n = len(rows)
+    return torch.cat([torch.arange(T)[None, :] <= rows[:, None], *[torch.eye(n, dtype=torch.bool)] * step], 1)
 
 
 class UnrolledDraftLayer:
@@ -42,8 +44,9 @@ class UnrolledDraftLayer:
         """tokens int64[B, T], g [B, T, H] -> (residual [B, T, H], layer input [B, T, W])."""
         raise NotImplementedError
 
-    def _attend_mlp(self, resid, x, positions, keys, values, step):
-        """One step of the layer; keys/values (lists) collect this step's K/V for later steps."""
+    def _attend_mlp(self, resid, x, positions, keys, values, step, pairs=None):
+        """One step of the layer at `positions` (of pairs `pairs`, default all); keys/values (lists)
+        collect this step's K/V for later steps."""
         c, p = self.cfg, self.params
         B, T = x.shape[:2]
         q = F.linear(x, p["q"]).view(B, T, c.num_heads, c.head_dim)
@@ -57,7 +60,7 @@ class UnrolledDraftLayer:
         values.append(v)
         rep = c.num_heads // c.num_kv_heads
         kk, vv = torch.cat(keys, 1).transpose(1, 2), torch.cat(values, 1).transpose(1, 2)
-        mask = chain_mask(T, step)
+        mask = chain_mask(keys[0].shape[1], step, pairs)
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), kk.repeat_interleave(rep, 1).to(q.dtype), vv.repeat_interleave(rep, 1).to(q.dtype),
             attn_mask=mask if step else None, is_causal=not step, scale=c.head_dim ** -0.5)  # [B, nh, T, d]
@@ -65,15 +68,23 @@ class UnrolledDraftLayer:
         u = rms(h, p["post_ln"], c.rms_norm_eps)
         return h + F.linear(F.silu(F.linear(u, p["gate"])) * F.linear(u, p["up"]), p["down"])
 
-    def unroll(self, tokens: torch.Tensor, first: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    def unroll(self, tokens: torch.Tensor, first: torch.Tensor, steps: int,
+               pairs: torch.Tensor | None = None) -> list[torch.Tensor]:
         """tokens int64[B, T + steps - 1] (x_{i+1} for pair i, then the tokens that follow), first
-        [B, T, H] (the target's features at the pairs) -> per step s the outputs [B, T, H] (step s
-        at pair i is the draft feature of position i + s + 1)."""
+        [B, T, H] (the target's features at the pairs) -> per step s the outputs (step s at pair i
+        is the draft feature of position i + s + 1): [B, T, H] for step 0, and for later steps
+        [B, n, H] at pairs int64[n] (ascending; default every pair). A chain step at pair i reads
+        only step 0's keys and its own chain's, so running later steps at a subset of pairs gives
+        exactly those pairs' outputs of the full unroll, at a fraction of the cost."""
         T = first.shape[1]
         pos = torch.arange(T)
+        at = pos if pairs is None else pairs
         g, keys, values, outs = first, [], [], []
         for s in range(steps):
-            resid, x = self._inputs(tokens[:, s:s + T], g)
-            g = self._attend_mlp(resid, x, pos + s, keys, values, s)
+            rows = pos if s == 0 else at
+            if s == 1 and pairs is not None:
+                g = g[:, pairs]
+            resid, x = self._inputs(tokens[:, rows + s], g)
+            g = self._attend_mlp(resid, x, rows + s, keys, values, s, None if s == 0 else pairs)
             outs.append(g)
         return outs

@@ -7,9 +7,11 @@ pair: prompt positions teach too, their labels being what the target would say t
 softmax over the labels' vocabulary, distill_data.LabelSoftmax). With ttt_steps > 1 the layer is
 unrolled as the engine drafts (draft_layer_unroll: step s feeds the head's own step s-1 feature at
 the same pair; its losses weigh STEP_WEIGHT^(s-1)), so the chain's later drafts are trained on the
-head's own features rather than only teacher-forced (HASS / EAGLE-3's training-time test); each
-step costs about another teacher-forced pass, and in a fixed CPU time budget fewer, unrolled steps
-trained a weaker head (docs/benchmarks.md), so the default stays 1. With a draft
+head's own features rather than only teacher-forced (HASS / EAGLE-3's training-time test). Steps
+past the first run at every TTT_PAIR_STRIDE-th pair only (a chain step at a pair reads step 1's keys
+and its own chain's, nothing of the other pairs' chains, so this is exact for those pairs), since
+with every pair each step cost another pass and in a fixed CPU budget the fewer steps trained a
+weaker head (docs/benchmarks.md). With a draft
 vocabulary size below the target's, the export carries `d2t` (the most frequent training tokens;
 spec_decode/eagle.py). Dense attention over right-padded batches (padding never precedes a real
 position, so it is never attended). Initialisation: fc passes the feature through, o_proj and
@@ -31,6 +33,7 @@ from specinfer.spec_decode.head_checkpoint import write_checkpoint
 CLS_WEIGHT = 0.1  # EAGLE's weight of the token loss beside the feature regression
 TTT_STEPS = 1  # unrolled steps per training pair by default (1: teacher-forced only, EAGLE-1's own recipe)
 STEP_WEIGHT = 0.8  # step s's losses weigh STEP_WEIGHT^(s-1) (EAGLE-3's)
+TTT_PAIR_STRIDE = 4  # steps past the first run at every 4th pair
 
 
 class EagleTrainer(UnrolledDraftLayer):
@@ -84,9 +87,13 @@ class EagleTrainer(UnrolledDraftLayer):
             tokens[b, :n], feats[b, :n], states[b, :n + 1] = s.tokens[1:], s.final[:-1], s.final
             for j in range(steps):  # step j + 1 at pair i predicts f_{i+1+j}, kept for i + 1 + j <= n - 1
                 valid[j, b, : n - 1 - j] = True
+        # the unrolled steps run at every TTT_PAIR_STRIDE-th pair (an offset the batch picks), so a
+        # step past the first costs about 1/stride of a pass
+        pairs = torch.arange(int(tokens.sum()) % TTT_PAIR_STRIDE, T, TTT_PAIR_STRIDE)
         loss = 0.0
-        for j, h in enumerate(self.unroll(tokens, feats, steps)):
-            nxt, v = states[:, 1 + j:1 + j + T], valid[j]
+        for j, h in enumerate(self.unroll(tokens, feats, steps, pairs if steps > 1 else None)):
+            at = torch.arange(T) if j == 0 else pairs
+            nxt, v = states[:, at + 1 + j], valid[j][:, at]
             h = h[v].float()
             # soft labels at every pair: the target's own next-token distribution read off f_{i+1+j}
             loss = loss + STEP_WEIGHT ** j * (F.smooth_l1_loss(h, nxt[v])
