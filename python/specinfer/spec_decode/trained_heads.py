@@ -49,7 +49,7 @@ class HeadRecipe:
 
 TRAINED_HEADS: dict[str, HeadRecipe] = {r.name: r for r in (
     HeadRecipe("smollm2-135m-eagle", "smollm2-135m", "eagle", prompts=1000, max_tokens=96, steps=2682, minutes=32),
-    HeadRecipe("smollm2-135m-medusa", "smollm2-135m", "medusa", prompts=1000, max_tokens=96, steps=6000, minutes=20),
+    HeadRecipe("smollm2-135m-medusa", "smollm2-135m", "medusa", prompts=1000, max_tokens=96, steps=6000, minutes=21),
     HeadRecipe("smollm2-135m-mlp", "smollm2-135m", "mlp_speculator", prompts=1000, max_tokens=96, steps=6000,
                minutes=20),
 )}
