@@ -36,6 +36,20 @@ def _randomize(trainer):  # o_proj / down_proj start at zero: give every weight 
             p.add_(0.3 * torch.randn(p.shape, generator=g))
 
 
+def _trainer(kind):
+    """A trainer of `kind` with random weights, its sequences, and step 1's input at seqs[0]'s pairs."""
+    target = _target()
+    seqs = _seqs(aux=kind == "eagle3")
+    if kind == "eagle":
+        tr = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs)
+        first = seqs[0].final[None, :T]
+    else:
+        tr = Eagle3Trainer(target, seqs, 0, V, target.model.embed_tokens)
+        first = torch.nn.functional.linear(seqs[0].aux[None, :T], tr.params["fc"])
+    _randomize(tr)
+    return tr, seqs, first
+
+
 def test_chain_mask():
     m = chain_mask(3, 2)
     assert m.shape == (3, 9)
@@ -45,17 +59,8 @@ def test_chain_mask():
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_unrolled_steps_equal_the_chain_recomputed_densely(kind):
-    target = _target()
-    seqs = _seqs(aux=kind == "eagle3")
-    if kind == "eagle":
-        tr = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs)
-        first = seqs[0].final[None, :T]
-        run = lambda toks, f, steps: tr.unroll(toks, f, steps)  # noqa: E731
-    else:
-        tr = Eagle3Trainer(target, seqs, 0, V, target.model.embed_tokens)
-        first = torch.nn.functional.linear(seqs[0].aux[None, :T], tr.params["fc"])
-        run = lambda toks, f, steps: tr.unroll(toks, f, steps)  # noqa: E731
-    _randomize(tr)
+    tr, seqs, first = _trainer(kind)
+    run = tr.unroll
     steps = 3
     tokens = seqs[0].tokens[None, 1:T + steps]  # x_{i+1} for pair i, then the tokens that follow
     with torch.no_grad():
@@ -110,15 +115,7 @@ def test_eagle_trainer_reads_back_its_export(tmp_path):
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_later_steps_at_a_subset_of_pairs_equal_the_full_unroll_there(kind):
-    target = _target()
-    seqs = _seqs(aux=kind == "eagle3")
-    if kind == "eagle":
-        tr = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs)
-        first = seqs[0].final[None, :T]
-    else:
-        tr = Eagle3Trainer(target, seqs, 0, V, target.model.embed_tokens)
-        first = torch.nn.functional.linear(seqs[0].aux[None, :T], tr.params["fc"])
-    _randomize(tr)
+    tr, seqs, first = _trainer(kind)
     tokens = seqs[0].tokens[None, 1:T + 3]
     pairs = torch.tensor([1, 4, 7, 11])
     with torch.no_grad():
