@@ -90,8 +90,14 @@ class LLMEngine:
         # the target (sharded over its ranks under tensor parallelism) runs through the executor
         self.executor = make_executor(self.parallel, self.platform)
 
+        # a draft model's or head's weights: the target's quantization unless speculative.quantization says
+        draft_quant = self.quantization
+        if self.spec is not None and self.spec.quantization is not None:
+            draft_quant = check_quantization(self.spec.quantization)
+
         def load(path, role="target"):
-            return self.executor.load_model(path, role, dtype=self.dtype, quantization=self.quantization)
+            quant = self.quantization if role == "target" else draft_quant
+            return self.executor.load_model(path, role, dtype=self.dtype, quantization=quant)
 
         self.loaded = load(model)
         self.tokenizer = self.loaded.tokenizer
@@ -104,7 +110,7 @@ class LLMEngine:
                                   self.executor.make_eager_runner,
                                   lambda method, path: self.executor.load_head(
                                       method, resolve_head(path, method, model), self.loaded,
-                                      dtype=self.loaded.model.norm.dtype))
+                                      dtype=self.loaded.model.norm.dtype, quantization=draft_quant))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size

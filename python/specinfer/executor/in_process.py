@@ -24,12 +24,15 @@ class InProcessExecutor:
         return load_any(path, dtype=dtype, device=self.platform.device, platform=self.platform,
                         quantization=quantization)
 
-    def load_head(self, method: str, path, target, *, dtype):
-        """The draft head of `method` at `path` over the target (LoadedModel), behind the handle
-        its proposer calls (executor/head_handle.py)."""
+    def load_head(self, method: str, path, target, *, dtype, quantization=None):
+        """The draft head of `method` at `path` over the target (LoadedModel), its GEMM weights
+        int8 with quantization="int8", behind the handle its proposer calls (executor/head_handle.py)."""
         from specinfer.spec_decode.registry import proposer_class
 
-        return LocalHead(proposer_class(method).load_head(path, target, dtype=dtype, device=self.platform.device))
+        head = proposer_class(method).load_head(path, target, dtype=dtype, device=self.platform.device)
+        if quantization is not None:
+            head.quantize(quantization)
+        return LocalHead(head)
 
     def allocate_kv_caches(self, models, num_blocks: int, block_size: int, dtype, attention_backend: str,
                            limits) -> list[list[torch.Tensor]]:

@@ -32,6 +32,7 @@ class LoadHead:
     method: str  # "medusa" | "mlp_speculator" | "eagle" | "eagle3"
     path: str
     dtype: torch.dtype
+    quantization: str | None = None  # "int8": the shard's GEMM weights quantized after sharding
 
 
 @dataclass(frozen=True)

@@ -82,10 +82,10 @@ class MultiprocExecutor:
         self._roles[id(loaded.model)] = role
         return loaded
 
-    def load_head(self, method: str, path, target, *, dtype):
+    def load_head(self, method: str, path, target, *, dtype, quantization=None):
         """A draft head sharded over the target's ranks: every rank loads it over its target shard
         and keeps its shard; the proposer gets a handle that runs each call on every rank."""
-        local = self._call(m.LoadHead(method, str(path), dtype))
+        local = self._call(m.LoadHead(method, str(path), dtype, quantization))
         handle = RanksHead(self, local)
         self._roles[id(handle)] = "head"
         return handle

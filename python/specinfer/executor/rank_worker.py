@@ -72,6 +72,8 @@ class RankWorker:
         target = self.loaded["target"]
         head = proposer_class(msg.method).load_head(msg.path, target, dtype=msg.dtype, device=self.device)
         head.shard(self.groups["target"])
+        if msg.quantization is not None:  # this rank's shard, quantized
+            head.quantize(msg.quantization)
         self.head = LocalHead(head)
         return self.head
 

@@ -123,3 +123,25 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None =
     _int8_linear_kernel(x2.data_ptr(), M, K, q.data_ptr(), s.data_ptr(), N, weight.group, out.data_ptr(),
                         0 if b is None else b.data_ptr(), torch.get_num_threads())
     return out.to(x.dtype).view(*lead, N)
+
+
+def any_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a dense weight, int8_linear for an Int8Weight: the GEMM of code whose weights
+    may or may not have been quantized (draft heads)."""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def quantized(weight, what: str) -> Int8Weight:
+    """A dense [N, K] weight as an Int8Weight (an Int8Weight as it is); `what` names it in errors."""
+    if isinstance(weight, Int8Weight):
+        return weight
+    n, k = weight.shape
+    if weight.device.type != "cpu":
+        raise ValueError(f"int8 weights run on CPU only ({what} is on {weight.device})")
+    if k % GROUP_SIZE:
+        raise ValueError(f"cannot make {what} int8: its input size {k} is not a multiple of {GROUP_SIZE}")
+    w = Int8Weight(n, k, device=weight.device)
+    w.load(None, weight)
+    return w

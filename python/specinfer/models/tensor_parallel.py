@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.models.int8_linear import Int8Weight
+from specinfer.models.int8_linear import Int8Weight, any_linear
 
 
 @dataclass
@@ -150,7 +150,7 @@ def vocab_parallel_logits(x: torch.Tensor, table: torch.Tensor, tp: TensorParall
                           vocab: int) -> torch.Tensor:
     """[L, h] -> [L, vocab] through this rank's rows of a vocab-parallel head (vocab_rows): the
     group's logit shards gathered, the padding dropped."""
-    out = torch.nn.functional.linear(x, table)
+    out = any_linear(x, table)  # a dense table, or an int8 one (a quantized draft head)
     if tp is None or tp.size == 1:
         return out
     return tp.all_gather_last(out)[:, :vocab]

@@ -39,6 +39,10 @@ class SpeculativeConfig:
     # {"dynamic": True, "num_nodes": N, "top_k": K, "depth": D} (EAGLE-2); None: chains of k.
     # With a tree, num_speculative_tokens bounds the tree's depth and its node count is the lookahead.
     token_tree: StaticTree | DynamicTree | list | dict | None = None
+    # weights of the draft model or head: None = as the target's (the engine's `quantization`);
+    # "int8" = weight-only int8 GEMMs (CPU; spec_decode/head_quantization.py), "none" = dense.
+    # Drafts only propose, so this changes acceptance and cost, never the output.
+    quantization: str | None = None
     # draft_model under tensor parallelism: the draft is sharded over ranks 0 .. this - 1 (a divisor
     # of tensor_parallel_size, checked by the engine); None: as many ranks as the target
     draft_tensor_parallel_size: int | None = None
@@ -60,6 +64,13 @@ class SpeculativeConfig:
                              f"({MODEL_METHODS[self.method]})")
         if self.method not in MODEL_METHODS and self.model is not None:
             raise ValueError(f"speculative.model does not apply to method {self.method!r}")
+        if self.quantization is not None:
+            if self.quantization not in ("none", "int8"):
+                raise ValueError(f"speculative.quantization {self.quantization!r} is unknown; choose 'int8', "
+                                 "'none' or None (as the target)")
+            if self.method not in MODEL_METHODS:
+                raise ValueError(f"speculative.quantization applies to a draft model or head (method "
+                                 f"{self.method!r} has no weights of its own)")
         e = self.exit_layer
         if self.method == "layer_skip":
             if not isinstance(e, int) or isinstance(e, bool) or e < 1:

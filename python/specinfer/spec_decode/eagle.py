@@ -29,13 +29,14 @@ import copy
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
 from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
 from specinfer.spec_decode.eagle3 import read_draft_vocabulary
+from specinfer.models.int8_linear import any_linear, quantized
 from specinfer.models.llama import DecoderLayer
+from specinfer.spec_decode.head_quantization import quantize_decoder_layer, refuse_saving_quantized
 from specinfer.models.tensor_parallel import shard_decoder_layer, vocab_parallel_embedding, vocab_rows
 from specinfer.models.rope import rope_factors, rope_table
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
@@ -47,6 +48,7 @@ class EagleDraft:
     """The draft layer over its own paged KV (one cache tensor: `num_layers` = 1)."""
 
     num_layers = 1
+    quantization = None  # "int8" once quantize() ran
 
     def __init__(self, cfg: ModelConfig, hf_config: dict, layer: DecoderLayer, fc_w, fc_b, embed, own_embed: bool,
                  target_logits, d2t: torch.Tensor | None = None, lm_rows: torch.Tensor | None = None):
@@ -55,6 +57,7 @@ class EagleDraft:
         self.own_embed = own_embed  # embed_tokens came from the checkpoint (saved back) or the target
         self.target_logits = target_logits  # [P, H] -> float32[P, V]
         self.target_embed = None  # the target's embedding lookup (vocab-parallel under TP) when not own_embed
+        self.dtype = fc_w.dtype  # activations'
         self.num_kv_heads = cfg.num_kv_heads  # this rank's, once sharded
         self.d2t, self.lm_rows = d2t, lm_rows  # draft vocabulary: offsets int64[Vd], lm_head rows [Vd, H]
         self.target_draft_ids = None if d2t is None else torch.arange(len(d2t), device=d2t.device) + d2t
@@ -78,6 +81,15 @@ class EagleDraft:
         if self.own_embed:
             self.embed_tokens = vocab_rows(self.embed_tokens, tp)
 
+    def quantize(self, quantization: str) -> None:
+        """GEMM weights (fc, the layer, the draft vocabulary's lm_head rows) as int8
+        (spec_decode/head_quantization.py); after shard(), before any forward."""
+        self.fc_w = quantized(self.fc_w, "fc.weight")
+        quantize_decoder_layer(self.layer, "layers.0")
+        if self.lm_rows is not None:
+            self.lm_rows = quantized(self.lm_rows, "lm_head rows")
+        self.quantization = quantization
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.own_embed or self.target_embed is None:
             return vocab_parallel_embedding(tokens, self.embed_tokens, self.tp)
@@ -86,8 +98,8 @@ class EagleDraft:
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         """tokens int64[T] (x_{i+1}), features [T, H] (f_i), positions int64[T] (i) -> [T, H] draft features."""
-        x = F.linear(torch.cat([self.embed(tokens), features.to(self.fc_w.dtype)], -1),
-                     self.fc_w, self.fc_b)
+        x = any_linear(torch.cat([self.embed(tokens).to(self.dtype), features.to(self.dtype)], -1),
+                       self.fc_w, self.fc_b)
         dtype = x.dtype
         cos, sin = rope_factors(self.rope_cos[positions].to(dtype), self.rope_sin[positions].to(dtype))
         return self.layer(x, cos, sin, ctx)
@@ -100,7 +112,7 @@ class EagleDraft:
     def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, Vd] over the draft vocabulary
         if self.lm_rows is None:  # under TP the rows are spread over the ranks: the gathered logits, cut
             return self.target_logits(h)[:, self.target_draft_ids]
-        return F.linear(h.to(self.lm_rows.dtype), self.lm_rows)
+        return any_linear(h.to(self.dtype), self.lm_rows)
 
     def draft_tokens(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> int64[P] target ids
         if self.d2t is None:
@@ -122,6 +134,7 @@ class EagleDraft:
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
+        refuse_saving_quantized(self)
         c, L = self.config, self.layer
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
         t = {"fc.weight": self.fc_w,

@@ -26,7 +26,9 @@ import torch.nn.functional as F
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
 from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
+from specinfer.models.int8_linear import any_linear, quantized
 from specinfer.models.llama import _rms_norm
+from specinfer.spec_decode.head_quantization import refuse_saving_quantized
 from specinfer.models.tensor_parallel import (check_shardable, kv_heads_of_rank, vocab_parallel_embedding,
                                                vocab_parallel_logits, vocab_rows)
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
@@ -42,8 +44,15 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+# the GEMM weights of an EAGLE-3 head (quantize() makes them int8)
+GEMMS = ("fc.weight", "lm_head.weight") + tuple(
+    "midlayer." + n + ".weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))
+
+
 class Eagle3Draft:
     num_layers = 1
+    quantization = None  # "int8" once quantize() ran
 
     def __init__(self, cfg: ModelConfig, hf_config: dict, w: dict, aux_layers, d2t, t2d, embed, own_embed):
         self.config, self.hf_config, self.w = cfg, hf_config, w  # w: tensors by checkpoint name (midlayer.*)
@@ -51,6 +60,7 @@ class Eagle3Draft:
         self.d2t, self.t2d = d2t, t2d  # int64[Vd] offsets; bool[V] or None
         self.embed_tokens, self.own_embed = embed, own_embed
         self.scale = cfg.head_dim ** -0.5
+        self.dtype = w["fc.weight"].dtype  # activations'
         cos, sin = rope_table(cfg, cfg.max_position_embeddings)
         self.rope_cos, self.rope_sin = cos.to(w["fc.weight"].device), sin.to(w["fc.weight"].device)
         self.target_draft_ids = torch.arange(len(d2t), device=d2t.device) + d2t  # draft id -> target id
@@ -86,6 +96,12 @@ class Eagle3Draft:
             self.embed_tokens = vocab_rows(self.embed_tokens, tp)
         self.num_heads, self.num_kv_heads, self.tp = hq, k1 - k0, tp
 
+    def quantize(self, quantization: str) -> None:
+        """GEMM weights as int8 (spec_decode/head_quantization.py); after shard()."""
+        for name in GEMMS:
+            self.w[name] = quantized(self.w[name], name)
+        self.quantization = quantization
+
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:  # row-parallel partial sums -> the whole
         return x if self.tp is None else self.tp.all_reduce(x)
 
@@ -95,7 +111,7 @@ class Eagle3Draft:
         return self.target_embed(tokens)
 
     def target_features(self, hidden, rows: torch.Tensor) -> torch.Tensor:  # TargetHidden -> [T', H] g
-        return F.linear(hidden.aux[rows].to(self.w["fc.weight"].dtype), self.w["fc.weight"])
+        return any_linear(hidden.aux[rows].to(self.dtype), self.w["fc.weight"])
 
     def forward(self, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
         """tokens int64[T], g [T, H], positions int64[T] -> [T, H] pre-norm draft features."""
@@ -105,16 +121,16 @@ class Eagle3Draft:
         x = torch.cat([_rms_norm(self.embed(tokens), (H,), w[m + "input_layernorm.weight"], eps),
                        _rms_norm(g, (H,), w[m + "hidden_norm.weight"], eps)], -1)  # [T, 2H]
         nh, nkv = self.num_heads, self.num_kv_heads
-        q = F.linear(x, w[m + "self_attn.q_proj.weight"]).view(T, nh, c.head_dim)
-        k = F.linear(x, w[m + "self_attn.k_proj.weight"]).view(T, nkv, c.head_dim)
-        v = F.linear(x, w[m + "self_attn.v_proj.weight"]).view(T, nkv, c.head_dim)
+        q = any_linear(x, w[m + "self_attn.q_proj.weight"]).view(T, nh, c.head_dim)
+        k = any_linear(x, w[m + "self_attn.k_proj.weight"]).view(T, nkv, c.head_dim)
+        v = any_linear(x, w[m + "self_attn.v_proj.weight"]).view(T, nkv, c.head_dim)
         cos, sin = rope_factors(self.rope_cos[positions].to(g.dtype), self.rope_sin[positions].to(g.dtype))
         qk = apply_rope(torch.cat([q, k], 1), cos, sin)
         attn = ctx.backend.forward(qk[:, :nh], qk[:, nh:], v, ctx.kv_caches[0], ctx.metadata, self.scale)  # [T, nh, D]
-        h = g + self._reduce(F.linear(attn.reshape(T, -1), w[m + "self_attn.o_proj.weight"]))
+        h = g + self._reduce(any_linear(attn.reshape(T, -1), w[m + "self_attn.o_proj.weight"]))
         u = _rms_norm(h, (H,), w[m + "post_attention_layernorm.weight"], eps)
-        u = F.silu(F.linear(u, w[m + "mlp.gate_proj.weight"])) * F.linear(u, w[m + "mlp.up_proj.weight"])
-        return h + self._reduce(F.linear(u, w[m + "mlp.down_proj.weight"]))
+        u = F.silu(any_linear(u, w[m + "mlp.gate_proj.weight"])) * any_linear(u, w[m + "mlp.up_proj.weight"])
+        return h + self._reduce(any_linear(u, w[m + "mlp.down_proj.weight"]))
 
     def _draft_logits(self, h: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, Vd] over the draft vocabulary
         return vocab_parallel_logits(_rms_norm(h, (h.shape[-1],), self.w["norm.weight"], self.config.rms_norm_eps),
@@ -137,6 +153,7 @@ class Eagle3Draft:
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
+        refuse_saving_quantized(self)
         t = dict(self.w, d2t=self.d2t)
         if self.t2d is not None:
             t["t2d"] = self.t2d

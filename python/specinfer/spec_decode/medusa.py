@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from specinfer.models.tensor_parallel import shard_rows_keeping_ties, vocab_parallel_logits
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
+from specinfer.models.int8_linear import any_linear
+from specinfer.spec_decode.head_quantization import quantize_list, refuse_saving_quantized
 from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer, checkpoint_dir, draft_chain
 
 ORIGINAL, VLLM = "medusa", "vllm"
@@ -45,6 +47,17 @@ class MedusaHeads:
         self.lm_heads = lm_heads  # [K] Tensor[V_t, H] (may be the same object), or None: target's lm_head
         self.token_map = token_map  # int64[V_t] draft row -> target id, or None
         self.target_logits = target_logits  # callable [P, H] -> [P, V] (legacy shared head)
+        self.dtype = block_w[0][0].dtype  # activations'
+
+    quantization = None  # "int8" once quantize() ran
+
+    def quantize(self, quantization: str) -> None:
+        """The residual blocks' and the own lm_heads' weights as int8 (a shared head stays one
+        weight; spec_decode/head_quantization.py); after shard()."""
+        self.block_w = [quantize_list(ws, f"blocks.{k}") for k, ws in enumerate(self.block_w)]
+        if self.lm_heads is not None:
+            self.lm_heads = quantize_list(self.lm_heads, "lm_heads")
+        self.quantization = quantization
 
     reads_parent = False  # head k sees only h_t, never the tokens drafted before
     tp = None  # TensorParallelGroup once sharded: each rank keeps vocab rows of the lm_heads
@@ -69,7 +82,7 @@ class MedusaHeads:
         return self.cfg.truncated_vocab_size
 
     def start(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [P, H] -> [P, H]
-        return hidden.to(self.block_w[0][0].dtype)
+        return hidden.to(self.dtype)
 
     def stage(self, k: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Head k on h_t (state [P, H]; tokens ignored) -> (state, logits [P, V]) over the target's
@@ -77,7 +90,7 @@ class MedusaHeads:
         x = state
         for j in range(self.cfg.num_layers):
             b = self.block_b[k][j] if self.block_b is not None else None
-            x = x + F.silu(F.linear(x, self.block_w[k][j], b))
+            x = x + F.silu(any_linear(x, self.block_w[k][j], b))
         logits = (self.target_logits(x) if self.lm_heads is None else
                   vocab_parallel_logits(x, self.lm_heads[k], self.tp, self.cfg.truncated_vocab_size))
         if self.token_map is not None:  # [P, V_t] -> [P, V]
@@ -92,6 +105,7 @@ class MedusaHeads:
 
     # ---- checkpoint -------------------------------------------------------------------------
     def save(self, path: Path) -> None:
+        refuse_saving_quantized(self)
         c = self.cfg
         t = {}
         if c.layout == ORIGINAL:

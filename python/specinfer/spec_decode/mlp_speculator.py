@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specinfer.models.int8_linear import any_linear
 from specinfer.models.tensor_parallel import shard_rows_keeping_ties, vocab_parallel_embedding, vocab_parallel_logits
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
 from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer, checkpoint_dir, draft_chain
+from specinfer.spec_decode.head_quantization import quantize_list, refuse_saving_quantized
 
 _EPS = 1e-6
 _FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
@@ -73,6 +75,7 @@ class MLPSpeculator:
         self.emb, self.proj, self.head, self.ln_w, self.ln_b = emb, proj, head, ln_w, ln_b  # n_predict each
         a = 0.5 ** (0.5 / cfg.n_predict)
         self.emb_scale = math.sqrt((1 - a * a) * cfg.inner_dim / 2) / a
+        self.dtype = proj[0].dtype  # activations'
 
     @classmethod
     def random(cls, cfg: MLPSpeculatorConfig, seed: int = 0, dtype=torch.float32) -> "MLPSpeculator":
@@ -91,6 +94,15 @@ class MLPSpeculator:
 
     reads_parent = True  # stage i reads the state and the token drafted before it
     tp = None  # TensorParallelGroup once sharded: each rank keeps vocab rows of emb and head
+
+    quantization = None  # "int8" once quantize() ran
+
+    def quantize(self, quantization: str) -> None:
+        """Projections and heads as int8 (tied stages stay tied; embeddings stay dense: rows are
+        looked up; spec_decode/head_quantization.py); after shard()."""
+        self.proj = quantize_list(self.proj, "proj")
+        self.head = quantize_list(self.head, "head")
+        self.quantization = quantization
 
     def shard(self, tp) -> None:
         """Keep this rank's vocab-parallel rows of the stages' embeddings and heads (tied stages
@@ -112,14 +124,14 @@ class MLPSpeculator:
         return self.cfg.vocab_size
 
     def start(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:  # [P, E] -> [P, E]
-        s = hidden.to(self.proj[0].dtype)
+        s = hidden.to(self.dtype)
         if self.cfg.scale_input:
             s = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + _EPS) / math.sqrt(2)
         return s
 
     def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """state [P, E or D], tokens int64[P] (the previous token) -> (state [P, D], logits [P, V])."""
-        u = F.linear(state, self.proj[i]) + self.emb_scale * vocab_parallel_embedding(tokens, self.emb[i], self.tp)
+        u = any_linear(state, self.proj[i]) + self.emb_scale * vocab_parallel_embedding(tokens, self.emb[i], self.tp)
         u = self.ln_w[i] * (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + _EPS)) + self.ln_b[i]
         s = F.gelu(u)
         return s, vocab_parallel_logits(s, self.head[i], self.tp, self.cfg.vocab_size)
@@ -132,6 +144,7 @@ class MLPSpeculator:
     def save(self, path: Path) -> None:
         """HF layout (`speculator.` prefix); tied stages store only what vLLM reads (emb.0, head.0,
         ln.0, proj.0, proj.1), which the loader accepts too."""
+        refuse_saving_quantized(self)
         t = {}
         for i in range(self.cfg.n_predict):
             p = f"speculator.{{}}.{i}.{{}}"
