@@ -303,3 +303,24 @@ def test_spec_policy_flag_reaches_the_speculative_config():
         speculative_config(p.parse_args(["--speculative-config", '{"method": "ngram"}', "--spec-policy", "fixed"]))
     with pytest.raises(SystemExit):
         p.parse_args(["-k", "3", "--spec-policy", "fastest"])
+
+
+def test_draft_quantization_flag_reaches_the_speculative_config(tmp_path):
+    import argparse
+
+    from specinfer.cli.errors import CliError
+    from specinfer.cli.options import add_speculative_arguments, speculative_config
+
+    p = argparse.ArgumentParser()
+    add_speculative_arguments(p)
+    head = ["--method", "medusa", "--head", str(tmp_path)]
+    assert speculative_config(p.parse_args(head)).quantization is None  # as the target
+    for q in ("int8", "none"):
+        assert speculative_config(p.parse_args(head + ["--draft-quantization", q])).quantization == q
+    with pytest.raises(CliError, match="--draft-quantization applies to a draft model or head"):
+        speculative_config(p.parse_args(["-k", "3", "--draft-quantization", "int8"]))
+    with pytest.raises(CliError, match="--draft-quantization"):
+        speculative_config(p.parse_args(["--speculative-config", '{"method": "ngram"}', "--draft-quantization",
+                                         "int8"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(head + ["--draft-quantization", "fp8"])

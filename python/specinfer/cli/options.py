@@ -78,6 +78,9 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-tensor-parallel-size", type=int, default=None, metavar="N",
                    help="draft_model: shard the draft over N ranks, a divisor of --tensor-parallel-size "
                         "(default: all of them)")
+    g.add_argument("--draft-quantization", choices=["none", "int8"], default=None,
+                   help="weights of the draft model or head: int8 = weight-only int8 GEMMs (CPU), none = dense "
+                        "(default: as --quantization); drafts only propose, so the output does not change")
     g.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N", help="ngram: shortest n-gram to match")
     g.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N", help="ngram: longest n-gram to match")
 
@@ -117,9 +120,12 @@ def speculative_config(args):
     if method is None:
         method = "draft_model" if args.draft else ("ngram" if args.num_speculative_tokens is not None else "none")
     draft_tp = getattr(args, "draft_tensor_parallel_size", None)
+    draft_quant = getattr(args, "draft_quantization", None)
     if method == "none":
         if args.draft:
             raise CliError("--draft needs speculation; drop --method none")
+        if draft_quant is not None:
+            raise CliError("--draft-quantization needs a draft model or head")
         if draft_tp is not None:
             raise CliError("--draft-tensor-parallel-size needs --method draft_model")
         return None
@@ -139,6 +145,8 @@ def speculative_config(args):
     if method in MODEL_METHODS and method != "draft_model" and head is None:
         raise CliError(f"--method {method} needs --head DIR (the head's checkpoint directory or a named head)")
     check_model(head, "--head")
+    if draft_quant is not None and method not in MODEL_METHODS:
+        raise CliError(f"--draft-quantization applies to a draft model or head (--method {method} has no weights)")
     k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
     return SpeculativeConfig(
         method=method, num_speculative_tokens=k, model=head if head is not None else args.draft,
@@ -146,7 +154,7 @@ def speculative_config(args):
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
         posterior_alpha=args.posterior_alpha, scorer=args.scorer, draft_tensor_parallel_size=draft_tp,
-        policy=getattr(args, "spec_policy", None) or "auto")
+        policy=getattr(args, "spec_policy", None) or "auto", quantization=draft_quant)
 
 
 def _speculative_config_json(args):
@@ -158,7 +166,9 @@ def _speculative_config_json(args):
                                          ("-k", args.num_speculative_tokens),
                                          ("--spec-policy", getattr(args, "spec_policy", None)),
                                          ("--draft-tensor-parallel-size",
-                                          getattr(args, "draft_tensor_parallel_size", None))) if value is not None]
+                                          getattr(args, "draft_tensor_parallel_size", None)),
+                                         ("--draft-quantization", getattr(args, "draft_quantization", None)))
+                if value is not None]
     if clashing:
         raise CliError(f"--speculative-config cannot be combined with {', '.join(clashing)}")
     try:
