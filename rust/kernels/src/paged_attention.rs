@@ -544,6 +544,11 @@ pub fn paged_attention<E: Elem>(
     Ok(())
 }
 
+/// Keys whose scores the row-parallel path computes together.
+const QK_KEYS: usize = 4;
+/// Query rows whose P V the row-parallel path accumulates together (head_dim <= 4 vectors).
+const PV_ROWS: usize = 4;
+
 /// Query tokens `q0 .. q1` (within the run) of run `seq`, every query head of `kv_head`.
 #[derive(Clone, Copy, Debug)]
 struct Item {
@@ -766,33 +771,29 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
     let mut correction = vec![1.0f32; mp];
     let mut p = vec![0.0f32; KEY_CHUNK * mp]; // scores, then probabilities, [KEY_CHUNK, mp]
     let mut vchunk = vec![0.0f32; KEY_CHUNK * d]; // V rows of a chunk as f32 (non-f32 caches)
+    let mut kchunk = vec![0.0f32; KEY_CHUNK * d]; // K rows of a chunk as f32 (non-f32 caches)
     let mut offsets = [0usize; KEY_CHUNK]; // cache offset of each key row of a chunk
     let qp = qt.as_ptr();
     let pp = p.as_mut_ptr();
     for k0 in (0..num_keys).step_by(KEY_CHUNK) {
         let kn = KEY_CHUNK.min(num_keys - k0);
         chunk_offsets(&mut offsets[..kn], table, k0, bs, hkv, it.kv_head, d);
-        for c in 0..kn {
+        // the chunk's K rows as f32 first (a copy for non-f32 caches), then the scores, QK_KEYS
+        // keys at a time (each query vector loaded once for all of them)
+        let mut krows = [std::ptr::null::<f32>(); KEY_CHUNK];
+        for (c, slot) in kchunk.chunks_mut(d).take(kn).enumerate() {
             let off = offsets[c];
-            let krow = E::row(&ctx.k_cache[off..off + d], &mut scratch);
-            for v in (0..mp).step_by(w) {
-                let (mut a0, mut a1, mut a2, mut a3) =
-                    (L::splat(0.0), L::splat(0.0), L::splat(0.0), L::splat(0.0));
-                let base = qp.add(v);
-                let mut e = 0;
-                while e + 4 <= d {
-                    a0 = L::fma(L::splat(krow[e]), L::load(base.add(e * mp)), a0);
-                    a1 = L::fma(L::splat(krow[e + 1]), L::load(base.add((e + 1) * mp)), a1);
-                    a2 = L::fma(L::splat(krow[e + 2]), L::load(base.add((e + 2) * mp)), a2);
-                    a3 = L::fma(L::splat(krow[e + 3]), L::load(base.add((e + 3) * mp)), a3);
-                    e += 4;
-                }
-                while e < d {
-                    a0 = L::fma(L::splat(krow[e]), L::load(base.add(e * mp)), a0);
-                    e += 1;
-                }
-                L::store(pp.add(c * mp + v), L::add(L::add(a0, a1), L::add(a2, a3)));
-            }
+            krows[c] = E::row(&ctx.k_cache[off..off + d], slot).as_ptr();
+        }
+        let mut c = 0;
+        while c + QK_KEYS <= kn {
+            let group: &[*const f32; QK_KEYS] = krows[c..c + QK_KEYS].try_into().unwrap();
+            scores_of_keys::<L, QK_KEYS>(group, qp, mp, d, pp.add(c * mp));
+            c += QK_KEYS;
+        }
+        while c < kn {
+            scores_of_keys::<L, 1>(&[krows[c]], qp, mp, d, pp.add(c * mp));
+            c += 1;
         }
         if k0 + kn - 1 > first_limit {
             for c in 0..kn {
@@ -964,7 +965,22 @@ unsafe fn pv_block<L: Rows, const NV: usize>(
 ) {
     let w = L::W;
     let d = NV * w;
-    for r in 0..rows {
+    // PV_ROWS rows at a time share each V load (and keep enough accumulators in flight: half as
+    // many for 8-vector heads); the rest one by one. Each row's sum runs over the same keys in
+    // the same order either way.
+    let mut r = 0;
+    if NV <= 4 {
+        while r + PV_ROWS <= rows {
+            pv_rows::<L, NV, PV_ROWS>(acc, probs, v, r, mp);
+            r += PV_ROWS;
+        }
+    } else {
+        while r + PV_ROWS / 2 <= rows {
+            pv_rows::<L, NV, { PV_ROWS / 2 }>(acc, probs, v, r, mp);
+            r += PV_ROWS / 2;
+        }
+    }
+    for r in r..rows {
         let a = acc.as_mut_ptr().add(r * d);
         let mut regs: [L::V; NV] = std::array::from_fn(|i| L::load(a.add(i * w)));
         for (c, vrow) in v.iter().enumerate() {
@@ -979,6 +995,88 @@ unsafe fn pv_block<L: Rows, const NV: usize>(
         }
         for (i, reg) in regs.iter().enumerate() {
             L::store(a.add(i * w), *reg);
+        }
+    }
+}
+
+/// Rows r0 .. r0 + RB of pv_block together: RB x NV accumulators, one load per V vector.
+#[inline(always)]
+unsafe fn pv_rows<L: Rows, const NV: usize, const RB: usize>(
+    acc: &mut [f32],
+    probs: &[f32],
+    v: &[&[f32]],
+    r0: usize,
+    mp: usize,
+) {
+    let w = L::W;
+    let d = NV * w;
+    let a = acc.as_mut_ptr().add(r0 * d);
+    let mut regs: [[L::V; NV]; RB] =
+        std::array::from_fn(|b| std::array::from_fn(|i| L::load(a.add(b * d + i * w))));
+    for (c, vrow) in v.iter().enumerate() {
+        let wgt: [f32; RB] = std::array::from_fn(|b| probs[c * mp + r0 + b]);
+        if wgt.iter().all(|&x| x == 0.0) {
+            continue; // a key no row of the block sees (adding 0 * v changes no finite sum)
+        }
+        let vp = vrow.as_ptr();
+        let vv: [L::V; NV] = std::array::from_fn(|i| L::load(vp.add(i * w)));
+        for b in 0..RB {
+            let s = L::splat(wgt[b]);
+            for i in 0..NV {
+                regs[b][i] = L::fma(s, vv[i], regs[b][i]);
+            }
+        }
+    }
+    for (b, row) in regs.iter().enumerate() {
+        for (i, reg) in row.iter().enumerate() {
+            L::store(a.add(b * d + i * w), *reg);
+        }
+    }
+}
+
+/// Scores of KB keys (rows of d f32s at kp) against every query row: `out[j * mp + r]` = q_r . k_j, with the query rows
+/// transposed in `qt` ([d, mp], rows as lanes). Per key the same four partial sums (by dimension
+/// mod 4) and the same final additions as one key at a time; the query vectors are loaded once
+/// for the KB keys.
+#[inline(always)]
+unsafe fn scores_of_keys<L: Rows, const KB: usize>(
+    kp: &[*const f32; KB],
+    qt: *const f32,
+    mp: usize,
+    d: usize,
+    out: *mut f32,
+) {
+    let w = L::W;
+    for v in (0..mp).step_by(w) {
+        let base = qt.add(v);
+        let mut a: [[L::V; 4]; KB] = [[L::splat(0.0); 4]; KB];
+        let mut e = 0;
+        while e + 4 <= d {
+            let q0 = L::load(base.add(e * mp));
+            let q1 = L::load(base.add((e + 1) * mp));
+            let q2 = L::load(base.add((e + 2) * mp));
+            let q3 = L::load(base.add((e + 3) * mp));
+            for j in 0..KB {
+                let k = kp[j].add(e);
+                a[j][0] = L::fma(L::splat(*k), q0, a[j][0]);
+                a[j][1] = L::fma(L::splat(*k.add(1)), q1, a[j][1]);
+                a[j][2] = L::fma(L::splat(*k.add(2)), q2, a[j][2]);
+                a[j][3] = L::fma(L::splat(*k.add(3)), q3, a[j][3]);
+            }
+            e += 4;
+        }
+        while e < d {
+            let qv = L::load(base.add(e * mp));
+            for j in 0..KB {
+                a[j][0] = L::fma(L::splat(*kp[j].add(e)), qv, a[j][0]);
+            }
+            e += 1;
+        }
+        for (j, aj) in a.iter().enumerate() {
+            L::store(
+                out.add(j * mp + v),
+                L::add(L::add(aj[0], aj[1]), L::add(aj[2], aj[3])),
+            );
         }
     }
 }
