@@ -412,3 +412,41 @@ def test_bad_input_names_the_field(bad, field):
         args["target_probs"] = torch.full((3, 5), 0.2)
     with pytest.raises(ValueError, match=field):
         rejection_sample(**args)
+
+
+@pytest.mark.parametrize("method", ["rejection", "typical"])
+def test_greedy_chain_fast_path_equals_the_samplers(method):
+    """The step sampler verifies all-greedy chains from the argmax alone (greedy_chains): the same
+    tokens and counts as rejection sampling / typical acceptance over one-hot target probabilities,
+    for mixed draft lengths, plain decodes (no drafts), split proposals (no bonus row) and ties."""
+    from specinfer.engine.step_sampler import greedy_chains
+    from specinfer.sample.typical_acceptance import typical_acceptance_sample
+
+    gen = np.random.default_rng(0)
+    V = 7
+    for _ in range(200):
+        R = int(gen.integers(1, 6))
+        d = gen.integers(0, 5, size=R)
+        bonus = gen.random(R) < 0.7
+        bonus[d == 0] = True  # a request without drafts always samples its one row
+        rows = d + bonus
+        logits = torch.from_numpy(gen.integers(0, 3, size=(int(rows.sum()), V)).astype(np.float32))  # ties
+        top = logits.max(-1).indices.numpy()
+        # drafts: mostly the argmax (accepted), sometimes not
+        drafts, r0 = [], 0
+        for i in range(R):
+            for j in range(int(d[i])):
+                drafts.append(int(top[r0 + j]) if gen.random() < 0.7 else int(gen.integers(0, V)))
+            r0 += int(rows[i])
+        drafts = np.array(drafts, dtype=np.int64)
+        flat, n_emit, acc = greedy_chains(top, drafts, rows, d)
+        probs = torch.nn.functional.one_hot(logits.max(-1).indices, V).float()
+        cu = torch.from_numpy(np.concatenate([[0], np.cumsum(d)]).astype(np.int64))
+        streams = RandomStreams.build([0] * R, [0] * R)
+        args = (torch.from_numpy(drafts), cu, None, probs, torch.ones(R, dtype=torch.bool), streams,
+                torch.from_numpy(bonus))
+        out, n = (rejection_sample(*args) if method == "rejection" else typical_acceptance_sample(*args))
+        out, n = out.numpy(), n.numpy()
+        assert n_emit.tolist() == n.tolist()
+        assert flat.tolist() == [t for i in range(R) for t in out[i, :n[i]].tolist()]
+        assert (acc <= d).all() and (n_emit == acc + (acc < rows)).all()

@@ -225,8 +225,11 @@ def test_a_request_held_at_zero_drafts_is_probed_again():
             probes.append(step)
             pol.observe_verification([7], [d], [0])  # the probe fails again
     assert probes, "never probed again"
-    gaps = np.diff([-1] + probes)  # 20 failed verifications already backed the wait off to its cap
-    assert gaps.max() <= 64 and len(probes) <= 4  # one draft per 64 steps while probes fail
+    gaps = np.diff([-1] + probes).tolist()
+    # the first probe after probe_after held steps (the check above was the first; the 20 failures
+    # were ordinary drafts, not probes: they do not back the wait off), then each failed probe
+    # doubles the wait up to its cap
+    assert gaps[:4] == [7, 16, 32, 64] and all(g == 64 for g in gaps[4:]), gaps
     # an accepted probe resets the wait and lets the estimate recover
     for _ in range(100):
         d = int(pol.num_drafts([7], np.array([4]), 1)[0])

@@ -146,6 +146,10 @@ class StepSampler:
         """-> flat emitted tokens, emitted and accepted counts per sampled request, tree paths."""
         rows = n_rows[sampling]
         d = num_draft[sampling]
+        if not trees and all(st.params.temperature == 0.0 for st in s_states):
+            flat, n_emit, acc = greedy_chains(argmax_last(logits).cpu().numpy(),
+                                              np.asarray(sched.draft_token_ids, dtype=np.int64), rows, d)
+            return flat, n_emit, acc, {}
         meta = sampling_metadata(s_states, rows.tolist(), device=logits.device)
         target_probs = probs_from_logits(logits, meta)  # [L, V]
         draft_ids = np.asarray(sched.draft_token_ids, dtype=np.int64)
@@ -272,6 +276,31 @@ def _tree_requests(sched, num_draft, n_rows) -> dict:
         raise RuntimeError(f"sched.draft_parents has shape {parents.shape}, expected [{int(cu[-1])}]")
     tree = ~is_chain_request(parents, cu) & (n_rows > 0)
     return {int(i): parents[cu[i]:cu[i + 1]] for i in np.flatnonzero(tree)}
+
+
+def greedy_chains(top: np.ndarray, drafts: np.ndarray, rows: np.ndarray, d: np.ndarray):
+    """Verification of greedy chains from the target's argmax per logits row (top int64[sum rows]),
+    what rejection sampling and typical acceptance do for greedy requests without the one-hot
+    probabilities: accept drafts while each equals the argmax of its row, then emit the argmax of
+    the next row (the recovered token, or the bonus token when all were accepted and the request
+    has a bonus row; a split proposal has none). drafts int64[sum d]; rows, d int[R].
+    -> (emitted tokens flat, emitted per request int32[R], accepted per request int32[R])."""
+    R = len(d)
+    n_emit = np.zeros(R, dtype=np.int32)
+    acc = np.zeros(R, dtype=np.int32)
+    out = []
+    r0 = k0 = 0
+    for i in range(R):
+        k, n = int(d[i]), int(rows[i])
+        t, x = top[r0:r0 + n], drafts[k0:k0 + k]
+        miss = np.flatnonzero(x != t[:k])
+        a = int(miss[0]) if len(miss) else k
+        out.append(x[:a])
+        if a < n:  # the recovered token at the first miss, or the bonus token
+            out.append(t[a:a + 1])
+        n_emit[i], acc[i] = a + int(a < n), a
+        r0, k0 = r0 + n, k0 + k
+    return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64), n_emit, acc
 
 
 def _num_accepted(out: np.ndarray, n_emit: np.ndarray, d: np.ndarray, drafts: np.ndarray) -> np.ndarray:

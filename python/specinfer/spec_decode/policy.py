@@ -26,7 +26,8 @@ optimism of a fresh request) would pay at this step's marginal cost: on a CPU at
 costs a few percent of a step and always goes, at batch 64 it costs about what a decode token
 costs and only goes where speculation could pay at all (probing every held request every few
 steps cost 5 % of throughput there). A probe that fails doubles the wait (up to
-``max_probe_after``); one that is accepted resets it. The cost of exploring a request whose
+``max_probe_after``); any accepted draft resets it; failed drafts of a request that was drafting
+anyway do not change it. The cost of exploring a request whose
 drafts keep failing is thus at most one draft every ``max_probe_after`` steps. Costs (StepCostModel): S(T) and D(n) are tables
 of exponentially averaged times per token count, interpolated between the counts seen and
 extended beyond them with the slope of a least-squares line through the table (TimeTable). (A single linear fit of step time
@@ -245,14 +246,21 @@ class GoodputPolicy:
         self.probe_after, self.max_probe_after = probe_after, max_probe_after
         self._wait: dict[int, int] = {}  # core id -> steps held at zero drafts before the next probe
         self._held: dict[int, int] = {}  # core id -> steps held at zero drafts so far
+        self._probing: set[int] = set()  # core ids whose drafts this step are a probe
 
     def observe_verification(self, core_ids, num_verified, num_accepted) -> None:
+        """An accepted draft resets a request's probe wait; a failed probe doubles it (a failed
+        draft of a request that was drafting anyway leaves it: backing off there held requests of
+        middling acceptance at zero for the rest of their run)."""
         for cid, d, a in zip(core_ids, num_verified, num_accepted):
             if d:
                 cid = int(cid)
                 self.acceptance.record(cid, int(d), int(a))
-                wait = self._wait.get(cid, self.probe_after)
-                self._wait[cid] = self.probe_after if a else min(2 * wait, self.max_probe_after)
+                if a:
+                    self._wait[cid] = self.probe_after
+                elif cid in self._probing:
+                    self._wait[cid] = min(2 * self._wait.get(cid, self.probe_after), self.max_probe_after)
+                self._probing.discard(cid)
 
     def observe_step(self, target_tokens: int, target_seconds: float, draft_tokens: int,
                      draft_seconds: float) -> None:
@@ -265,6 +273,7 @@ class GoodputPolicy:
         can shorten the run are kept; `horizon`: the steps left of the requests not chosen for."""
         if len(core_ids) == 0:
             return max_drafts
+        self._probing.difference_update(int(c) for c in core_ids)  # a probe left unverified (no proposal)
         if not self.cost.ready:
             if tokens_left is None:
                 return max_drafts
@@ -300,9 +309,11 @@ class GoodputPolicy:
             chosen[i] = 1
             emitted += self.probe_accept
             self._held[int(core_ids[i])] = 0
+            self._probing.add(int(core_ids[i]))
 
     def forget(self, core_ids) -> None:
         for c in core_ids:
             self.acceptance.forget(int(c))
             self._wait.pop(int(c), None)
             self._held.pop(int(c), None)
+            self._probing.discard(int(c))
