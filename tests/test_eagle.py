@@ -34,17 +34,13 @@ def _record_proposals(gen):
     return seen
 
 
-@pytest.mark.parametrize("variant", ["bias_safetensors", "nobias_bin_embed", "draft_vocab"])
-def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
-    kw = {"bias_safetensors": dict(bias=True), "nobias_bin_embed": dict(bias=False, pt=True, embed=True),
-          "draft_vocab": dict(draft_vocab=64)}[variant]
-    path = hc.eagle1(tmp_path / "eagle", target, **kw)
-    reference_drafts = EagleReference(target, path)
-    # tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts, every prompt twice
-    # (prefix-cache hits)
+def check_drafts_equal_reference(target, path, reference, method, **spec):
+    """Every third proposal the engine makes equals `reference.drafts` recomputed from the whole
+    history, with tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts and
+    every prompt twice (prefix-cache hits). Returns (generator, proposals seen)."""
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 3,
-                                 "policy": "fixed"})
+                    speculative={"method": method, "model": str(path), "num_speculative_tokens": 3,
+                                 "policy": "fixed", **spec})
     seen = _record_proposals(gen)
     ps = prompts(8)
     gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
@@ -52,7 +48,17 @@ def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
     assert len(seen) > 40
     for tokens, drafts in seen[::3]:
-        assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
+        assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
+    return gen, seen
+
+
+@pytest.mark.parametrize("variant", ["bias_safetensors", "nobias_bin_embed", "draft_vocab"])
+def test_eagle_drafts_equal_the_reference(target, tmp_path, variant):
+    kw = {"bias_safetensors": dict(bias=True), "nobias_bin_embed": dict(bias=False, pt=True, embed=True),
+          "draft_vocab": dict(draft_vocab=64)}[variant]
+    path = hc.eagle1(tmp_path / "eagle", target, **kw)
+    reference_drafts = EagleReference(target, path)
+    _, seen = check_drafts_equal_reference(target, path, reference_drafts, "eagle")
     if variant == "draft_vocab":  # drafts never leave the draft vocabulary
         vocab = set(reference_drafts.vocab.tolist())
         assert len(vocab) == 64 and all(d in vocab for _, ds in seen for d in ds)
@@ -170,21 +176,7 @@ def test_eagle3_drafts_equal_the_reference(tiny_dir, tmp_path, variant):
     else:  # 4 layers, ids from eagle_config (unsorted: collected in layer order), layers.0.* key names
         target = tiny_dir("llama", False, layers=4)[0]
         path = hc.eagle3(tmp_path / "e3", target, aux_ids=[3, 0, 1], layers_prefix=True, t2d=False)
-    reference_drafts = Eagle3Reference(target, path)
-    gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": "eagle3", "model": str(path), "num_speculative_tokens": 3,
-                                 "policy": "fixed"})
-    seen = _record_proposals(gen)
-    ps = prompts(8)
-    gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    stats = gen.engine.core.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
-    assert len(seen) > 40
-    for tokens, drafts in seen[::3]:
-        assert drafts == reference_drafts.drafts(tokens, len(drafts)), len(tokens)
-    if variant == "draft_vocab":  # drafts never leave the draft vocabulary
-        vocab = set(reference_drafts.vocab.tolist())
-        assert len(vocab) == 64 and all(d in vocab for _, ds in seen for d in ds)
+    check_drafts_equal_reference(target, path, Eagle3Reference(target, path), "eagle3")
 
 
 @pytest.fixture(scope="module")

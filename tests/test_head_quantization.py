@@ -10,13 +10,13 @@ from safetensors.torch import load_file, save_file
 
 import head_checkpoints as hc
 from eagle_reference import Eagle3Reference, EagleReference
-from specinfer import Generator, SamplingParams
+from specinfer import Generator
 from specinfer.models.int8_linear import Int8Weight, quantize_rows
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.medusa import MedusaHeads
 from specinfer.spec_decode.mlp_speculator import MLPSpeculator
-from spec_cases import check_greedy_exact, prompts
-from test_eagle import _record_proposals
+from spec_cases import check_greedy_exact
+from test_eagle import check_drafts_equal_reference
 
 
 def _rounded(w: torch.Tensor) -> torch.Tensor:
@@ -42,19 +42,9 @@ def _head(gen):
 
 
 def _drafts_match_reference(target, path, reference, method):
-    gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": method, "model": str(path), "num_speculative_tokens": 3,
-                                 "policy": "fixed", "quantization": "int8"})
+    gen, _ = check_drafts_equal_reference(target, path, reference, method, quantization="int8")
     head = _head(gen)
     assert head.quantization == "int8"
-    seen = _record_proposals(gen)
-    ps = prompts(8)
-    gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    stats = gen.engine.core.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
-    assert len(seen) > 40
-    for tokens, drafts in seen[::3]:
-        assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
     return head
 
 

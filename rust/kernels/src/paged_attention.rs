@@ -963,8 +963,6 @@ unsafe fn pv_block<L: Rows, const NV: usize>(
     rows: usize,
     mp: usize,
 ) {
-    let w = L::W;
-    let d = NV * w;
     // PV_ROWS rows at a time share each V load (and keep enough accumulators in flight: half as
     // many for 8-vector heads); the rest one by one. Each row's sum runs over the same keys in
     // the same order either way.
@@ -981,21 +979,7 @@ unsafe fn pv_block<L: Rows, const NV: usize>(
         }
     }
     for r in r..rows {
-        let a = acc.as_mut_ptr().add(r * d);
-        let mut regs: [L::V; NV] = std::array::from_fn(|i| L::load(a.add(i * w)));
-        for (c, vrow) in v.iter().enumerate() {
-            let wgt = probs[c * mp + r];
-            if wgt == 0.0 {
-                continue;
-            }
-            let (s, vp) = (L::splat(wgt), vrow.as_ptr());
-            for (i, reg) in regs.iter_mut().enumerate() {
-                *reg = L::fma(s, L::load(vp.add(i * w)), *reg);
-            }
-        }
-        for (i, reg) in regs.iter().enumerate() {
-            L::store(a.add(i * w), *reg);
-        }
+        pv_rows::<L, NV, 1>(acc, probs, v, r, mp);
     }
 }
 
