@@ -39,7 +39,7 @@ def check_drafts_equal_reference(target, path, reference, method, **spec):
     history, with tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts and
     every prompt twice (prefix-cache hits). Returns (generator, proposals seen)."""
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": method, "model": str(path), "num_speculative_tokens": 3,
+                    speculative={"method": method, "model": str(path), "quantization": "none", "num_speculative_tokens": 3,
                                  "policy": "fixed", **spec})
     seen = _record_proposals(gen)
     ps = prompts(8)
@@ -69,7 +69,7 @@ def test_eagle_drafts_equal_the_reference_across_split_proposals(target, tmp_pat
     path = hc.eagle1(tmp_path / "eagle", target)
     reference_drafts = EagleReference(target, path)
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=8, num_kv_blocks=64, max_model_len=128,
-                    speculative={"method": "eagle", "model": str(path), "num_speculative_tokens": 5,
+                    speculative={"method": "eagle", "model": str(path), "quantization": "none", "num_speculative_tokens": 5,
                                  "policy": "fixed"})
     splits[0] = 0
     seen = _record_proposals(gen)
@@ -85,7 +85,7 @@ def test_eagle_keeps_up_while_speculation_is_disabled(target, tmp_path):
     path = hc.eagle1(tmp_path / "eagle", target)
     reference_drafts = EagleReference(target, path)
     gen = Generator(str(target), max_model_len=128, num_kv_blocks=64, speculative={
-        "method": "eagle", "model": str(path), "num_speculative_tokens": 2, "disable_by_batch_size": 4,
+        "method": "eagle", "model": str(path), "quantization": "none", "num_speculative_tokens": 2, "disable_by_batch_size": 4,
         "policy": "fixed"})  # drafts counted below: every proposal k, not the goodput policy's choice
     seen = _record_proposals(gen)
     ps = prompts(6)
@@ -114,7 +114,7 @@ def test_eagle_save_load_round_trip_gives_identical_proposals(target, tmp_path, 
     runs = []
     for p in (path, tmp_path / "saved"):
         gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64,
-                        speculative={"method": "eagle", "model": str(p), "num_speculative_tokens": 3,
+                        speculative={"method": "eagle", "model": str(p), "quantization": "none", "num_speculative_tokens": 3,
                                      "policy": "fixed"})
         if p == path:
             gen.engine.proposer.draft.save(tmp_path / "saved")
@@ -199,7 +199,7 @@ def test_eagle3_save_load_round_trip_gives_identical_proposals(tiny_dir, tmp_pat
     runs = []
     for p in (path, tmp_path / "saved"):
         gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64,
-                        speculative={"method": "eagle3", "model": str(p), "num_speculative_tokens": 3,
+                        speculative={"method": "eagle3", "model": str(p), "quantization": "none", "num_speculative_tokens": 3,
                                      "policy": "fixed"})
         if p == path:
             gen.engine.proposer.draft.save(tmp_path / "saved")

@@ -23,7 +23,7 @@ def setup(tiny_dir, tmp_path_factory):
 
 
 def _gen(target, path, tree=None):
-    spec = {"method": "eagle", "model": str(path), "num_speculative_tokens": 3}
+    spec = {"method": "eagle", "model": str(path), "quantization": "none", "num_speculative_tokens": 3}
     if tree is not None:
         spec.update(token_tree=tree, num_speculative_tokens=4)
     return Generator(str(target), block_size=4, max_num_batched_tokens=64, num_kv_blocks=64, max_model_len=128,

@@ -51,7 +51,7 @@ def test_sampled_eagle_drafts_carry_the_heads_q(tiny_dir, tmp_path, method):
         path = hc.eagle3(tmp_path / "h", target, draft_vocab=96, aux_ids=[0, 1, 3])
         ref = Eagle3Reference(target, path)
     gen = Generator(str(target), block_size=4, max_model_len=128, num_kv_blocks=64, attention_backend="torch_ref",
-                    speculative={"method": method, "model": str(path), "num_speculative_tokens": 3})
+                    speculative={"method": method, "model": str(path), "quantization": "none", "num_speculative_tokens": 3})
     seen = _record_q(gen)
     params = [SamplingParams(max_tokens=10, temperature=0.0), SamplingParams(max_tokens=10, temperature=0.7, seed=5),
               SamplingParams(max_tokens=10, temperature=1.3, top_k=7, seed=6)]

@@ -15,6 +15,7 @@ from specinfer.models.int8_linear import Int8Weight, quantize_rows
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.medusa import MedusaHeads
 from specinfer.spec_decode.mlp_speculator import MLPSpeculator
+from specinfer.spec_decode.head_quantization import apply_quantization
 from spec_cases import check_greedy_exact
 from test_eagle import check_drafts_equal_reference
 
@@ -109,11 +110,39 @@ def test_head_follows_the_target_quantization_unless_told(target, tmp_path):
     path = hc.eagle1(tmp_path / "eagle", target, repeat=True)
     spec = {"method": "eagle", "model": str(path), "num_speculative_tokens": 2}
     kinds = {}
-    for quant, head_quant in ((None, None), ("int8", None), ("int8", "none"), (None, "int8")):
+    cases = ((None, None, "float32"), (None, "none", "float32"), ("int8", None, "float32"),
+             ("int8", "none", "float32"), (None, "int8", "float32"), (None, None, "bfloat16"))
+    for quant, head_quant, dtype in cases:
         s = dict(spec, **({} if head_quant is None else {"quantization": head_quant}))
-        gen = Generator(str(target), max_model_len=64, quantization=quant, speculative=s)
-        kinds[(quant, head_quant)] = isinstance(_head(gen).fc_w, Int8Weight)
-    assert kinds == {(None, None): False, ("int8", None): True, ("int8", "none"): False, (None, "int8"): True}
+        gen = Generator(str(target), max_model_len=64, quantization=quant, dtype=dtype, speculative=s)
+        kinds[(quant, head_quant, dtype)] = isinstance(_head(gen).fc_w, Int8Weight)
+    # a float32 target on CPU: int8 heads by default ("auto"); otherwise the target's quantization
+    assert kinds == {(None, None, "float32"): True, (None, "none", "float32"): False,
+                     ("int8", None, "float32"): True, ("int8", "none", "float32"): False,
+                     (None, "int8", "float32"): True, (None, None, "bfloat16"): False}
+
+
+class _FakeHead:
+    def __init__(self, *inputs):
+        self.weights = [torch.zeros(8, k) for k in inputs]
+        self.quantized_as = None
+
+    def gemm_weights(self):
+        return self.weights
+
+    def quantize(self, quantization):
+        self.quantized_as = quantization
+
+
+def test_auto_quantizes_only_heads_whose_gemms_fit():
+    fits, odd = _FakeHead(64, 96), _FakeHead(64, 48)  # 48 inputs: not a multiple of the group (32)
+    for head in (fits, odd):
+        apply_quantization(head, "auto")
+    assert (fits.quantized_as, odd.quantized_as) == ("int8", None)
+    apply_quantization(odd, None)
+    assert odd.quantized_as is None
+    apply_quantization(odd, "int8")  # asked for explicitly: the head's quantize() decides (and refuses)
+    assert odd.quantized_as == "int8"
 
 
 def test_draft_model_follows_speculative_quantization(target):

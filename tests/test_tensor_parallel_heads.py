@@ -30,7 +30,7 @@ HEADS = {
 def test_tp2_head_equals_tp1(tiny_dir, tmp_path, case):
     model_kw, method, write = HEADS[case]
     target = tiny_dir("llama", False, **model_kw)[0]
-    spec = {"method": method, "model": str(write(tmp_path / "head", target)), "num_speculative_tokens": 3, "policy": "fixed"}
+    spec = {"method": method, "model": str(write(tmp_path / "head", target)), "quantization": "none", "num_speculative_tokens": 3, "policy": "fixed"}
     tp1, tp2 = run(target, 1, spec), run(target, 2, spec)
     check_same(tp1, tp2)
     if case != "eagle3_truncated":  # a random EAGLE-3 head rarely agrees with the tiny target

@@ -60,7 +60,7 @@ def target(tiny_dir):
 def _gen(target, method, path, tree, k, **kw):
     return Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
                      attention_backend="torch_ref", speculative={
-                         "method": method, "model": str(path), "num_speculative_tokens": k, "token_tree": tree,
+                         "method": method, "model": str(path), "quantization": "none", "num_speculative_tokens": k, "token_tree": tree,
                          "policy": "fixed"}, **kw)
 
 

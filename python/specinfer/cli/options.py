@@ -80,7 +80,8 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: all of them)")
     g.add_argument("--draft-quantization", choices=["none", "int8"], default=None,
                    help="weights of the draft model or head: int8 = weight-only int8 GEMMs (CPU), none = dense "
-                        "(default: as --quantization); drafts only propose, so the output does not change")
+                        "(default: as --quantization, but int8 for a head over a float32 target on CPU); drafts only "
+                        "propose, so the output does not change")
     g.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N", help="ngram: shortest n-gram to match")
     g.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N", help="ngram: longest n-gram to match")
 

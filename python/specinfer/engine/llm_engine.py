@@ -94,6 +94,10 @@ class LLMEngine:
         draft_quant = self.quantization
         if self.spec is not None and self.spec.quantization is not None:
             draft_quant = check_quantization(self.spec.quantization)
+        head_quant = draft_quant
+        if (self.spec is not None and self.spec.quantization is None and self.quantization is None
+                and self.device.type == "cpu" and self.dtype == torch.float32):
+            head_quant = "auto"  # a float32 target on CPU: int8 heads where they fit (head_quantization.py)
 
         def load(path, role="target"):
             quant = self.quantization if role == "target" else draft_quant
@@ -110,7 +114,7 @@ class LLMEngine:
                                   self.executor.make_eager_runner,
                                   lambda method, path: self.executor.load_head(
                                       method, resolve_head(path, method, model), self.loaded,
-                                      dtype=self.loaded.model.norm.dtype, quantization=draft_quant))
+                                      dtype=self.loaded.model.norm.dtype, quantization=head_quant))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size

@@ -26,12 +26,12 @@ class InProcessExecutor:
 
     def load_head(self, method: str, path, target, *, dtype, quantization=None):
         """The draft head of `method` at `path` over the target (LoadedModel), its GEMM weights
-        int8 with quantization="int8", behind the handle its proposer calls (executor/head_handle.py)."""
+        int8 with quantization="int8" (or "auto": where they fit; spec_decode/head_quantization.py), behind the handle its proposer calls (executor/head_handle.py)."""
+        from specinfer.spec_decode.head_quantization import apply_quantization
         from specinfer.spec_decode.registry import proposer_class
 
         head = proposer_class(method).load_head(path, target, dtype=dtype, device=self.platform.device)
-        if quantization is not None:
-            head.quantize(quantization)
+        apply_quantization(head, quantization)
         return LocalHead(head)
 
     def allocate_kv_caches(self, models, num_blocks: int, block_size: int, dtype, attention_backend: str,

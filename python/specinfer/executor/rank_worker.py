@@ -67,13 +67,13 @@ class RankWorker:
 
     def load_head(self, msg: m.LoadHead):
         """Load the draft head over this rank's target shard, then keep this rank's shard of it."""
+        from specinfer.spec_decode.head_quantization import apply_quantization
         from specinfer.spec_decode.registry import proposer_class
 
         target = self.loaded["target"]
         head = proposer_class(msg.method).load_head(msg.path, target, dtype=msg.dtype, device=self.device)
         head.shard(self.groups["target"])
-        if msg.quantization is not None:  # this rank's shard, quantized
-            head.quantize(msg.quantization)
+        apply_quantization(head, msg.quantization)  # this rank's shard, quantized
         self.head = LocalHead(head)
         return self.head
 

@@ -39,8 +39,9 @@ class SpeculativeConfig:
     # {"dynamic": True, "num_nodes": N, "top_k": K, "depth": D} (EAGLE-2); None: chains of k.
     # With a tree, num_speculative_tokens bounds the tree's depth and its node count is the lookahead.
     token_tree: StaticTree | DynamicTree | list | dict | None = None
-    # weights of the draft model or head: None = as the target's (the engine's `quantization`);
-    # "int8" = weight-only int8 GEMMs (CPU; spec_decode/head_quantization.py), "none" = dense.
+    # weights of the draft model or head: None = as the target's (the engine's `quantization`),
+    # except a head over a float32 target on CPU, which is int8 where its GEMMs fit (the engine's
+    # "auto"); "int8" = weight-only int8 GEMMs (CPU; spec_decode/head_quantization.py), "none" = dense.
     # Drafts only propose, so this changes acceptance and cost, never the output.
     quantization: str | None = None
     # draft_model under tensor parallelism: the draft is sharded over ranks 0 .. this - 1 (a divisor

@@ -36,7 +36,7 @@ from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS
 from specinfer.spec_decode.eagle3 import read_draft_vocabulary
 from specinfer.models.int8_linear import any_linear, quantized
 from specinfer.models.llama import DecoderLayer
-from specinfer.spec_decode.head_quantization import quantize_decoder_layer, refuse_saving_quantized
+from specinfer.spec_decode.head_quantization import DECODER_GEMMS, quantize_decoder_layer, refuse_saving_quantized
 from specinfer.models.tensor_parallel import shard_decoder_layer, vocab_parallel_embedding, vocab_rows
 from specinfer.models.rope import rope_factors, rope_table
 from specinfer.spec_decode.head_checkpoint import TensorSet, read_config, read_tensors, write_checkpoint
@@ -80,6 +80,11 @@ class EagleDraft:
         _, self.num_kv_heads = shard_decoder_layer(self.layer, self.config, tp)
         if self.own_embed:
             self.embed_tokens = vocab_rows(self.embed_tokens, tp)
+
+    def gemm_weights(self) -> list:
+        """The weights quantize() makes int8."""
+        layer = [getattr(self.layer, n) for n in DECODER_GEMMS]
+        return [self.fc_w, *layer] + ([] if self.lm_rows is None else [self.lm_rows])
 
     def quantize(self, quantization: str) -> None:
         """GEMM weights (fc, the layer, the draft vocabulary's lm_head rows) as int8

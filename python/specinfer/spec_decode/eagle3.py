@@ -96,6 +96,10 @@ class Eagle3Draft:
             self.embed_tokens = vocab_rows(self.embed_tokens, tp)
         self.num_heads, self.num_kv_heads, self.tp = hq, k1 - k0, tp
 
+    def gemm_weights(self) -> list:
+        """The weights quantize() makes int8."""
+        return [self.w[name] for name in GEMMS]
+
     def quantize(self, quantization: str) -> None:
         """GEMM weights as int8 (spec_decode/head_quantization.py); after shard()."""
         for name in GEMMS:

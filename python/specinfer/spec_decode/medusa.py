@@ -51,6 +51,10 @@ class MedusaHeads:
 
     quantization = None  # "int8" once quantize() ran
 
+    def gemm_weights(self) -> list:
+        """The weights quantize() makes int8."""
+        return [w for ws in self.block_w for w in ws] + list(self.lm_heads or [])
+
     def quantize(self, quantization: str) -> None:
         """The residual blocks' and the own lm_heads' weights as int8 (a shared head stays one
         weight; spec_decode/head_quantization.py); after shard()."""

@@ -97,6 +97,10 @@ class MLPSpeculator:
 
     quantization = None  # "int8" once quantize() ran
 
+    def gemm_weights(self) -> list:
+        """The weights quantize() makes int8."""
+        return [*self.proj, *self.head]
+
     def quantize(self, quantization: str) -> None:
         """Projections and heads as int8 (tied stages stay tied; embeddings stay dense: rows are
         looked up; spec_decode/head_quantization.py); after shard()."""
