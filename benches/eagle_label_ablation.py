@@ -1,10 +1,13 @@
 """EAGLE-1 training labels, side by side on the same distillation data and step count.
 
-    python benches/eagle_label_ablation.py VARIANT [--steps 800] [--data heads/eagle/distill_data.pt]
+    python benches/eagle_label_ablation.py VARIANT [--steps 800] [--lr LR] [--data heads/eagle/distill_data.pt]
 
 VARIANT: `soft` (what train-heads does: the target's next-token distribution at every position),
 `greedy` (the target's greedy token at every position) or `continuation` (the continuation tokens
-only, the previous recipe). Prints the held-out estimate of train-heads (every tenth sequence).
+only, the previous recipe), or `soft-cls1` / `soft-cls3`: soft labels with the token loss weighing 1
+or 3 instead of EAGLE's 0.1 beside the feature regression, or `soft-noise`: soft labels with EAGLE's
+feature augmentation (uniform noise of +-0.1 x the features' RMS on the input features, in training
+only). Prints the held-out estimate of train-heads (every tenth sequence).
 Run alone: the step count is fixed, so two variants may share the machine, one thread each.
 """
 from __future__ import annotations
@@ -22,8 +25,9 @@ import torch.nn.functional as F
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("variant", choices=("soft", "greedy", "continuation"))
+    ap.add_argument("variant", choices=("soft", "greedy", "continuation", "soft-cls1", "soft-cls3", "soft-noise"))
     ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (default: train-heads')")
     ap.add_argument("--data", default="heads/eagle/distill_data.pt")
     ap.add_argument("--model", default="smollm2-135m")
     args = ap.parse_args()
@@ -58,6 +62,18 @@ def main() -> None:
         logits = h[keep] @ self.label_softmax.weight.T
         return reg + eagle_training.CLS_WEIGHT * F.cross_entropy(logits, index[labels[keep]])
 
+    if args.variant.startswith("soft-cls"):
+        eagle_training.CLS_WEIGHT = float(args.variant[len("soft-cls"):])
+    if args.variant == "soft-noise":
+        unroll = eagle_training.EagleTrainer.unroll
+
+        def noisy_unroll(self, tokens, feats, *rest):
+            if torch.is_grad_enabled():  # training batches only, not the held-out drafts
+                rms = feats.pow(2).mean().sqrt()
+                feats = feats + (torch.rand_like(feats) * 2 - 1) * 0.1 * rms
+            return unroll(self, tokens, feats, *rest)
+
+        eagle_training.EagleTrainer.unroll = noisy_unroll
     if args.variant == "greedy":
         LabelSoftmax.soft_loss = greedy_loss
     elif args.variant == "continuation":
@@ -67,10 +83,10 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="eagle_ablation_"))
     try:
         t = time.monotonic()
-        report = train(gen.engine.loaded, seqs, out, TrainConfig("eagle", steps=args.steps), progress=False)
+        report = train(gen.engine.loaded, seqs, out, TrainConfig("eagle", steps=args.steps, **({} if args.lr is None else {"lr": args.lr})), progress=False)
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    print(json.dumps({"variant": args.variant, "steps": report["steps"], "seconds": round(time.monotonic() - t),
+    print(json.dumps({"variant": args.variant, "lr": args.lr, "steps": report["steps"], "seconds": round(time.monotonic() - t),
                       "held_out": report["held_out"]}))
 
 
