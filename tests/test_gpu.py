@@ -60,12 +60,30 @@ def models(tiny_dir, tmp_path_factory):
     return str(target), str(draft)
 
 
-def _spec(method, draft, scorer):
+TREE = [[0], [1], [0, 0], [0, 0, 0]]
+
+
+def _spec(method, draft, scorer, target=None, tmp=None):
+    """A speculative config; heads are fabricated in their public layouts (tests/head_checkpoints.py)
+    over the target, with a token tree for the *_tree cases."""
     if method is None:
         return None
-    s = {"method": method, "num_speculative_tokens": 4, "scorer": scorer}
-    if method == "draft_model":
+    base = method.removesuffix("_tree")
+    s = {"method": base, "num_speculative_tokens": 4, "scorer": scorer}
+    if base == "draft_model":
         s["model"] = draft
+    elif base in ("eagle", "medusa"):
+        import head_checkpoints as hc
+        from pathlib import Path
+
+        tgt = Path(target)
+        if base == "eagle":
+            s["model"] = str(hc.eagle1(Path(tmp) / "eagle", tgt, repeat=True))
+        else:
+            s["model"] = str(hc.medusa_original(Path(tmp) / "medusa", tgt, num_heads=3))
+            s["num_speculative_tokens"] = 3
+        if method.endswith("_tree"):
+            s["token_tree"], s["num_speculative_tokens"] = TREE, 3
     return s
 
 
@@ -73,16 +91,17 @@ ENGINE = dict(dtype="float32", block_size=16, num_kv_blocks=256, max_model_len=2
 
 
 @pytest.mark.parametrize("method,scorer", [(None, "mqa"), ("ngram", "mqa"), ("ngram", "batch_expansion"),
-                                           ("draft_model", "mqa"), ("draft_model", "batch_expansion")])
+                                           ("draft_model", "mqa"), ("draft_model", "batch_expansion"),
+                                           ("eagle", "mqa"), ("eagle_tree", "mqa"), ("medusa_tree", "mqa")])
 @fresh_process
-def test_engine_on_cuda_equals_cpu_reference(models, method, scorer):
+def test_engine_on_cuda_equals_cpu_reference(models, method, scorer, tmp_path):
     from specinfer import Generator, SamplingParams
 
     target, draft = models
     params = SamplingParams(max_tokens=32, temperature=0.0)
     prompts = _prompts(16)
     want = Generator(target, device="cpu", **ENGINE).generate(prompts, params, use_tqdm=False)
-    gen = Generator(target, device="cuda", speculative=_spec(method, draft, scorer), **ENGINE)
+    gen = Generator(target, device="cuda", speculative=_spec(method, draft, scorer, target, tmp_path), **ENGINE)
     assert gen.engine.platform.name == "cuda" and gen.engine.runner.backend.name == "triton"
     got = gen.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
