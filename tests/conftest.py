@@ -2,8 +2,14 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# The repository root holds kernels/ (packed into the wheel as specinfer.kernels). On sys.path, as
+# `python -m pytest` from the root puts it, it would shadow the PyPI package `kernels` that
+# transformers (>= 5.2x) imports with its models: keep the root off the path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 # tiny test models gain nothing from threads, and OpenMP spin-waits collapse on a busy 2-core box
