@@ -112,19 +112,25 @@ def test_graph_plan_covers_decode_and_verification_buckets():
     assert plan.keys()[0] == (20, 4) and len(plan.keys()) == 12
     assert plan.key_for(3, 3, 1) == (4, 1)  # 3 decodes -> the 4-batch decode graph
     assert plan.key_for(5, 20, 4) == (8, 4)  # 5 verification runs of 1 + 3
-    assert plan.key_for(2, 5, 4) is None  # not uniform (a 4-run and a 1-token decode)
-    assert plan.key_for(2, 6, 3) is None  # q = 3 was not planned
+    assert plan.key_for(2, 5, 4) == (2, 4)  # a 4-run beside a decode: padded into the (2, 4) graph
+    assert plan.key_for(2, 6, 3) == (2, 4)  # runs of at most 3: the next planned query length
+    assert plan.key_for(1, 9, 9) is None  # a prefill chunk longer than every planned q: eager
     assert plan.key_for(21, 21, 1) is None  # more sequences than any graph
     assert plan.key_for(0, 0, 0) is None
+    assert not plan.tree and graph_plan(EngineLimits(20, 64, 100, 16, 3, "mqa", token_tree=True)).tree
     expand = graph_plan(EngineLimits(8, 2048, 100, 16, 3, "batch_expansion"))
     assert expand.query_lens == (1,) and expand.batch_sizes[-1] == 32  # 8 requests x (1 + 3) rows
     assert graph_plan(EngineLimits(300, 64, 100, 16, 0, "mqa")).batch_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
 
 
-def test_graph_runner_static_buffers_equal_eager(tiny_dir):
+@pytest.mark.parametrize("tree", [False, True])
+def test_graph_runner_static_buffers_equal_eager(tiny_dir, tree):
     """The padded static batch a graph replays (padded sequences with no tokens, padded tokens at
-    slot -1) gives the eager forward's hidden states and KV writes, for decodes and verification
-    runs, through the Triton kernels (interpreted)."""
+    slot -1, rows past a shorter run's end owned by no sequence) gives the eager forward's hidden
+    states and KV writes, for decodes, verification runs, runs of different lengths and (plans
+    with trees) token-tree runs beside plain ones, through the Triton kernels (interpreted)."""
+    import dataclasses
+
     from specinfer.attention import get_backend
     from specinfer.attention.triton_backend import TritonBackend
     from specinfer.engine.batch import attention_metadata_for_runs
@@ -137,7 +143,7 @@ def test_graph_runner_static_buffers_equal_eager(tiny_dir):
     bs, nb = 4, 40
     caches = [torch.zeros(model.kv_cache_shape(nb, bs)) for _ in range(model.num_layers)]
     twin = [c.clone() for c in caches]
-    plan = GraphPlan(batch_sizes=(2, 4), query_lens=(1, 4), max_blocks_per_seq=8)
+    plan = GraphPlan(batch_sizes=(2, 4), query_lens=(1, 4), max_blocks_per_seq=8, tree=tree)
     graphed = CudaGraphRunner(model, caches, TritonBackend(), plan, mode="eager_static")
     eager = ModelRunner(model, twin, TritonBackend())
     table = np.arange(24, dtype=np.int32).reshape(3, 8)  # three sequences, disjoint blocks
@@ -146,17 +152,32 @@ def test_graph_runner_static_buffers_equal_eager(tiny_dir):
     ids = torch.randint(3, 256, (26,), generator=g)
     for c in (caches, twin):  # the same context in both caches (torch_ref: the interpreter is slow)
         ModelRunner(model, c, get_backend("torch_ref")).forward(ids, torch.from_numpy(prefill[1]), prefill[0])
-    odd = attention_metadata_for_runs(table[:1], np.array([20]), np.array([2]), bs, torch.device("cpu"))[0]
+    chunk = attention_metadata_for_runs(table[:1], np.array([20]), np.array([5]), bs, torch.device("cpu"))[0]
     for r in (graphed, eager):
-        r.forward(ids[:2], torch.tensor([20, 21]), odd)  # q = 2 was not planned: eager in both
+        r.forward(ids[:5], torch.arange(20, 25), chunk)  # a 5-token run: longer than every q, eager
     assert graphed.num_eager == 1 and graphed.num_replays == 0
-    for starts, lens in ((np.array([9, 5, 12]), np.ones(3, np.int64)),  # 3 decodes -> batch 4
-                         (np.array([10, 6, 13]), np.full(3, 4))):  # 3 runs of 1 + 3 -> (4, 4)
+    # tree runs of root + 3 nodes (parents -1, -1, 0): bit j = tree slot j visible (0 = the root)
+    node_masks = np.array([0b1, 0b11, 0b101, 0b1011])
+    steps = [(np.array([9, 5, 12]), np.ones(3, np.int64), None),  # 3 decodes -> batch 4
+             (np.array([10, 6, 13]), np.full(3, 4), None),  # 3 runs of 1 + 3 -> (4, 4)
+             (np.array([14, 10, 17]), np.array([1, 4, 2]), None),  # runs of 1, 4 and 2 -> (4, 4)
+             (np.array([15, 14, 19]), np.array([4, 1, 4]), [0, 2])]  # tree runs beside a decode
+    for starts, lens, tree_rows in steps:
         attn, pos = attention_metadata_for_runs(table, starts, lens, bs, torch.device("cpu"))
+        if tree_rows is not None:
+            masks = np.zeros(int(lens.sum()), np.int64)
+            cu = np.concatenate([[0], np.cumsum(lens)])
+            for s in tree_rows:
+                masks[cu[s]:cu[s + 1]] = node_masks
+            pos = np.concatenate([starts[s] + (np.array([0, 1, 1, 2]) if s in tree_rows else np.arange(lens[s]))
+                                  for s in range(3)])
+            attn = dataclasses.replace(attn, tree_mask=torch.from_numpy(masks),
+                                       tree_start=torch.from_numpy(starts.astype(np.int32)))
         ids = torch.randint(3, 256, (int(lens.sum()),), generator=g)
         got, _ = graphed.forward(ids, torch.from_numpy(pos), attn)
         want, _ = eager.forward(ids, torch.from_numpy(pos), attn)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert graphed.num_replays == 2
+    # a plan without trees runs a tree batch eagerly (its graphs have no mask buffers)
+    assert graphed.num_replays == (4 if tree else 3) and graphed.num_eager == (1 if tree else 2)
     for a, b in zip(caches, twin):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # padded rows wrote nothing (slot -1)

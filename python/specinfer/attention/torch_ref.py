@@ -43,7 +43,7 @@ class TorchRefPrepared:
 
 
 def _key_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(length, dtype=torch.int64)
+    pos = torch.arange(length, dtype=torch.int64, device=block_table_row.device)
     return block_table_row.to(torch.int64)[pos // block_size] * block_size + pos % block_size
 
 
@@ -54,6 +54,7 @@ class TorchRefBackend:
         qsl = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
         bs = meta.block_size
+        dev = meta.block_table.device  # the reference runs on any device: index tensors live there
         short_ids, long = [], []
         for s, L in enumerate(seq_lens):
             q_len = qsl[s + 1] - qsl[s]
@@ -64,28 +65,30 @@ class TorchRefBackend:
             mask = None
             tree = meta.has_tree and bool((meta.tree_mask[qsl[s]:qsl[s + 1]] != 0).any())
             if q_len != L or tree:
-                q_pos = torch.arange(L - q_len, L).unsqueeze(1)
-                mask = torch.arange(L).unsqueeze(0) <= q_pos
+                q_pos = torch.arange(L - q_len, L, device=dev).unsqueeze(1)
+                mask = torch.arange(L, device=dev).unsqueeze(0) <= q_pos
                 if tree:
-                    mask = _with_tree(mask, meta, torch.arange(qsl[s], qsl[s + 1]),
-                                      torch.full((q_len,), s, dtype=torch.int64), torch.arange(L))
+                    mask = _with_tree(mask, meta, torch.arange(qsl[s], qsl[s + 1], device=dev),
+                                      torch.full((q_len,), s, dtype=torch.int64, device=dev),
+                                      torch.arange(L, device=dev))
             long.append(_LongSeq(qsl[s], qsl[s + 1], slots, mask))
         groups = [self._prepare_short(meta, ids) for ids in _length_groups(short_ids, seq_lens)]
         return TorchRefPrepared(meta, groups, long)
 
     @staticmethod
     def _prepare_short(meta, ids) -> _ShortGroup:
-        idx = torch.tensor(ids, dtype=torch.int64)
+        dev = meta.block_table.device
+        idx = torch.tensor(ids, dtype=torch.int64, device=dev)
         start = meta.query_start_loc.to(torch.int64)
         q_lens = (start[1:] - start[:-1])[idx]  # [G]
         lens = meta.seq_lens.to(torch.int64)[idx]  # [G]
         G, Q, K = len(ids), int(q_lens.max()), int(lens.max())
         bs = meta.block_size
-        kpos = torch.arange(K, dtype=torch.int64)  # [K]
+        kpos = torch.arange(K, dtype=torch.int64, device=dev)  # [K]
         blocks = meta.block_table.to(torch.int64)[idx]  # [G, W]
         kblock = torch.clamp(kpos // bs, max=blocks.shape[1] - 1)
         key_slots = blocks[:, kblock] * bs + kpos % bs  # [G, K]
-        qi = torch.arange(Q, dtype=torch.int64)  # [Q]
+        qi = torch.arange(Q, dtype=torch.int64, device=dev)  # [Q]
         q_valid = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # [G, Q]
         q_pos = lens.unsqueeze(1) - q_lens.unsqueeze(1) + qi.unsqueeze(0)  # [G, Q]
         mask = kpos.view(1, 1, K) <= q_pos.unsqueeze(2)  # [G, Q, K]
@@ -95,7 +98,7 @@ class TorchRefBackend:
         mask &= kpos.view(1, 1, K) < lens.view(G, 1, 1)
         mask |= (~q_valid).unsqueeze(2) & (kpos.view(1, 1, K) == 0)  # padded rows see key 0: no NaN
         token_rows = (start[idx].unsqueeze(1) + qi.unsqueeze(0))[q_valid]  # [n]
-        pad_index = (torch.arange(G).unsqueeze(1) * Q + qi.unsqueeze(0))[q_valid]  # [n]
+        pad_index = (torch.arange(G, device=dev).unsqueeze(1) * Q + qi.unsqueeze(0))[q_valid]  # [n]
         mask = mask.unsqueeze(1)
         if len(ids) == meta.num_seqs and ids == sorted(ids) and bool(q_valid.all()):
             # every sequence is short and has Q query tokens: the batch is already [G, Q] dense
@@ -158,7 +161,7 @@ def _attend(q: torch.Tensor, kv_flat: torch.Tensor, g: _ShortGroup, scale: float
     if mask is not None and Q > 1 and group > 1:
         mask = mask.repeat(1, 1, group, 1)  # [G, 1, group * Q, K]
     o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
-    return o.view(G, H, Q, D).transpose(1, 2)
+    return o.reshape(G, H, Q, D).transpose(1, 2)  # (a CUDA SDPA kernel may return it strided)
 
 
 def _length_groups(ids: list[int], seq_lens: list[int], ratio: float = 2.0, slack: int = 64) -> list[list[int]]:

@@ -28,6 +28,7 @@ class EngineLimits:
     block_size: int
     num_speculative_tokens: int  # 0 without speculation
     scorer: str  # "mqa" | "batch_expansion" (meaningless without speculation)
+    token_tree: bool = False  # verification runs carry token-tree masks
 
 
 @dataclass(frozen=True)

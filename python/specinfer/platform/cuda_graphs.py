@@ -1,18 +1,24 @@
 """CUDA graphs for decode and verification batches, with eager fallback.
 
-A uniform batch (every query sequence has the same query length q: plain decodes, batch-expanded
-verification with q = 1, mqa verification runs with q = 1 + k) of S sequences is padded to the
-smallest planned batch size B >= S and replayed from a graph captured for (B, q). Everything else
-(prefill chunks, mixed batches, batches larger than the plan, buckets whose capture failed) runs
-eagerly through the same backend.
+A batch of S sequences whose longest query run has at most q tokens, for a planned query length q
+(1 for decodes and batch-expanded verification, 1 + k for mqa verification runs), is padded to
+the smallest planned batch size B >= S and replayed from the graph captured for (B, q): plain
+decodes, verification runs, and mixes of both or of runs of different lengths (the goodput
+policy gives each request its own number of drafts, so most verification batches are not
+uniform). Everything else (prefill chunks, batches larger than the plan, buckets whose capture
+failed) runs eagerly through the same backend.
 
-Padding inside a captured batch is inert: the B - S padded sequences have no query tokens
-(query_start_loc repeats T, seq_lens 0, so the Triton programs of those sequences exit at once),
-and the padded tokens write their K/V to slot -1, which the Triton KV store skips. The graph's
-inputs live in static buffers; a replay copies the batch into them, so the metadata the graph
-was captured with is exactly the padded metadata an eager run of the same buffers would see.
-`mode="eager_static"` runs the model eagerly over those same buffers: that is how the padding is
-tested on CPU (Triton interpreter), where no graph can be captured.
+Padding inside a captured batch is inert: the kernels' launch grid depends only on (B, q); the
+B - S padded sequences have no query tokens (query_start_loc repeats T, seq_lens 0, so the Triton
+programs of those sequences exit at once), a real sequence's programs past its own query length
+exit likewise, and the padded tokens (rows T .. B*q, owned by no sequence) write their K/V to slot
+-1, which the Triton KV store skips; rows past T are dropped from the output. With a token tree
+in the engine every graph is captured with tree-mask buffers (tree_mask 0 is an ordinary causal
+token, so plain rows and tree rows share the graphs); without one, a batch carrying tree masks
+runs eagerly. The graph's inputs live in static buffers; a replay copies the batch into them, so
+the metadata the graph was captured with is exactly the padded metadata an eager run of the same
+buffers would see. `mode="eager_static"` runs the model eagerly over those same buffers: that is
+how the padding is tested on CPU (Triton interpreter), where no graph can be captured.
 """
 from __future__ import annotations
 
@@ -36,22 +42,23 @@ class GraphPlan:
     batch_sizes: tuple[int, ...]  # padded sequence counts captured, increasing
     query_lens: tuple[int, ...]  # query tokens per sequence: 1, and 1 + k for mqa verification
     max_blocks_per_seq: int  # W of the static block table: ceil(max_model_len / block_size)
+    tree: bool = False  # capture with token-tree mask buffers (the engine verifies token trees)
 
     def keys(self) -> list[tuple[int, int]]:
         """Every (batch, query length) to capture, largest first (smaller graphs then reuse the pool)."""
         return sorted(((b, q) for q in self.query_lens for b in self.batch_sizes), reverse=True)
 
     def key_for(self, num_seqs: int, num_tokens: int, max_query_len: int) -> tuple[int, int] | None:
-        """The captured (batch, query length) a batch replays, or None (eager): not uniform, an
-        unplanned q, or more sequences than planned. Every query has 1..max_query_len tokens, so
-        the batch is uniform exactly when num_tokens == num_seqs * max_query_len (no device sync)."""
-        q = int(max_query_len)
-        if num_seqs == 0 or num_tokens != num_seqs * q or q not in self.query_lens:
+        """The captured (batch, query length) a batch replays, or None (eager): the smallest planned
+        q >= its longest query run and the smallest planned batch >= its sequences; None when the
+        runs are longer than every planned q (prefill chunks) or the sequences more than planned.
+        Every run has 1..max_query_len tokens, so num_tokens <= B * q follows."""
+        m = int(max_query_len)
+        if num_seqs == 0 or num_tokens == 0:
             return None
-        for b in self.batch_sizes:
-            if b >= num_seqs:
-                return b, q
-        return None
+        q = next((q for q in sorted(self.query_lens) if q >= m), None)
+        b = next((b for b in self.batch_sizes if b >= num_seqs), None)
+        return None if q is None or b is None else (b, q)
 
 
 def graph_plan(limits) -> GraphPlan:
@@ -63,13 +70,13 @@ def graph_plan(limits) -> GraphPlan:
     most = min(limits.max_num_seqs * (1 + k if expand else 1), MAX_GRAPH_BATCH)
     sizes = [b for b in (1, 2, 4) if b < most] + list(range(8, most, 8)) + [most]
     sizes = sorted({b for b in sizes if b * min(query_lens) <= limits.max_num_batched_tokens})
-    return GraphPlan(tuple(sizes), query_lens, -(-limits.max_model_len // limits.block_size))
+    return GraphPlan(tuple(sizes), query_lens, -(-limits.max_model_len // limits.block_size), limits.token_tree)
 
 
 class _StaticBatch:
     """The graph's input and output buffers for one (B, q)."""
 
-    def __init__(self, B: int, q: int, W: int, device):
+    def __init__(self, B: int, q: int, W: int, device, tree: bool = False):
         T = B * q
         self.B, self.q = B, q
         self.input_ids = torch.zeros(T, dtype=torch.int64, device=device)
@@ -79,7 +86,9 @@ class _StaticBatch:
             query_start_loc=torch.zeros(B + 1, dtype=torch.int32, device=device),
             seq_lens=torch.zeros(B, dtype=torch.int32, device=device),
             block_table=torch.zeros(B, W, dtype=torch.int32, device=device),
-            max_query_len=q)
+            max_query_len=q,
+            tree_mask=torch.zeros(T, dtype=torch.int64, device=device) if tree else None,
+            tree_start=torch.zeros(B, dtype=torch.int32, device=device) if tree else None)
         self.hidden: torch.Tensor | None = None  # the captured output, [T, hidden]
 
     def fill(self, input_ids, positions, attn: AttentionMetadata) -> int:
@@ -100,6 +109,15 @@ class _StaticBatch:
         p.block_table[:S, :w].copy_(attn.block_table)
         p.block_table[:S, w:].zero_()
         p.block_table[S:].zero_()
+        if p.tree_mask is not None:  # 0: an ordinary causal token (every row of a batch without a tree)
+            if attn.has_tree:
+                p.tree_mask[:T].copy_(attn.tree_mask)
+                p.tree_mask[T:].zero_()
+                p.tree_start[:S].copy_(attn.tree_start)
+                p.tree_start[S:].zero_()
+            else:
+                p.tree_mask.zero_()
+                p.tree_start.zero_()
         return T
 
 
@@ -126,7 +144,7 @@ class CudaGraphRunner(ModelRunner):
     def _batch(self, key) -> _StaticBatch:
         b = self._batches.get(key)
         if b is None:
-            b = self._batches[key] = _StaticBatch(*key, self.plan.max_blocks_per_seq, self.device)
+            b = self._batches[key] = _StaticBatch(*key, self.plan.max_blocks_per_seq, self.device, self.plan.tree)
         return b
 
     def _model(self, b: _StaticBatch) -> torch.Tensor:
@@ -163,7 +181,8 @@ class CudaGraphRunner(ModelRunner):
     def forward(self, input_ids, positions, attn: AttentionMetadata, prepared=None):
         key = self.plan.key_for(int(attn.seq_lens.shape[0]), int(input_ids.shape[0]), attn.max_query_len)
         usable = key is not None and key not in self._failed \
-            and int(attn.block_table.shape[1]) <= self.plan.max_blocks_per_seq
+            and int(attn.block_table.shape[1]) <= self.plan.max_blocks_per_seq \
+            and (self.plan.tree or not attn.has_tree)  # tree masks need graphs captured with them
         if self.mode == "graph":
             usable = usable and key in self._graphs
         if not usable:
