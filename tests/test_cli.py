@@ -324,3 +324,26 @@ def test_draft_quantization_flag_reaches_the_speculative_config(tmp_path):
                                          "int8"]))
     with pytest.raises(SystemExit):
         p.parse_args(head + ["--draft-quantization", "fp8"])
+
+
+def test_ngram_first_flag_reaches_the_speculative_config(tmp_path):
+    import argparse
+
+    from specinfer.cli.errors import CliError
+    from specinfer.cli.options import add_speculative_arguments, speculative_config
+
+    p = argparse.ArgumentParser()
+    add_speculative_arguments(p)
+    head = ["--method", "eagle", "--head", str(tmp_path)]
+    plain = speculative_config(p.parse_args(head))
+    assert not plain.ngram_first and plain.prompt_lookup_min == 1
+    cfg = speculative_config(p.parse_args(head + ["--ngram-first"]))
+    assert cfg.ngram_first and cfg.prompt_lookup_min == 2  # a lone repeated token is weak evidence
+    assert speculative_config(p.parse_args(head + ["--ngram-first", "--prompt-lookup-min", "3"])).prompt_lookup_min == 3
+    assert speculative_config(p.parse_args(["-k", "3"])).prompt_lookup_min == 1  # ngram's default unchanged
+    with pytest.raises((CliError, ValueError), match="prompt lookup alone"):
+        speculative_config(p.parse_args(["-k", "3", "--ngram-first"]))
+    with pytest.raises(CliError, match="--ngram-first needs"):
+        speculative_config(p.parse_args(["--method", "none", "--ngram-first"]))
+    with pytest.raises(CliError, match="--ngram-first"):
+        speculative_config(p.parse_args(["--speculative-config", '{"method": "ngram"}', "--ngram-first"]))

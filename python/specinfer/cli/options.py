@@ -82,8 +82,12 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights of the draft model or head: int8 = weight-only int8 GEMMs (CPU), none = dense "
                         "(default: as --quantization, but int8 for a head over a float32 target on CPU); drafts only "
                         "propose, so the output does not change")
-    g.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N", help="ngram: shortest n-gram to match")
+    g.add_argument("--prompt-lookup-min", type=int, default=None, metavar="N",
+                   help="ngram / --ngram-first: shortest n-gram to match (default: 1 for ngram, 2 with --ngram-first)")
     g.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N", help="ngram: longest n-gram to match")
+    g.add_argument("--ngram-first", action="store_true", default=None,
+                   help="a head, draft model or layer_skip: requests whose history repeats their latest n-gram "
+                        "draft the prompt lookup's continuation, the others the model's (the output is unchanged)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
@@ -127,6 +131,8 @@ def speculative_config(args):
             raise CliError("--draft needs speculation; drop --method none")
         if draft_quant is not None:
             raise CliError("--draft-quantization needs a draft model or head")
+        if getattr(args, "ngram_first", None):
+            raise CliError("--ngram-first needs a draft model, a head or layer_skip")
         if draft_tp is not None:
             raise CliError("--draft-tensor-parallel-size needs --method draft_model")
         return None
@@ -155,7 +161,8 @@ def speculative_config(args):
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
         posterior_alpha=args.posterior_alpha, scorer=args.scorer, draft_tensor_parallel_size=draft_tp,
-        policy=getattr(args, "spec_policy", None) or "auto", quantization=draft_quant)
+        policy=getattr(args, "spec_policy", None) or "auto", quantization=draft_quant,
+        ngram_first=bool(getattr(args, "ngram_first", None)))
 
 
 def _speculative_config_json(args):
@@ -168,7 +175,8 @@ def _speculative_config_json(args):
                                          ("--spec-policy", getattr(args, "spec_policy", None)),
                                          ("--draft-tensor-parallel-size",
                                           getattr(args, "draft_tensor_parallel_size", None)),
-                                         ("--draft-quantization", getattr(args, "draft_quantization", None)))
+                                         ("--draft-quantization", getattr(args, "draft_quantization", None)),
+                                         ("--ngram-first", getattr(args, "ngram_first", None)))
                 if value is not None]
     if clashing:
         raise CliError(f"--speculative-config cannot be combined with {', '.join(clashing)}")

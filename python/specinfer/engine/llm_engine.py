@@ -38,6 +38,7 @@ from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.policy import GoodputPolicy
+from specinfer.spec_decode.ngram_first import NgramFirstProposer
 from specinfer.spec_decode.registry import proposer_class
 from specinfer.spec_decode.trained_heads import resolve_head
 
@@ -116,6 +117,8 @@ class LLMEngine:
                                       method, resolve_head(path, method, model), self.loaded,
                                       dtype=self.loaded.model.norm.dtype, quantization=head_quant))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
+            if self.spec.ngram_first:  # prompt lookup where the history repeats, the model elsewhere
+                self.proposer = NgramFirstProposer(self.proposer, self.spec)
         kv_models = [self.loaded.model] + (self.proposer.kv_models if self.proposer else [])
         self.block_size = cache_cfg.block_size
         k = self.spec.num_draft_slots if self.spec else 0  # drafts verified per request and step

@@ -20,8 +20,14 @@ class SpeculativeConfig:
     # eagle, eagle3): the head's checkpoint directory
     model: str | None = None
     exit_layer: int | None = None  # layer_skip: draft = the target's first E layers (1 <= E <= layers)
-    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram to match
+    # ngram / ngram_first: shortest suffix n-gram to match; None: 1 for ngram, 2 with ngram_first (a
+    # lone repeated token is weak evidence beside a head's drafts)
+    prompt_lookup_min: int | None = None
     prompt_lookup_max: int = 4  # ngram: longest suffix n-gram to match
+    # a head, draft model or layer_skip: each step, a request whose history repeats its latest n-gram
+    # (prompt_lookup_min..max tokens) drafts the lookup's continuation, the others the model's
+    # (spec_decode/ngram_first.py)
+    ngram_first: bool = False
     acceptance_method: str = "rejection_sampler"  # or "typical_acceptance_sampler"
     posterior_threshold: float = 0.09  # typical acceptance
     posterior_alpha: float = 0.3  # typical acceptance
@@ -78,6 +84,13 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative.exit_layer must be an integer >= 1 for method 'layer_skip' (got {e!r})")
         elif e is not None:
             raise ValueError(f"speculative.exit_layer applies only to method 'layer_skip' (method is {self.method!r})")
+        if not isinstance(self.ngram_first, bool):
+            raise ValueError(f"speculative.ngram_first must be true or false (got {self.ngram_first!r})")
+        if self.ngram_first and self.method == "ngram":
+            raise ValueError("speculative.ngram_first puts prompt lookup before a model's drafts; method "
+                             "'ngram' is prompt lookup alone")
+        if self.prompt_lookup_min is None:
+            object.__setattr__(self, "prompt_lookup_min", 2 if self.ngram_first else 1)
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"speculative.prompt_lookup_min/max must satisfy 1 <= min <= max (got {lo!r}, {hi!r})")
