@@ -6,8 +6,10 @@ import itertools
 import numpy as np
 import pytest
 
-from specinfer.spec_decode.policy import (GoodputPolicy, AcceptanceEstimates, StepCostModel, choose_num_drafts,
-                                          drafts_that_shorten_the_run, expected_emitted, linear_cost)
+from specinfer.spec_decode.policy import (GoodputPolicy, AcceptanceEstimates, StepCostModel, TimeTable,
+                                          choose_num_drafts, choose_num_drafts_by_heap,
+                                          drafts_that_shorten_the_run, expected_emitted, expected_emitted_rows,
+                                          linear_cost)
 
 
 def brute_force(accept, max_drafts, seconds):
@@ -41,6 +43,35 @@ def test_greedy_choice_equals_the_brute_force_optimum(seed):
     d = choose_num_drafts(accept, max_drafts, seconds)
     assert np.all(d <= max_drafts)
     assert goodput(accept, d, seconds) == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_sorted_choice_equals_the_heap_merge_ties_included(seed):
+    """The one-sort choice takes the same drafts as the heap merge, one gain at a time, at batch
+    sizes the brute force cannot reach, with ties (acceptance 1, repeated values) and caps."""
+    rng = np.random.default_rng(500 + seed)
+    R, K = int(rng.integers(1, 65)), int(rng.integers(1, 9))
+    accept = rng.choice([0.0, 0.25, 0.5, 0.9, 1.0], size=(R, K)) if seed % 2 else rng.uniform(0, 1, (R, K))
+    max_drafts = rng.integers(0, K + 1, size=R)
+    seconds = linear_cost(float(rng.uniform(0.001, 0.05)), float(rng.uniform(1e-4, 0.01)),
+                          float(rng.uniform(0, 0.01)), int(rng.integers(R, 3 * R + 1)))
+    np.testing.assert_array_equal(choose_num_drafts(accept, max_drafts, seconds),
+                                  choose_num_drafts_by_heap(accept, max_drafts, seconds))
+    d = rng.integers(0, K + 1, size=R)
+    np.testing.assert_allclose(expected_emitted_rows(accept, d),
+                               [expected_emitted(accept[i], int(d[i])) for i in range(R)], rtol=1e-12)
+
+
+def test_time_table_slope_is_the_least_squares_line():
+    t = TimeTable(1.0)
+    pts = {1: 0.010, 5: 0.011, 9: 0.016, 17: 0.030}
+    for c, v in pts.items():
+        t.record(c, v)
+    slope = np.polyfit(list(pts), list(pts.values()), 1)[0]
+    assert t.at([20])[0] == pytest.approx(0.030 + 3 * slope, rel=1e-9)
+    assert t.at([3])[0] == pytest.approx(0.0105, rel=1e-9)  # interpolated
+    t.record(20, 0.040)  # a new count: the table is rebuilt
+    assert t.at([20])[0] == pytest.approx(0.040)
 
 
 @pytest.mark.parametrize("seed", range(30))

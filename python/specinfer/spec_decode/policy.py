@@ -62,6 +62,13 @@ def expected_emitted(accept: np.ndarray, d: int) -> float:
     return float(1.0 + np.cumprod(accept[:d]).sum()) if d else 1.0
 
 
+def expected_emitted_rows(accept: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """E_r(d_r) for every row r of accept [R, K] at once (expected_emitted per row)."""
+    accept = np.asarray(accept, dtype=np.float64)
+    upto = np.arange(accept.shape[1]) < np.asarray(d).reshape(-1, 1)
+    return 1.0 + np.where(upto, np.cumprod(accept, axis=1), 0.0).sum(axis=1)
+
+
 def linear_cost(c0: float, c_t: float, c_d: float, base_tokens: int) -> Callable[[np.ndarray], np.ndarray]:
     """C(n) = c0 + c_t (base_tokens + n) + c_d n: a step cost linear in its tokens."""
     return lambda n: c0 + c_t * (base_tokens + n) + c_d * n
@@ -72,11 +79,40 @@ def choose_num_drafts(
     max_drafts: np.ndarray,  # int[R] the most drafts each request may take
     seconds: Callable[[np.ndarray], np.ndarray],  # C(n): step seconds when n tokens are drafted in all
 ) -> np.ndarray:  # int64[R] drafts per request
-    """The goodput-maximizing number of drafts per request (see the module doc)."""
+    """The goodput-maximizing number of drafts per request (see the module doc).
+
+    The greedy merge of the per-request gain sequences g_ij = a_i0 ... a_ij (each non-increasing
+    in j) is one stable sort of every allowed g_ij, largest first: ties go to the lower request,
+    then the lower position, as a heap merge would take them (choose_num_drafts_by_heap, the
+    test's reference). One numpy sort instead of a Python heap loop: this runs every step."""
+    accept = np.asarray(accept, dtype=np.float64)
     R = accept.shape[0]
     d = np.zeros(R, dtype=np.int64)
-    order = []  # (request) of each successive best marginal gain, gains decreasing
-    gains = []
+    if R == 0:
+        return d
+    max_drafts = np.minimum(np.asarray(max_drafts, dtype=np.int64), accept.shape[1])
+    gain = np.cumprod(accept, axis=1)  # [R, K]: the marginal gain of each request's (j+1)-th draft
+    allowed = np.arange(accept.shape[1]) < max_drafts.reshape(-1, 1)
+    flat = np.flatnonzero(allowed.ravel())  # row-major: request, then position
+    if len(flat) == 0:
+        return d
+    g = gain.ravel()[flat]
+    order = flat[np.argsort(-g, kind="stable")]
+    gains = gain.ravel()[order]
+    n = np.arange(len(gains) + 1)
+    emitted = R + np.concatenate([[0.0], np.cumsum(gains)])
+    cost = np.asarray(seconds(n), dtype=np.float64)
+    goodput = emitted / np.maximum(cost, 1e-12)
+    best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-12))[0])  # fewest drafts among ties
+    return np.bincount(order[:best] // accept.shape[1], minlength=R).astype(np.int64)
+
+
+def choose_num_drafts_by_heap(accept: np.ndarray, max_drafts: np.ndarray,
+                              seconds: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """choose_num_drafts as a heap merge, one marginal gain at a time (the reference)."""
+    R = accept.shape[0]
+    d = np.zeros(R, dtype=np.int64)
+    order, gains = [], []  # request of each successive best marginal gain, gains decreasing
     heap = [(-float(accept[i, 0]), i) for i in range(R) if max_drafts[i] > 0]
     heapq.heapify(heap)
     taken = np.zeros(R, dtype=np.int64)
@@ -89,11 +125,9 @@ def choose_num_drafts(
             heapq.heappush(heap, (neg_gain * float(accept[i, taken[i]]), i))
     if not gains:
         return d
-    n = np.arange(len(gains) + 1)
     emitted = R + np.concatenate([[0.0], np.cumsum(gains)])
-    cost = np.asarray(seconds(n), dtype=np.float64)
-    goodput = emitted / np.maximum(cost, 1e-12)
-    best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-12))[0])  # fewest drafts among ties
+    goodput = emitted / np.maximum(np.asarray(seconds(np.arange(len(gains) + 1)), dtype=np.float64), 1e-12)
+    best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-12))[0])
     np.add.at(d, np.asarray(order[:best], dtype=np.int64), 1)
     return d
 
@@ -108,7 +142,7 @@ def drafts_that_shorten_the_run(accept: np.ndarray, chosen: np.ndarray, tokens_l
     if len(out) == 0:
         return out
     left = np.asarray(tokens_left, dtype=np.float64)
-    rate = np.array([expected_emitted(accept[i], int(d)) for i, d in enumerate(out)])
+    rate = expected_emitted_rows(accept, out)
     end = max(float(horizon), float((left / rate).max()))
     out[left <= end] = 0
     return out
@@ -123,6 +157,7 @@ class TimeTable:
     def __init__(self, rate: float):
         self.rate = rate
         self._by_count: dict[int, float] = {}
+        self._table = None  # (keys, vals, slope), sorted by key; rebuilt after a record
 
     def __len__(self) -> int:
         return len(self._by_count)
@@ -130,16 +165,26 @@ class TimeTable:
     def record(self, count: int, seconds: float) -> None:
         old = self._by_count.get(int(count))
         self._by_count[int(count)] = seconds if old is None else old + self.rate * (seconds - old)
+        self._table = None
+
+    def _sorted(self):
+        if self._table is None:
+            keys = np.fromiter(self._by_count.keys(), dtype=np.float64, count=len(self._by_count))
+            vals = np.fromiter(self._by_count.values(), dtype=np.float64, count=len(self._by_count))
+            order = np.argsort(keys)
+            keys, vals = keys[order], vals[order]
+            slope = 0.0
+            if len(keys) > 1:  # least squares in closed form (np.polyfit's SVD cost more than the rest)
+                dk = keys - keys.mean()
+                slope = max(float((dk * (vals - vals.mean())).sum() / (dk * dk).sum()), 0.0)
+            self._table = (keys, vals, slope)
+        return self._table
 
     def at(self, counts) -> np.ndarray:
         counts = np.asarray(counts, dtype=np.float64)
-        keys = np.fromiter(self._by_count.keys(), dtype=np.float64, count=len(self._by_count))
-        vals = np.fromiter(self._by_count.values(), dtype=np.float64, count=len(self._by_count))
-        order = np.argsort(keys)
-        keys, vals = keys[order], vals[order]
+        keys, vals, slope = self._sorted()
         if len(keys) == 1:
             return np.full_like(counts, vals[0]) if keys[0] == 0 else vals[0] * counts / keys[0]
-        slope = max(float(np.polyfit(keys, vals, 1)[0]), 0.0)
         out = np.interp(counts, keys, vals)
         lo, hi = counts < keys[0], counts > keys[-1]
         out[lo] = np.maximum(vals[0] - slope * (keys[0] - counts[lo]), 0.0)
@@ -198,20 +243,29 @@ class AcceptanceEstimates:
         self._engine_seen = np.zeros(k, dtype=bool)
         self._engine_count = np.zeros(k)  # observations per position
         self._per_request: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # core id -> (est, seen)
+        # of() per request, as last computed (read every step, changed only by record)
+        self._of: dict[int, np.ndarray] = {}
+        self._engine_of: np.ndarray | None = None
 
     @staticmethod
     def _filled(est: np.ndarray, seen: np.ndarray) -> np.ndarray:
-        out = est.copy()
-        for j in range(1, len(out)):
-            if not seen[j] and seen[:j].any():
-                out[j] = out[j - 1]
-        return out
+        """est with each unseen position after a seen one replaced by the last seen one's value."""
+        last = np.maximum.accumulate(np.where(seen, np.arange(len(est)), -1))
+        return np.where(seen | (last < 0), est, est[np.maximum(last, 0)])
 
-    def of(self, core_id: int) -> np.ndarray:  # float[k]
+    def of(self, core_id: int) -> np.ndarray:  # float[k], read-only (cached until the next record)
+        out = self._of.get(core_id)
+        if out is not None:
+            return out
         own = self._per_request.get(core_id)
         if own is None:
-            return self._filled(self.engine, self._engine_seen)
-        return self._filled(*own)
+            if self._engine_of is None:
+                self._engine_of = self._filled(self.engine, self._engine_seen)
+                self._engine_of.flags.writeable = False
+            return self._engine_of
+        out = self._of[core_id] = self._filled(*own)
+        out.flags.writeable = False
+        return out
 
     def record(self, core_id: int, num_verified: int, num_accepted: int) -> None:
         """A verification of `num_verified` drafts accepted the first `num_accepted`: positions
@@ -231,9 +285,12 @@ class AcceptanceEstimates:
         rate = np.maximum(1.0 / (self._engine_count[seen] + 1), self.engine_rate)
         self.engine[seen] += rate * (hit - self.engine[seen])
         self._engine_seen[seen] = True
+        self._of.pop(core_id, None)
+        self._engine_of = None
 
     def forget(self, core_id: int) -> None:
         self._per_request.pop(core_id, None)
+        self._of.pop(core_id, None)
 
 
 class GoodputPolicy:
@@ -300,7 +357,7 @@ class GoodputPolicy:
     def _probe(self, due, core_ids, accept, chosen, seconds) -> None:
         """One draft for each request due a probe while one more draft, accepted with the prior
         probability, still raises the step's goodput (a held request stays due otherwise)."""
-        emitted = sum(expected_emitted(accept[i], int(d)) for i, d in enumerate(chosen))
+        emitted = float(expected_emitted_rows(accept, chosen).sum())
         n = int(chosen.sum())
         costs = np.asarray(seconds(np.arange(n, n + len(due) + 1)), dtype=np.float64)
         for j, i in enumerate(due):
