@@ -218,15 +218,19 @@ class LLMEngine:
         """ids -> list[int] in [0, vocab) with room to generate under max_model_len, or ValueError."""
         if isinstance(ids, np.ndarray) and ids.ndim != 1:
             raise ValueError(f"{what} token ids must be a flat list (got an array of shape {ids.shape})")
-        ids = list(ids)
-        bad = next((t for t in ids if not is_int(t)), None)
-        if bad is not None:
-            raise ValueError(f"{what} token ids must be integers (got {bad!r} of type {type(bad).__name__})")
-        ids = [int(t) for t in ids]
+        if isinstance(ids, np.ndarray) and ids.dtype.kind in "iu":
+            ids = ids.tolist()  # plain ints at C speed
+        else:
+            ids = list(ids)
+            if set(map(type, ids)) - {int}:  # the per-token check only where a token is not a plain int
+                bad = next((t for t in ids if not is_int(t)), None)
+                if bad is not None:
+                    raise ValueError(f"{what} token ids must be integers (got {bad!r} of type {type(bad).__name__})")
+                ids = [int(t) for t in ids]
         if not ids:
             raise ValueError(f"{what} is empty (no tokens)")
-        bad = next((t for t in ids if t < 0 or t >= self.vocab_size), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if t < 0 or t >= self.vocab_size)
             raise ValueError(f"{what} token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"{what} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room "
