@@ -60,21 +60,13 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _read(path: str):
-    from gguf import GGUFReader
+    from specinfer.loader.gguf_file import GGUFFile
 
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # bad magic, truncated header or tensor data (numpy memmap errors)
+        reader = GGUFFile(path)
+    except (ValueError, OSError) as e:  # bad magic, truncated header or tensor data
         raise ValueError(f"{path}: not a valid GGUF file or truncated ({type(e).__name__}: {e})") from e
-    meta = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        try:
-            meta[key] = field.contents()
-        except Exception as e:
-            raise ValueError(f"{path}: unreadable GGUF metadata field {key!r} ({e})") from e
-    return reader, meta
+    return reader, {k: v for k, v in reader.fields.items() if not k.startswith("GGUF.")}
 
 
 def _rope_scaling(meta: dict, arch: str, path: str) -> dict | None:
@@ -185,14 +177,15 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
     """HF-named tensors in `dtype`; with quantization="int8", Q8_0 GEMM weights as QuantizedTensor
     (kept int8) and every other tensor in float32 (the model quantizes GEMM weights one by one)."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+
+    from specinfer.loader.gguf_dequant import dequantize
 
     permuted = cfg.architecture == "llama"
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
-        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+        expected = tuple(int(d) for d in reversed(t.shape))
         if (quantization == "int8" and t.tensor_type == GGMLQuantizationType.Q8_0 and len(expected) == 2
                 and name.endswith(".weight") and "norm" not in name):
             try:
@@ -206,14 +199,10 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
             yield name, qt
             continue
         try:
-            array = dequantize(t.data, t.tensor_type)  # float32 ndarray, [rows, cols] (dims reversed)
+            array = dequantize(t.data, t.tensor_type, expected)  # a new float32 array [rows, cols]
         except Exception as e:
-            raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} ({type(e).__name__}: {e})") from e
-        if array.size != int(np.prod(expected)):
-            raise ValueError(f"{path}: tensor {t.name!r} data is truncated")
-        array = array.reshape(expected)
-        if not array.flags.writeable:  # F32 tensors are read-only views of the file's memmap
-            array = array.copy()
+            raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} (truncated or damaged data: "
+                             f"{type(e).__name__}: {e})") from e
         w = torch.from_numpy(array)
         if permuted and ".attn_q." in t.name:
             w = unpermute_rows(w, cfg.num_heads)

@@ -8,6 +8,7 @@
 mod cpu_attention;
 mod cpu_linear;
 mod cpu_norm;
+mod gguf_dequant;
 
 use std::sync::{Arc, Mutex};
 
@@ -515,6 +516,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cpu_attention::register(m)?;
     cpu_linear::register(m)?;
     cpu_norm::register(m)?;
+    gguf_dequant::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

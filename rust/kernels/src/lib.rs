@@ -7,6 +7,8 @@
 //!   small batches), streaming the weights with prefetch; its entry points are
 //!   [`int8_linear`] (weight-only int8 with per-group f32 scales, e.g. GGUF Q8_0's blocks of
 //!   32) and [`dense_linear`] (bf16 or f32 weights). Activations f32.
+//! - [`dequant`]: GGUF block formats (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) to f32, rows in
+//!   parallel, bit-identical to the `gguf` package's dequantizers.
 //! - [`rms_norm`]: RMSNorm over rows in one pass (f32 arithmetic, one rounding for bf16).
 //! - [`simd`]: the vector primitives (dot, axpy, scale) for AVX-512, AVX2+FMA and a portable
 //!   fallback, chosen at run time ([`simd::Isa::detect`]).
@@ -14,6 +16,7 @@
 //! - [`threads`]: the rayon pool the kernels run on, sized per call.
 
 pub mod dense_linear;
+pub mod dequant;
 pub mod elem;
 pub mod few_rows_linear;
 pub mod int8_linear;
