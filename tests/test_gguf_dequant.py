@@ -73,3 +73,26 @@ def test_wrong_sizes_are_refused():
         dequantize(data[:, :-1], int(T.Q8_0), (2, 64))  # truncated
     with pytest.raises(ValueError, match="whole number"):
         dequantize(data, int(T.Q8_0), (4, 33))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_loads_dequantize_straight_into_the_parameters(tmp_path, monkeypatch, arch):
+    """Every tensor but llama's row-permuted q/k is written in place (no temporary, no copy);
+    the loaded model still equals transformers (test_gguf.py checks the values)."""
+    import specinfer.loader.gguf_dequant as gd
+    from test_gguf import write_synthetic_gguf
+
+    from specinfer.loader import load_model
+
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    hf = write_synthetic_gguf(path, arch)
+    via_temp, in_place = [], []
+    temp, into = gd.dequantize, gd.dequantize_into
+    monkeypatch.setattr(gd, "dequantize", lambda data, kind, shape: via_temp.append(shape) or temp(data, kind, shape))
+    monkeypatch.setattr(gd, "dequantize_into", lambda data, kind, out: in_place.append(out.shape) or into(data, kind, out))
+    lm = load_model(path)
+    layers = hf.config.num_hidden_layers
+    assert len(via_temp) == (2 * layers if arch == "llama" else 0)
+    assert len(in_place) > 5 * layers
+    torch.testing.assert_close(lm.model.layers[0].gate_up_weight[: hf.config.intermediate_size],
+                               hf.model.layers[0].mlp.gate_proj.weight, atol=0, rtol=0)

@@ -13,6 +13,20 @@ import torch
 from specinfer._core import dequantize_gguf, gguf_type_supported
 
 
+def dequantize_into(data: np.ndarray, type_id: int, out: torch.Tensor) -> bool:
+    """Write the tensor's values into `out` (contiguous float32 CPU, the tensor's [rows, cols]
+    shape); False (nothing written) where the kernel does not read this type."""
+    type_id = int(type_id)
+    if not (gguf_type_supported(type_id) and out.dtype == torch.float32 and out.device.type == "cpu"
+            and out.is_contiguous()):
+        return False
+    src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    cols = int(out.shape[-1]) if out.dim() else 1
+    rows = out.numel() // cols if cols else 0
+    dequantize_gguf(src.ctypes.data, src.nbytes, type_id, rows, cols, out.data_ptr(), torch.get_num_threads())
+    return True
+
+
 def dequantize(data: np.ndarray, type_id: int, shape: tuple[int, ...]) -> np.ndarray:
     """A tensor's data (the reader's array over the file) of ggml type `type_id` -> a new float32
     array of `shape` (rows-major, the reader's [rows, cols] order). ValueError if the data does

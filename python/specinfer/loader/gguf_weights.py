@@ -173,12 +173,18 @@ def q8_0_blocks(data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
 
 
 def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
-                  quantization: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                  quantization: str | None = None,
+                  destinations: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors in `dtype`; with quantization="int8", Q8_0 GEMM weights as QuantizedTensor
-    (kept int8) and every other tensor in float32 (the model quantizes GEMM weights one by one)."""
+    (kept int8) and every other tensor in float32 (the model quantizes GEMM weights one by one).
+    A tensor whose float32 parameter memory is in `destinations` (model.float32_destinations)
+    and needs no row permutation is dequantized straight into it and yielded as LOADED_IN_PLACE."""
     from gguf import GGMLQuantizationType
 
-    from specinfer.loader.gguf_dequant import dequantize
+    from specinfer.loader.gguf_dequant import dequantize, dequantize_into
+    from specinfer.models.llama import LOADED_IN_PLACE
+
+    destinations = destinations or {}
 
     permuted = cfg.architecture == "llama"
     for t in reader.tensors:
@@ -198,6 +204,17 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
                 qt = QuantizedTensor(unpermute_rows(qt.q, cfg.num_kv_heads), unpermute_rows(qt.scales, cfg.num_kv_heads))
             yield name, qt
             continue
+        permute = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
+        dest = destinations.get(name)
+        if dest is not None and not permute and tuple(dest.shape) == expected:
+            try:
+                done = dequantize_into(t.data, t.tensor_type, dest)
+            except Exception as e:
+                raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} (truncated or damaged data: "
+                                 f"{type(e).__name__}: {e})") from e
+            if done:
+                yield name, LOADED_IN_PLACE
+                continue
         try:
             array = dequantize(t.data, t.tensor_type, expected)  # a new float32 array [rows, cols]
         except Exception as e:
@@ -217,7 +234,8 @@ def load_gguf(path: str, *, dtype: torch.dtype, device, quantization: str | None
     cfg = gguf_config(meta, tensor_names, path)
     tokenizer, add_bos = build_gguf_tokenizer(meta, path)
     model = LlamaForCausalLM(cfg, dtype=dtype, device=device, quantization=quantization)
-    model.load_weights(_gguf_weights(reader, cfg, dtype, path, model.quantization), source=path)
+    model.load_weights(_gguf_weights(reader, cfg, dtype, path, model.quantization, model.float32_destinations()),
+                       source=path)
     model.eval()
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, bos_token_id=cfg.bos_token_id,

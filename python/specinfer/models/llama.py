@@ -40,6 +40,9 @@ def _gemm_weight(n: int, k: int, *, dtype, device, quantization: str | None):
     return _param(n, k, dtype=dtype, device=device)
 
 
+
+LOADED_IN_PLACE = object()  # yielded by a loader for a tensor it wrote into float32_destinations()
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, quantization: str | None = None):
         super().__init__()
@@ -252,6 +255,20 @@ class LlamaForCausalLM(nn.Module):
             slots[p + "mlp.down_proj.weight"] = (layer.down_weight, None)
         return slots
 
+    def float32_destinations(self) -> dict[str, torch.Tensor]:
+        """HF name -> the contiguous float32 parameter memory that tensor fills, for loaders that
+        can write it in place (then yield LOADED_IN_PLACE to load_weights for it): a GGUF load
+        then touches the weights' memory once instead of writing a temporary and copying it."""
+        out = {}
+        if self.packed:
+            return out
+        for name, (target, rows) in self._slots().items():
+            if isinstance(target, torch.Tensor) and target.dtype == torch.float32:
+                dest = target if rows is None else target[rows]
+                if dest.is_contiguous():
+                    out[name] = dest
+        return out
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint") -> None:
         """Copy HF-named tensors into the fused parameters; every parameter must be filled once.
@@ -265,6 +282,11 @@ class LlamaForCausalLM(nn.Module):
         tied_ok = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         loaded: set[str] = set()
         for name, tensor in weights:
+            if tensor is LOADED_IN_PLACE:  # the loader wrote float32_destinations()[name] itself
+                if name not in slots:
+                    raise ValueError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
+                loaded.add(name)
+                continue
             if name not in slots:
                 if name in tied_ok or name.endswith("rotary_emb.inv_freq"):
                     continue
