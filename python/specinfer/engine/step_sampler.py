@@ -284,23 +284,32 @@ def greedy_chains(top: np.ndarray, drafts: np.ndarray, rows: np.ndarray, d: np.n
     probabilities: accept drafts while each equals the argmax of its row, then emit the argmax of
     the next row (the recovered token, or the bonus token when all were accepted and the request
     has a bonus row; a split proposal has none). drafts int64[sum d]; rows, d int[R].
-    -> (emitted tokens flat, emitted per request int32[R], accepted per request int32[R])."""
+    -> (emitted tokens flat, emitted per request int32[R], accepted per request int32[R]).
+
+    Vectorized over requests (this runs every verification step; a Python loop per request cost
+    ~3 us each): accepted drafts equal their rows' argmax, so request i emits the argmax of rows
+    r0_i .. r0_i + a_i (+ 1 unless it has no row past its last accepted draft), one gather."""
     R = len(d)
-    n_emit = np.zeros(R, dtype=np.int32)
-    acc = np.zeros(R, dtype=np.int32)
-    out = []
-    r0 = k0 = 0
-    for i in range(R):
-        k, n = int(d[i]), int(rows[i])
-        t, x = top[r0:r0 + n], drafts[k0:k0 + k]
-        miss = np.flatnonzero(x != t[:k])
-        a = int(miss[0]) if len(miss) else k
-        out.append(x[:a])
-        if a < n:  # the recovered token at the first miss, or the bonus token
-            out.append(t[a:a + 1])
-        n_emit[i], acc[i] = a + int(a < n), a
-        r0, k0 = r0 + n, k0 + k
-    return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64), n_emit, acc
+    d = np.asarray(d, dtype=np.int64)
+    rows = np.asarray(rows, dtype=np.int64)
+    r0 = np.zeros(R, dtype=np.int64)
+    k0 = np.zeros(R, dtype=np.int64)
+    if R:
+        np.cumsum(rows[:-1], out=r0[1:])
+        np.cumsum(d[:-1], out=k0[1:])
+    width = int(d.max(initial=0))
+    if width and len(top) and len(drafts):
+        j = np.arange(width)
+        valid = j < d[:, None]
+        t = top[np.minimum(r0[:, None] + j, len(top) - 1)]
+        x = drafts[np.minimum(k0[:, None] + j, len(drafts) - 1)]
+        acc = np.cumprod((t == x) & valid, axis=1).sum(axis=1)
+    else:
+        acc = np.zeros(R, dtype=np.int64)
+    n_emit = acc + (acc < rows)
+    total = int(n_emit.sum())
+    offsets = np.repeat(r0 - (np.cumsum(n_emit) - n_emit), n_emit) + np.arange(total)
+    return top[offsets].astype(np.int64), n_emit.astype(np.int32), acc.astype(np.int32)
 
 
 def _num_accepted(out: np.ndarray, n_emit: np.ndarray, d: np.ndarray, drafts: np.ndarray) -> np.ndarray:
