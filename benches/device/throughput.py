@@ -117,8 +117,14 @@ def specinfer_generate(path: Path, batch: list[list[int]], new_tokens: int, repe
     row = {"seconds": t, "tokens_per_s": tokens / t, "engine_build_s": build_s,
            "graph_replays": getattr(runner, "num_replays", 0), "eager_forwards": getattr(runner, "num_eager", None),
            "num_kv_blocks": gen.engine.num_kv_blocks}
+    # where a step's time goes (ms per step: packing + forward, verification, proposal + policy,
+    # the rest): on a GPU the speculative step's host side is what to look at first
+    m = gen.spec_metrics() if spec is not None else gen.engine.metrics.as_dict()
+    steps = max(int(m.get("num_steps") or 0), 1)
+    row["steps"] = m.get("num_steps")
+    row.update({f"{k[:-2]}_ms_per_step": 1e3 * m[k] / steps for k in ("score_s", "verify_s", "propose_s", "overhead_s")
+                if m.get(k) is not None})
     if spec is not None:
-        m = gen.spec_metrics()
         row.update({k: m.get(k) for k in ("acceptance_rate", "mean_acceptance_length", "system_efficiency")})
     del gen
     _empty_cache()
@@ -182,6 +188,9 @@ def main(argv=None) -> int:
         ngram = record("specinfer_ngram", B, lambda: specinfer_generate(
             model_dir, rep, args.new_tokens, args.repeats,
             spec={"method": "ngram", "num_speculative_tokens": args.k}))
+        record("specinfer_ngram_fixed", B, lambda: specinfer_generate(  # the goodput policy's part
+            model_dir, rep, args.new_tokens, args.repeats,
+            spec={"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}))
         selfdraft = record("specinfer_self_draft", B, lambda: specinfer_generate(
             model_dir, plain, args.new_tokens, args.repeats,
             spec={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": args.k}))
