@@ -347,3 +347,16 @@ def test_ngram_first_flag_reaches_the_speculative_config(tmp_path):
         speculative_config(p.parse_args(["--method", "none", "--ngram-first"]))
     with pytest.raises(CliError, match="--ngram-first"):
         speculative_config(p.parse_args(["--speculative-config", '{"method": "ngram"}', "--ngram-first"]))
+
+
+def test_python_m_specinfer_from_the_checkout_keeps_its_root_off_sys_path():
+    """`python -m specinfer` run in the repository root: the checkout's kernels/ must not shadow
+    the PyPI package `kernels` that transformers imports (bench peers load HF models)."""
+    code = ("import runpy, sys\n"
+            "sys.argv = ['specinfer', '--help']\n"
+            "try:\n    runpy.run_module('specinfer', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "from transformers import LlamaConfig  # imports the PyPI `kernels` where installed\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
