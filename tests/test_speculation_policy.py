@@ -1,13 +1,15 @@
 """The speculation policy picks the analytically best number of drafts on synthetic inputs."""
 from __future__ import annotations
 
+import heapq
 import itertools
+from typing import Callable
 
 import numpy as np
 import pytest
 
 from specinfer.spec_decode.policy import (GoodputPolicy, AcceptanceEstimates, StepCostModel, TimeTable,
-                                          choose_num_drafts, choose_num_drafts_by_heap,
+                                          choose_num_drafts,
                                           drafts_that_shorten_the_run, expected_emitted, expected_emitted_rows,
                                           linear_cost)
 
@@ -43,6 +45,31 @@ def test_greedy_choice_equals_the_brute_force_optimum(seed):
     d = choose_num_drafts(accept, max_drafts, seconds)
     assert np.all(d <= max_drafts)
     assert goodput(accept, d, seconds) == pytest.approx(best, rel=1e-9)
+
+
+def choose_num_drafts_by_heap(accept: np.ndarray, max_drafts: np.ndarray,
+                              seconds: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+    """choose_num_drafts as a heap merge, one marginal gain at a time (the reference: one marginal gain at a time)."""
+    R = accept.shape[0]
+    d = np.zeros(R, dtype=np.int64)
+    order, gains = [], []  # request of each successive best marginal gain, gains decreasing
+    heap = [(-float(accept[i, 0]), i) for i in range(R) if max_drafts[i] > 0]
+    heapq.heapify(heap)
+    taken = np.zeros(R, dtype=np.int64)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        order.append(i)
+        gains.append(-neg_gain)
+        taken[i] += 1
+        if taken[i] < max_drafts[i]:
+            heapq.heappush(heap, (neg_gain * float(accept[i, taken[i]]), i))
+    if not gains:
+        return d
+    emitted = R + np.concatenate([[0.0], np.cumsum(gains)])
+    goodput = emitted / np.maximum(np.asarray(seconds(np.arange(len(gains) + 1)), dtype=np.float64), 1e-12)
+    best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-12))[0])
+    np.add.at(d, np.asarray(order[:best], dtype=np.int64), 1)
+    return d
 
 
 @pytest.mark.parametrize("seed", range(30))

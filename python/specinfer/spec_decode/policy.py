@@ -51,7 +51,6 @@ sets M keeps its drafts, so a lone request (batch 1, the tail of a batch) drafts
 """
 from __future__ import annotations
 
-import heapq
 from typing import Callable
 
 import numpy as np
@@ -83,8 +82,9 @@ def choose_num_drafts(
 
     The greedy merge of the per-request gain sequences g_ij = a_i0 ... a_ij (each non-increasing
     in j) is one stable sort of every allowed g_ij, largest first: ties go to the lower request,
-    then the lower position, as a heap merge would take them (choose_num_drafts_by_heap, the
-    test's reference). One numpy sort instead of a Python heap loop: this runs every step."""
+    then the lower position, as a heap merge would take them (the heap merge is the test's
+    reference, tests/test_speculation_policy.py). One numpy sort instead of a Python heap loop:
+    this runs every step."""
     accept = np.asarray(accept, dtype=np.float64)
     R = accept.shape[0]
     d = np.zeros(R, dtype=np.int64)
@@ -105,31 +105,6 @@ def choose_num_drafts(
     goodput = emitted / np.maximum(cost, 1e-12)
     best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-12))[0])  # fewest drafts among ties
     return np.bincount(order[:best] // accept.shape[1], minlength=R).astype(np.int64)
-
-
-def choose_num_drafts_by_heap(accept: np.ndarray, max_drafts: np.ndarray,
-                              seconds: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """choose_num_drafts as a heap merge, one marginal gain at a time (the reference)."""
-    R = accept.shape[0]
-    d = np.zeros(R, dtype=np.int64)
-    order, gains = [], []  # request of each successive best marginal gain, gains decreasing
-    heap = [(-float(accept[i, 0]), i) for i in range(R) if max_drafts[i] > 0]
-    heapq.heapify(heap)
-    taken = np.zeros(R, dtype=np.int64)
-    while heap:
-        neg_gain, i = heapq.heappop(heap)
-        order.append(i)
-        gains.append(-neg_gain)
-        taken[i] += 1
-        if taken[i] < max_drafts[i]:
-            heapq.heappush(heap, (neg_gain * float(accept[i, taken[i]]), i))
-    if not gains:
-        return d
-    emitted = R + np.concatenate([[0.0], np.cumsum(gains)])
-    goodput = emitted / np.maximum(np.asarray(seconds(np.arange(len(gains) + 1)), dtype=np.float64), 1e-12)
-    best = int(np.flatnonzero(goodput >= goodput.max() * (1 - 1e-12))[0])
-    np.add.at(d, np.asarray(order[:best], dtype=np.int64), 1)
-    return d
 
 
 def drafts_that_shorten_the_run(accept: np.ndarray, chosen: np.ndarray, tokens_left: np.ndarray,
