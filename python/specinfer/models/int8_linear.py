@@ -1,14 +1,16 @@
 """Weight-only int8 GEMM weights for CPU: int8 values with one float32 scale per group of 32
 inputs of each output row (GGUF Q8_0's layout, so Q8_0 tensors load without a second rounding),
-multiplied by the Rust kernel (`specinfer._core.int8_linear`, rust/kernels/src/int8_linear.rs) in
+multiplied by the Rust kernel (`specinfer._core.int8_linear`, rust/kernels/src/int8_linear.rs),
+which quantizes the activations per group of 32 the same way (as llama.cpp does for Q8_0) and sums
+each group exactly in int32 (AVX-512 VNNI, AVX2 or scalar: the same result bit for bit), then in
 float32. Chosen with `quantization="int8"`; the model's norms, biases and activations keep the
 model dtype.
 
     w = Int8Weight.quantize(dense)            # [out, in] float -> int8 + scales (absmax / 127)
     y = int8_linear(x, w, bias)               # same contract as F.linear
 
-Up to KERNEL_MAX_ROWS input rows the Rust kernel multiplies the int8 weights directly; longer
-inputs (prefill chunks) dequantize the weight for the call and run a float GEMM.
+Every row count runs the kernel (decodes, verification runs, prefill chunks), and an output row
+does not depend on the other rows of the call, so a decode and a verification run agree bit for bit.
 """
 from __future__ import annotations
 
@@ -17,12 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from specinfer._core import int8_linear as _int8_linear_kernel
+from specinfer._core import int8_pack as _int8_pack
 
 GROUP_SIZE = 32  # inputs per scale (GGUF Q8_0 block)
-# Rows up to which the int8 kernel runs (decodes, verification runs, batches: weight-bandwidth
-# bound, where int8 reads a quarter of the bytes); longer inputs (prefill chunks) are compute
-# bound and go through a float GEMM over the weight dequantized for that call.
-KERNEL_MAX_ROWS = 32
+TILE = 16  # output rows per packed tile (rust/kernels/src/int8_pack.rs)
 QUANTIZATIONS = ("int8",)
 
 
@@ -61,7 +61,12 @@ def quantize_rows(w: torch.Tensor, group: int = GROUP_SIZE) -> QuantizedTensor:
 
 class Int8Weight:
     """A [N, K] GEMM weight held as int8 + float32 scales [N, K / group]; filled row slice by row
-    slice by `load` (fused q|k|v and gate|up weights), from float tensors or QuantizedTensors."""
+    slice by `load` (fused q|k|v and gate|up weights), from float tensors or QuantizedTensors.
+
+    `pack()` (the model's pack_linear_weights, else the first int8_linear call) moves it into the
+    kernel's layout (rust/kernels/src/int8_pack.rs: tiles of 16 rows, bytes q + 128) and frees the
+    row-major copy; `q` / `scales` then unpack on demand, and `dequantize` / `embedding` read rows
+    of the packed layout directly."""
 
     dtype = torch.int8
 
@@ -72,16 +77,70 @@ class Int8Weight:
         self.scales = torch.zeros(n, k // group, dtype=torch.float32, device=device)
         self.group = group
 
+    # row-major views (tensor-parallel slicing, loading); assigning one drops the packed form
+    @property
+    def q(self) -> torch.Tensor:  # int8[N, K]
+        if self.packed is not None:
+            return self._unpack()[0]
+        return self._q
+
+    @q.setter
+    def q(self, value: torch.Tensor) -> None:
+        if self.packed is not None:
+            self._scales = self._unpack()[1]
+            self.packed = self.packed_scales = None
+        self._q = value
+
+    @property
+    def scales(self) -> torch.Tensor:  # float32[N, K / group]
+        if self.packed is not None:
+            return self._unpack()[1]
+        return self._scales
+
+    @scales.setter
+    def scales(self, value: torch.Tensor) -> None:
+        if self.packed is not None:
+            self._q = self._unpack()[0]
+            self.packed = self.packed_scales = None
+        self._scales = value
+
+    packed = None  # uint8[tiles, K / 4, 64] once packed (class default: Int8Weight.__new__ copies)
+    packed_scales = None  # float32[tiles, K / group, 16]
+
     @property
     def shape(self) -> torch.Size:
-        return self.q.shape
+        return self._shape if self.packed is not None else self._q.shape
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + 4 * self.scales.numel()
+        if self.packed is not None:
+            return self.packed.numel() + 4 * self.packed_scales.numel()
+        return self._q.numel() + 4 * self._scales.numel()
 
     def rows_shape(self, rows: slice | None) -> tuple[int, int]:
         return tuple(self.q.shape if rows is None else self.q[rows].shape)
+
+    def pack(self) -> None:
+        """Move the weights into the kernel's layout (idempotent; frees the row-major copy)."""
+        if self.packed is not None:
+            return
+        q, s = self._q.contiguous(), self._scales.contiguous()
+        assert q.dtype == torch.int8 and s.dtype == torch.float32 and q.device.type == "cpu"
+        n, k = q.shape
+        tiles = -(-n // TILE)
+        packed = torch.empty(tiles, k // 4, 4 * TILE, dtype=torch.uint8)
+        packed_scales = torch.empty(tiles, k // self.group, TILE, dtype=torch.float32)
+        _int8_pack(q.data_ptr(), s.data_ptr(), n, k, self.group, packed.data_ptr(), packed_scales.data_ptr(), False)
+        self.packed, self.packed_scales, self._shape = packed, packed_scales, torch.Size((n, k))
+        self._q = self._scales = None
+
+    def _unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        n, k = self._shape
+        q = torch.empty(n, k, dtype=torch.int8)
+        s = torch.empty(n, k // self.group, dtype=torch.float32)
+        _int8_pack(q.data_ptr(), s.data_ptr(), n, k, self.group, self.packed.data_ptr(),
+                   self.packed_scales.data_ptr(), True)
+        return q, s
 
     @torch.no_grad()
     def load(self, rows: slice | None, tensor) -> None:
@@ -89,13 +148,30 @@ class Int8Weight:
             tensor = quantize_rows(tensor, self.group)
         elif tensor.group != self.group:
             raise ValueError(f"quantized tensor has groups of {tensor.group}, expected {self.group}")
+        if self.packed is not None:  # back to row-major (loading after packing: rare)
+            self._q, self._scales = self._unpack()
+            self.packed = self.packed_scales = None
         rows = slice(None) if rows is None else rows
-        self.q[rows].copy_(tensor.q)
-        self.scales[rows].copy_(tensor.scales)
+        self._q[rows].copy_(tensor.q)
+        self._scales[rows].copy_(tensor.scales)
+
+    def _rows(self, rows: torch.Tensor | slice | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(int8 q, float32 scales) of the given rows."""
+        if self.packed is None:
+            if rows is None:
+                return self._q, self._scales
+            return self._q[rows], self._scales[rows]
+        if rows is None:
+            return self._unpack()
+        n, k = self._shape
+        ids = torch.arange(n)[rows] if isinstance(rows, slice) else rows.reshape(-1)
+        t, r = ids // TILE, ids % TILE
+        tiles = self.packed.view(-1, k // 4, TILE, 4)
+        q = (tiles[t, :, r, :].reshape(-1, k).to(torch.int16) - 128).to(torch.int8)  # [len, k]
+        return q, self.packed_scales[t, :, r]  # [len, k / group]
 
     def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:  # -> float32[n, K]
-        q = self.q if rows is None else self.q[rows]
-        s = self.scales if rows is None else self.scales[rows]
+        q, s = self._rows(rows)
         return (q.float().view(q.shape[0], -1, self.group) * s.unsqueeze(-1)).view(q.shape)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:  # int64[T] -> float32[T, K]
@@ -103,24 +179,22 @@ class Int8Weight:
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype; float32 inside."""
+    """x [..., K] @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype; float32 inside, the
+    activations quantized per group of 32 by the kernel (rust/kernels/src/int8_linear.rs)."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"int8_linear: x has {x.shape[-1]} features, the weight takes {K}"
     assert x.device.type == "cpu", "int8_linear: CPU tensors only"
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).to(torch.float32).contiguous()
     M = x2.shape[0]
-    if M > KERNEL_MAX_ROWS:
-        b = None if bias is None else bias.to(torch.float32)
-        return torch.nn.functional.linear(x2, weight.dequantize(), b).to(x.dtype).view(*lead, N)
     out = torch.empty(M, N, dtype=torch.float32)
     b = None
     if bias is not None:
         b = bias.to(torch.float32).contiguous()
         assert b.shape == (N,), f"int8_linear: bias shape {tuple(b.shape)} is not ({N},)"
-    q, s = weight.q, weight.scales
-    assert q.is_contiguous() and s.is_contiguous() and q.dtype == torch.int8 and s.dtype == torch.float32
-    _int8_linear_kernel(x2.data_ptr(), M, K, q.data_ptr(), s.data_ptr(), N, weight.group, out.data_ptr(),
+    weight.pack()
+    w, s = weight.packed, weight.packed_scales
+    _int8_linear_kernel(x2.data_ptr(), M, K, w.data_ptr(), s.data_ptr(), N, weight.group, out.data_ptr(),
                         0 if b is None else b.data_ptr(), torch.get_num_threads())
     return out.to(x.dtype).view(*lead, N)
 

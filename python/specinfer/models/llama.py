@@ -196,8 +196,12 @@ class LlamaForCausalLM(nn.Module):
     def pack_linear_weights(self, pack, linear) -> None:
         """Replace every GEMM weight by pack(weight) and run GEMMs through `linear` (same contract
         as F.linear). One-way: afterwards the model serves inference only (load_weights refuses).
-        A no-op for int8 weights, which have their own kernel."""
+        Int8 weights keep their own kernel and move into its tiled layout here (Int8Weight.pack)."""
         if self.quantization is not None:
+            for w in [self.lm_head, self.embed_tokens] + [getattr(layer, n) for layer in self.layers for n in (
+                    "qkv_weight", "o_weight", "gate_up_weight", "down_weight")]:
+                if isinstance(w, Int8Weight):
+                    w.pack()
             return
         names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
         for layer in self.layers:

@@ -30,7 +30,11 @@ class CpuPlatform(Platform):
         non-Intel CPUs; packed oneDNN keeps decode and verification GEMMs fast); with
         SPECINFER_CPU_GEMM=few_rows, float32 models run plain weights through the few-rows Rust
         kernel (faster decodes, slower prefill: models/few_rows_linear.py).
-        SPECINFER_PACK_WEIGHTS=0 keeps dense weights and F.linear (a reference for tests)."""
+        SPECINFER_PACK_WEIGHTS=0 keeps dense weights and F.linear (a reference for tests). Int8
+        weights move into their kernel's tiled layout (else their first GEMM would do it)."""
+        if getattr(model, "quantization", None) is not None:
+            model.pack_linear_weights(None, None)
+            return
         if os.environ.get("SPECINFER_PACK_WEIGHTS", "1") == "0":
             return
         from specinfer.models.few_rows_linear import few_rows_linear, kernel_preferred, plain_weight

@@ -1,23 +1,26 @@
-//! `int8_linear` and `dense_linear`: the few-rows linear kernels (`specinfer_kernels::int8_linear`,
-//! `dense_linear`) over torch tensors' memory, GIL released. The callers,
+//! `int8_linear` (with `int8_pack`, its weight layout) and `dense_linear`: the CPU linear kernels
+//! (`specinfer_kernels::int8_linear`, `dense_linear`) over torch tensors' memory, GIL released. The callers,
 //! `specinfer.models.int8_linear` and `specinfer.models.few_rows_linear`, assert
 //! the memory contract (CPU, dtypes, contiguity, shapes) before passing `data_ptr()`s; this layer
 //! derives every buffer's length from the shapes it is given and the kernel re-checks them.
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use specinfer_kernels::{self as kernels, Bf16, Int8Weight, Isa};
+use specinfer_kernels::int8_pack::TILE;
+use specinfer_kernels::{self as kernels, Bf16, Isa, PackedInt8};
 
-/// out[m, n] = x[m, k] · (q[n, k] * scales[n, k / group])^T (+ bias[n]); bias_ptr 0: none.
+/// out[m, n] = x[m, k] · (q[n, k] * scales[n, k / group])^T (+ bias[n]) over weights packed by
+/// `int8_pack` (w_ptr: u8[tiles(n) * 16 * k], scales_ptr: f32[tiles(n) * 16 * k / group]);
+/// bias_ptr 0: none.
 #[pyfunction]
-#[pyo3(signature = (x_ptr, m, k, q_ptr, scales_ptr, n, group, out_ptr, bias_ptr, num_threads, isa=None))]
+#[pyo3(signature = (x_ptr, m, k, w_ptr, scales_ptr, n, group, out_ptr, bias_ptr, num_threads, isa=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn int8_linear(
     py: Python<'_>,
     x_ptr: usize,
     m: usize,
     k: usize,
-    q_ptr: usize,
+    w_ptr: usize,
     scales_ptr: usize,
     n: usize,
     group: usize,
@@ -27,43 +30,95 @@ pub fn int8_linear(
     isa: Option<&str>,
 ) -> PyResult<()> {
     let isa = parse_isa(isa)?;
-    if group == 0 || k % group != 0 {
-        return Err(PyValueError::new_err(format!(
-            "group: {group} does not divide k = {k}"
-        )));
-    }
+    check_group(k, group)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
+    let tiles = n.div_ceil(TILE);
     py.detach(|| {
         // SAFETY: the Python caller passes live, contiguous buffers of these shapes and dtypes
-        // (f32 x/scales/bias/out, i8 q); out aliases none of the inputs.
-        let (x, q, scales, bias, out) = unsafe {
+        // (f32 x/scales/bias/out, u8 w); out aliases none of the inputs.
+        let (x, w, scales, bias, out) = unsafe {
             (
                 std::slice::from_raw_parts(x_ptr as *const f32, m * k),
-                std::slice::from_raw_parts(q_ptr as *const i8, n * k),
-                std::slice::from_raw_parts(scales_ptr as *const f32, n * (k / group)),
+                std::slice::from_raw_parts(w_ptr as *const u8, tiles * TILE * k),
+                std::slice::from_raw_parts(scales_ptr as *const f32, tiles * TILE * (k / group)),
                 (bias_ptr != 0).then(|| std::slice::from_raw_parts(bias_ptr as *const f32, n)),
                 std::slice::from_raw_parts_mut(out_ptr as *mut f32, m * n),
             )
         };
-        kernels::int8_linear(
-            isa,
-            num_threads,
-            x,
-            m,
-            Int8Weight {
-                q,
-                scales,
-                n,
-                k,
-                group,
-            },
-            bias,
-            out,
-        )
+        let w = PackedInt8 {
+            w,
+            scales,
+            n,
+            k,
+            group,
+        };
+        kernels::int8_linear(isa, num_threads, x, m, w, bias, out)
     })
     .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+fn check_group(k: usize, group: usize) -> PyResult<()> {
+    if group == 0 || group % 4 != 0 || k % group != 0 {
+        return Err(PyValueError::new_err(format!(
+            "group: {group} must be a multiple of 4 dividing k = {k}"
+        )));
+    }
+    Ok(())
+}
+
+/// Pack (`unpack` false) int8 q[n, k] / scales[n, k / group] into the kernel's layout
+/// (packed: u8[tiles(n) * 16 * k], packed_scales: f32[tiles(n) * 16 * k / group]), or unpack
+/// (`unpack` true) the other way.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn int8_pack(
+    py: Python<'_>,
+    q_ptr: usize,
+    scales_ptr: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+    packed_ptr: usize,
+    packed_scales_ptr: usize,
+    unpack: bool,
+) -> PyResult<()> {
+    check_group(k, group)?;
+    let tiles = n.div_ceil(TILE);
+    let (nq, ns, np, nps) = (
+        n * k,
+        n * (k / group),
+        tiles * TILE * k,
+        tiles * TILE * (k / group),
+    );
+    py.detach(|| {
+        // SAFETY: the caller passes live, contiguous, non-overlapping buffers of these sizes.
+        unsafe {
+            if unpack {
+                kernels::int8_pack::unpack(
+                    std::slice::from_raw_parts(packed_ptr as *const u8, np),
+                    std::slice::from_raw_parts(packed_scales_ptr as *const f32, nps),
+                    n,
+                    k,
+                    group,
+                    std::slice::from_raw_parts_mut(q_ptr as *mut i8, nq),
+                    std::slice::from_raw_parts_mut(scales_ptr as *mut f32, ns),
+                )
+            } else {
+                kernels::int8_pack::pack(
+                    std::slice::from_raw_parts(q_ptr as *const i8, nq),
+                    std::slice::from_raw_parts(scales_ptr as *const f32, ns),
+                    n,
+                    k,
+                    group,
+                    std::slice::from_raw_parts_mut(packed_ptr as *mut u8, np),
+                    std::slice::from_raw_parts_mut(packed_scales_ptr as *mut f32, nps),
+                )
+            }
+        }
+    });
+    Ok(())
 }
 
 fn parse_isa(isa: Option<&str>) -> PyResult<Isa> {
@@ -131,5 +186,6 @@ pub fn dense_linear(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(int8_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(int8_pack, m)?)?;
     m.add_function(wrap_pyfunction!(dense_linear, m)?)
 }
