@@ -10,14 +10,9 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file
 
-from w8a8 import hook_linears, w8a8_matmul
-
 
 class EagleReference:
-    """act_quant: the head's GEMM inputs rounded as the int8 kernel rounds them (tests/w8a8.py);
-    for a head run with int8 weights, given the rounded checkpoint."""
-
-    def __init__(self, target_dir: Path, eagle_dir: Path, act_quant: bool = False):
+    def __init__(self, target_dir: Path, eagle_dir: Path):
         self.target = tf.LlamaForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
         cfg_dict = json.loads((Path(eagle_dir) / "config.json").read_text())
         cfg = tf.LlamaConfig(**{k: v for k, v in cfg_dict.items() if k != "bias"})
@@ -34,8 +29,6 @@ class EagleReference:
         self.embed = w.get("embed_tokens.weight", self.target.model.embed_tokens.weight)
         d2t = w.get("d2t")  # a draft vocabulary: only these target ids are scored
         self.vocab = None if d2t is None else torch.arange(len(d2t)) + d2t
-        if act_quant:
-            hook_linears(self.fc, self.layer)
 
     @torch.no_grad()
     def _draft_layer(self, tokens: list[int], feats: torch.Tensor) -> torch.Tensor:
@@ -62,7 +55,7 @@ class Eagle3Reference:
     """EAGLE-3 with HF modules: LlamaAttention built 2H wide (its o_proj swapped for [H, heads*d]),
     LlamaMLP, LlamaRMSNorm; target aux states from output_hidden_states (input of layer j)."""
 
-    def __init__(self, target_dir: Path, eagle_dir: Path, act_quant: bool = False):
+    def __init__(self, target_dir: Path, eagle_dir: Path):
         llama = tf.models.llama.modeling_llama
         self.target = tf.LlamaForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
         c = json.loads((Path(eagle_dir) / "config.json").read_text())
@@ -91,10 +84,6 @@ class Eagle3Reference:
         self.rotary = llama.LlamaRotaryEmbedding(wide)
         self.fc, self.lm_head, self.d2t = w["fc.weight"], w["lm_head.weight"], w["d2t"]
         self.embed = self.target.model.embed_tokens.weight
-        self.mm = (lambda x, w: x @ w.T)
-        if act_quant:  # as EagleReference's
-            hook_linears(self.attn, self.mlp)
-            self.mm = w8a8_matmul
 
     @torch.no_grad()
     def _layer(self, tokens, g):
@@ -109,11 +98,11 @@ class Eagle3Reference:
     @torch.no_grad()
     def drafts(self, tokens: list[int], k: int) -> list[int]:
         hs = self.target.model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
-        g = self.mm(torch.cat([hs[j][0] for j in self.aux_ids], -1), self.fc)  # [N-1, H]
+        g = torch.cat([hs[j][0] for j in self.aux_ids], -1) @ self.fc.T  # [N-1, H]
         toks, out = list(tokens[1:]), []
         for _ in range(k):
             h = self._layer(toks, g)[-1]
-            i = int(self.mm(self.norms["norm"](h), self.lm_head).argmax())
+            i = int((self.norms["norm"](h) @ self.lm_head.T).argmax())
             out.append(i + int(self.d2t[i]))
             toks.append(out[-1])
             g = torch.cat([g, h[None]], 0)

@@ -1,7 +1,6 @@
-"""Lower-precision weights on CPU: the int8 kernel computes Q8_0 x Q8_0 (activations quantized per
-group of 32, exact integer dots) and each row independently of the others; GGUF Q8_0 tensors load
-as stored (no float copy); an int8 model generates the same tokens speculative or not, and computes
-its dequantized float32 twin within activation rounding; bf16 runs end to end (oneDNN packing,
+"""Lower-precision weights on CPU: the int8 kernel equals a float linear over the dequantized
+weights; GGUF Q8_0 tensors load as stored (no float copy); an int8 model generates exactly what
+its dequantized float32 twin generates, speculative or not; bf16 runs end to end (oneDNN packing,
 bf16 KV cache, cpu_native attention) and computes the float32 model within bf16 rounding."""
 import numpy as np
 import pytest
@@ -20,60 +19,20 @@ from test_gguf import write_synthetic_gguf
 from test_packed_linear import _logits
 
 
-def _w8a8_reference(x, w, b):
-    """The kernel's documented arithmetic, written independently: activations quantized per group
-    of 32 (Q8_0's rule, C's roundf as in ggml), exact integer group dots, scaled by w_scale * x_scale, summed in float64."""
-    q, sw = w.q.to(torch.int64), w.scales.double()
-    M, K = x.shape
-    xs = x.view(M, K // 32, 32)
-    sx = xs.abs().amax(-1) / 127.0  # float32, as the kernel computes it
-    inv = torch.where(sx > 0, 1.0 / sx, torch.zeros_like(sx))
-    v = (xs * inv.unsqueeze(-1)).double()  # the float32 product, then rounded half away from zero (roundf)
-    xq = (torch.sign(v) * torch.floor(v.abs() + 0.5)).clamp(-127, 127).to(torch.int64)  # [M, G, 32]
-    dots = torch.einsum("mge,nge->mng", xq, q.view(q.shape[0], K // 32, 32))  # exact
-    scale = (sw.float().unsqueeze(0) * sx.unsqueeze(1)).double()  # the f32 product w_scale * x_scale
-    out = (dots.double() * scale).sum(-1)
-    return (out if b is None else out + b.double()).float()
-
-
-@pytest.mark.parametrize("M", [1, 3, 8, 17, 40])
+@pytest.mark.parametrize("M", [1, 3, 8, 17, 40])  # 40: past KERNEL_MAX_ROWS, the dequantized GEMM
 @pytest.mark.parametrize("bias", [False, True])
-def test_int8_linear_computes_w8a8_q8_0_arithmetic(M, bias):
+def test_int8_linear_equals_linear_over_dequantized_weights(M, bias):
     g = torch.Generator().manual_seed(M)
     w = Int8Weight(40, 96)
     w.load(None, torch.randn(40, 96, generator=g))
     b = torch.randn(40, generator=g) if bias else None
     x = torch.randn(M, 96, generator=g)
-    got = int8_linear(x, w, b)
-    torch.testing.assert_close(got, _w8a8_reference(x, w, b), atol=1e-5, rtol=1e-5)
-    # within activation rounding of the float product over the dequantized weights
     want = F.linear(x, w.dequantize(), b)
-    assert (got - want).norm() / want.norm() < 0.01
-    # every row as if alone: a decode and a verification run agree bit for bit
-    for i in range(M):
-        assert torch.equal(int8_linear(x[i:i + 1], w, b), got[i:i + 1])
+    torch.testing.assert_close(int8_linear(x, w, b), want, atol=1e-4, rtol=1e-4)
     # bf16 activations: computed in float32, returned in bf16
     out = int8_linear(x.bfloat16(), w, b)
     assert out.dtype == torch.bfloat16
-    ref = _w8a8_reference(x.bfloat16().float(), w, b)
-    torch.testing.assert_close(out.float(), ref.bfloat16().float(), atol=1e-2, rtol=8e-3)  # one bf16 step
-
-
-def test_int8_weight_packs_once_and_reads_rows_of_the_packed_layout():
-    g = torch.Generator().manual_seed(3)
-    w = Int8Weight(37, 64)  # 37 rows: the last tile of 16 is padded
-    w.load(None, torch.randn(37, 64, generator=g))
-    q, s, dense = w.q.clone(), w.scales.clone(), w.dequantize()
-    row_major = w.nbytes
-    w.pack()
-    assert w.packed is not None and w._q is None  # the row-major copy is freed
-    assert w.shape == (37, 64) and w.nbytes >= row_major
-    assert torch.equal(w.q, q) and torch.equal(w.scales, s)  # unpacked on demand
-    ids = torch.tensor([36, 0, 17, 16, 15])
-    assert torch.equal(w.dequantize(ids), dense[ids]) and torch.equal(w.embedding(ids), dense[ids])
-    assert torch.equal(w.dequantize(slice(3, 20)), dense[3:20]) and torch.equal(w.dequantize(), dense)
-    w.load(slice(0, 2), torch.zeros(2, 64))  # loading after packing goes back to row-major
-    assert w.packed is None and not w.q[:2].any() and torch.equal(w.q[2:], q[2:])
+    torch.testing.assert_close(out.float(), F.linear(x.bfloat16().float(), w.dequantize(), b), atol=3e-2, rtol=2e-2)
 
 
 def test_quantize_rows_follows_q8_0_and_loads_row_slices():
@@ -128,28 +87,21 @@ def _twin_dir(hf_dir, tmp_path):
     return out
 
 
-def test_int8_generation_is_exact_under_speculation_and_close_to_its_float_twin(tiny_dir, tmp_path):
+def test_int8_generation_equals_its_float_twin(tiny_dir, tmp_path):
     path, _ = tiny_dir("llama", False, seed=0, scale=3.0)
     twin = _twin_dir(path, tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
     prompts = [p + p[:6] + p for p in prompts]  # repeats: n-gram drafts get accepted
     params = SamplingParams(max_tokens=16, temperature=0.0)
+    want = [o.token_ids for o in Generator(str(twin), max_model_len=256).generate(prompts, params, use_tqdm=False)]
     int8 = Generator(str(path), max_model_len=256, quantization="int8")
     assert int8.engine.loaded.model.quantization == "int8"
-    want = [o.token_ids for o in int8.generate(prompts, params, use_tqdm=False)]
-    # speculation verifies 1 + k rows where a decode has one, in other batches and other blocks:
-    # the int8 kernel gives each row the same result whatever else is in the call
-    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
-                 {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4}):
-        gen = Generator(str(path), max_model_len=256, quantization="int8", block_size=4, speculative=spec,
-                        max_num_batched_tokens=32)
-        assert [o.token_ids for o in gen.generate(prompts, params, use_tqdm=False)] == want, spec["method"]
-        assert gen.spec_metrics()["num_accepted_tokens"] > 0
-    # the int8 model computes its dequantized float32 twin within activation rounding
-    tokens = [list(range(3, 30)), list(range(40, 45))]
-    got, ref = _logits(load_model(str(path), quantization="int8"), tokens), _logits(load_model(str(twin)), tokens)
-    assert (got - ref).norm() / ref.norm() < 0.05  # 0.028 measured (random weights x 3: large activations)
+    assert [o.token_ids for o in int8.generate(prompts, params, use_tqdm=False)] == want
+    spec = Generator(str(path), max_model_len=256, quantization="int8", block_size=4,
+                     speculative={"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    assert spec.spec_metrics()["num_accepted_tokens"] > 0
 
 
 def test_bfloat16_end_to_end(tiny_dir):

@@ -34,14 +34,10 @@ def _record_proposals(gen):
     return seen
 
 
-def check_drafts_equal_reference(target, path, reference, method, min_match=1.0, **spec):
+def check_drafts_equal_reference(target, path, reference, method, **spec):
     """Every third proposal the engine makes equals `reference.drafts` recomputed from the whole
     history, with tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts and
-    every prompt twice (prefix-cache hits). Returns (generator, proposals seen).
-
-    min_match < 1: at least that fraction equal (int8 heads: their GEMM inputs are rounded to a
-    grid, so a float-noise difference in a hidden state can move an input by one step and flip a
-    near-tie of a random tiny head, where float arithmetic moves outputs by noise only)."""
+    every prompt twice (prefix-cache hits). Returns (generator, proposals seen)."""
     gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
                     speculative={"method": method, "model": str(path), "quantization": "none", "num_speculative_tokens": 3,
                                  "policy": "fixed", **spec})
@@ -51,12 +47,8 @@ def check_drafts_equal_reference(target, path, reference, method, min_match=1.0,
     stats = gen.engine.core.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
     assert len(seen) > 40
-    checked = seen[::3]
-    same = [drafts == reference.drafts(tokens, len(drafts)) for tokens, drafts in checked]
-    if min_match >= 1.0:
-        for (tokens, drafts), ok in zip(checked, same):
-            assert ok, (len(tokens), drafts, reference.drafts(tokens, len(drafts)))
-    assert sum(same) >= min_match * len(same), f"{sum(same)} of {len(same)} proposals equal the reference"
+    for tokens, drafts in seen[::3]:
+        assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
     return gen, seen
 
 

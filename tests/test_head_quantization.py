@@ -1,6 +1,5 @@
-"""Int8 draft heads (`speculative.quantization`): a quantized head computes what the dense head
-computes with its GEMM weights rounded to int8 and its GEMM inputs rounded as the kernel rounds
-them, per group of 32 (tests/w8a8.py) (EAGLE-1 / EAGLE-3: the engine's drafts
+"""Weight-only int8 draft heads (`speculative.quantization`): a quantized head computes what the
+dense head computes with its GEMM weights rounded to int8 (EAGLE-1 / EAGLE-3: the engine's drafts
 equal the HF reference run on a checkpoint of rounded weights, through chunked prefill, prefix
 hits and preemption; Medusa / MLP speculator: stage logits match), greedy output stays the
 target's, the head follows the target's quantization unless told otherwise, and bad values,
@@ -19,7 +18,6 @@ from specinfer.spec_decode.mlp_speculator import MLPSpeculator
 from specinfer.spec_decode.head_quantization import apply_quantization
 from spec_cases import check_greedy_exact
 from test_eagle import check_drafts_equal_reference
-from w8a8 import quantized_functional_linear
 
 
 def _rounded(w: torch.Tensor) -> torch.Tensor:
@@ -45,7 +43,7 @@ def _head(gen):
 
 
 def _drafts_match_reference(target, path, reference, method):
-    gen, _ = check_drafts_equal_reference(target, path, reference, method, min_match=0.9, quantization="int8")
+    gen, _ = check_drafts_equal_reference(target, path, reference, method, quantization="int8")
     head = _head(gen)
     assert head.quantization == "int8"
     return head
@@ -53,7 +51,7 @@ def _drafts_match_reference(target, path, reference, method):
 
 def test_int8_eagle_drafts_equal_the_reference_over_rounded_weights(target, tmp_path):
     path = hc.eagle1(tmp_path / "eagle", target)
-    head = _drafts_match_reference(target, path, EagleReference(target, _rounded_checkpoint(path, tmp_path / "r"), act_quant=True),
+    head = _drafts_match_reference(target, path, EagleReference(target, _rounded_checkpoint(path, tmp_path / "r")),
                                    "eagle")
     assert isinstance(head.fc_w, Int8Weight) and isinstance(head.layer.qkv_weight, Int8Weight)
     # the rounding matters: the dense head's drafts differ from the rounded one's somewhere
@@ -64,7 +62,7 @@ def test_int8_eagle_drafts_equal_the_reference_over_rounded_weights(target, tmp_
 def test_int8_eagle3_drafts_equal_the_reference_over_rounded_weights(tiny_dir, tmp_path):
     target = tiny_dir("llama", False, layers=8)[0]
     path = hc.eagle3(tmp_path / "e3", target, draft_vocab=96)
-    head = _drafts_match_reference(target, path, Eagle3Reference(target, _rounded_checkpoint(path, tmp_path / "r"), act_quant=True),
+    head = _drafts_match_reference(target, path, Eagle3Reference(target, _rounded_checkpoint(path, tmp_path / "r")),
                                    "eagle3")
     assert all(isinstance(head.w[n], Int8Weight) for n in ("fc.weight", "lm_head.weight",
                                                             "midlayer.self_attn.q_proj.weight"))
@@ -84,20 +82,16 @@ def test_int8_head_stages_equal_the_dense_head_over_rounded_weights(target, tmp_
     quant.quantize("int8")
     g = torch.Generator().manual_seed(0)
     hidden, tokens = torch.randn(16, 64, generator=g) * 3, torch.randint(0, 256, (16,), generator=g)
-    sq, sd = quant.start(hidden, tokens), dense.start(hidden, tokens)
-    with quantized_functional_linear():  # the rounded head's GEMM inputs rounded as the kernel does
-        sr = rounded.start(hidden, tokens)
+    sq, sr, sd = quant.start(hidden, tokens), rounded.start(hidden, tokens), dense.start(hidden, tokens)
     for i in range(quant.num_stages):
         sq, lq = quant.stage(i, sq, tokens)
-        with quantized_functional_linear():
-            sr, lr = rounded.stage(i, sr, tokens)
+        sr, lr = rounded.stage(i, sr, tokens)
         sd, ld = dense.stage(i, sd, tokens)
         finite = torch.isfinite(lr)
         assert torch.equal(finite, torch.isfinite(lq))
         assert torch.allclose(lq[finite], lr[finite], atol=1e-4, rtol=1e-4), i
         assert not torch.allclose(ld[finite], lr[finite], atol=1e-6, rtol=0), i  # rounding changed something
-    with quantized_functional_linear():
-        assert torch.equal(quant.draft(hidden, tokens, 4), rounded.draft(hidden, tokens, 4))
+    assert torch.equal(quant.draft(hidden, tokens, 4), rounded.draft(hidden, tokens, 4))
     with pytest.raises(ValueError, match="quantized for inference"):
         quant.save(tmp_path / "saved")
 

@@ -95,7 +95,8 @@ class LLMEngine:
         draft_quant = self.quantization
         if self.spec is not None and self.spec.quantization is not None:
             draft_quant = check_quantization(self.spec.quantization)
-        head_quant = draft_quant
+        # heads keep weight-only int8 under a "w8a8" target (their drafts are verified either way)
+        head_quant = "int8" if draft_quant == "w8a8" else draft_quant
         if (self.spec is not None and self.spec.quantization is None and self.quantization is None
                 and self.device.type == "cpu" and self.dtype == torch.float32):
             head_quant = "auto"  # a float32 target on CPU: int8 heads where they fit (head_quantization.py)

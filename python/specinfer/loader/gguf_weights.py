@@ -192,7 +192,7 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
         expected = tuple(int(d) for d in reversed(t.shape))
-        if (quantization == "int8" and t.tensor_type == GGMLQuantizationType.Q8_0 and len(expected) == 2
+        if (quantization in ("int8", "w8a8") and t.tensor_type == GGMLQuantizationType.Q8_0 and len(expected) == 2
                 and name.endswith(".weight") and "norm" not in name):
             try:
                 qt = q8_0_blocks(t.data, expected)

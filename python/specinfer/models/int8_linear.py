@@ -1,16 +1,22 @@
-"""Weight-only int8 GEMM weights for CPU: int8 values with one float32 scale per group of 32
-inputs of each output row (GGUF Q8_0's layout, so Q8_0 tensors load without a second rounding),
-multiplied by the Rust kernel (`specinfer._core.int8_linear`, rust/kernels/src/int8_linear.rs),
-which quantizes the activations per group of 32 the same way (as llama.cpp does for Q8_0) and sums
-each group exactly in int32 (AVX-512 VNNI, AVX2 or scalar: the same result bit for bit), then in
-float32. Chosen with `quantization="int8"`; the model's norms, biases and activations keep the
-model dtype.
+"""Int8 GEMM weights for CPU: int8 values with one float32 scale per group of 32 inputs of each
+output row (GGUF Q8_0's layout, so Q8_0 tensors load without a second rounding), multiplied by a
+Rust kernel. Two forms:
+
+- `quantization="int8"` (weight-only): the kernel `specinfer._core.int8_linear`
+  (rust/kernels/src/int8_linear.rs) widens the weights to float32 and keeps the activations
+  float32. Up to KERNEL_MAX_ROWS input rows the kernel multiplies the int8 weights directly;
+  longer inputs (prefill chunks) dequantize the weight for the call and run a float GEMM.
+- `quantization="w8a8"`: the weights move into a tiled layout (`Int8Weight.pack`) and
+  `specinfer._core.w8a8_linear` (rust/kernels/src/w8a8_linear.rs) quantizes the activations per
+  group of 32 too (as llama.cpp does for Q8_0) and sums each group exactly in int32 (AVX-512
+  VNNI): faster from a few rows on (verification runs, batches, prefill), but the activation
+  rounding turns float noise between a decode and a verification run into different tokens
+  after a while, so greedy speculative output is not guaranteed to equal non-speculative output.
+
+The model's norms, biases and activations keep the model dtype.
 
     w = Int8Weight.quantize(dense)            # [out, in] float -> int8 + scales (absmax / 127)
     y = int8_linear(x, w, bias)               # same contract as F.linear
-
-Every row count runs the kernel (decodes, verification runs, prefill chunks), and an output row
-does not depend on the other rows of the call, so a decode and a verification run agree bit for bit.
 """
 from __future__ import annotations
 
@@ -20,10 +26,15 @@ import torch
 
 from specinfer._core import int8_linear as _int8_linear_kernel
 from specinfer._core import int8_pack as _int8_pack
+from specinfer._core import w8a8_linear as _w8a8_linear_kernel
 
 GROUP_SIZE = 32  # inputs per scale (GGUF Q8_0 block)
+# Rows up to which the weight-only kernel runs (decodes, verification runs, batches: weight-
+# bandwidth bound, where int8 reads a quarter of the bytes); longer inputs (prefill chunks) are
+# compute bound and go through a float GEMM over the weight dequantized for that call.
+KERNEL_MAX_ROWS = 32
 TILE = 16  # output rows per packed tile (rust/kernels/src/int8_pack.rs)
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "w8a8")
 
 
 def check_quantization(quantization: str | None) -> str | None:
@@ -63,7 +74,7 @@ class Int8Weight:
     """A [N, K] GEMM weight held as int8 + float32 scales [N, K / group]; filled row slice by row
     slice by `load` (fused q|k|v and gate|up weights), from float tensors or QuantizedTensors.
 
-    `pack()` (the model's pack_linear_weights, else the first int8_linear call) moves it into the
+    `pack()` (the model's pack_linear_weights under quantization="w8a8") moves it into the W8A8
     kernel's layout (rust/kernels/src/int8_pack.rs: tiles of 16 rows, bytes q + 128) and frees the
     row-major copy; `q` / `scales` then unpack on demand, and `dequantize` / `embedding` read rows
     of the packed layout directly."""
@@ -179,23 +190,32 @@ class Int8Weight:
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype; float32 inside, the
-    activations quantized per group of 32 by the kernel (rust/kernels/src/int8_linear.rs)."""
+    """x [..., K] @ dequant(weight)^T (+ bias) -> [..., N] in x's dtype; float32 inside. A packed
+    weight runs the W8A8 kernel (activations rounded per group of 32), else weight-only int8."""
     N, K = weight.shape
     assert x.shape[-1] == K, f"int8_linear: x has {x.shape[-1]} features, the weight takes {K}"
     assert x.device.type == "cpu", "int8_linear: CPU tensors only"
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K).to(torch.float32).contiguous()
     M = x2.shape[0]
+    packed = weight.packed is not None
+    if M > KERNEL_MAX_ROWS and not packed:
+        b = None if bias is None else bias.to(torch.float32)
+        return torch.nn.functional.linear(x2, weight.dequantize(), b).to(x.dtype).view(*lead, N)
     out = torch.empty(M, N, dtype=torch.float32)
     b = None
     if bias is not None:
         b = bias.to(torch.float32).contiguous()
         assert b.shape == (N,), f"int8_linear: bias shape {tuple(b.shape)} is not ({N},)"
-    weight.pack()
-    w, s = weight.packed, weight.packed_scales
-    _int8_linear_kernel(x2.data_ptr(), M, K, w.data_ptr(), s.data_ptr(), N, weight.group, out.data_ptr(),
-                        0 if b is None else b.data_ptr(), torch.get_num_threads())
+    if packed:
+        w, s = weight.packed, weight.packed_scales
+        kernel = _w8a8_linear_kernel
+    else:
+        w, s = weight.q, weight.scales
+        assert w.is_contiguous() and s.is_contiguous() and w.dtype == torch.int8 and s.dtype == torch.float32
+        kernel = _int8_linear_kernel
+    kernel(x2.data_ptr(), M, K, w.data_ptr(), s.data_ptr(), N, weight.group, out.data_ptr(),
+           0 if b is None else b.data_ptr(), torch.get_num_threads())
     return out.to(x.dtype).view(*lead, N)
 
 

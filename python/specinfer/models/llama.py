@@ -35,7 +35,7 @@ def _param(*shape: int, dtype, device) -> nn.Parameter:
 
 def _gemm_weight(n: int, k: int, *, dtype, device, quantization: str | None):
     """A [n, k] GEMM weight: a dense parameter, or int8 + scales with quantization="int8"."""
-    if quantization == "int8":
+    if quantization in ("int8", "w8a8"):
         return Int8Weight(n, k, device=device)
     return _param(n, k, dtype=dtype, device=device)
 
@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, quantization: str | None = None):
         super().__init__()
         # swapped by LlamaForCausalLM.pack_linear_weights; int8 weights have their own kernel
-        self.linear = int8_linear if quantization == "int8" else dense_linear
+        self.linear = int8_linear if quantization in ("int8", "w8a8") else dense_linear
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -95,7 +95,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """`quantization="int8"`: every GEMM weight (q|k|v, o, gate|up, down, the LM head and the
+    """`quantization="int8"` (or "w8a8": same weights, activations rounded too): every GEMM weight (q|k|v, o, gate|up, down, the LM head and the
     embedding table it may be tied to) is int8 with per-32 scales (models/int8_linear.py),
     filled straight from GGUF Q8_0 blocks or quantized tensor by tensor as it loads; norms,
     biases and activations keep `dtype`."""
@@ -196,12 +196,13 @@ class LlamaForCausalLM(nn.Module):
     def pack_linear_weights(self, pack, linear) -> None:
         """Replace every GEMM weight by pack(weight) and run GEMMs through `linear` (same contract
         as F.linear). One-way: afterwards the model serves inference only (load_weights refuses).
-        Int8 weights keep their own kernel and move into its tiled layout here (Int8Weight.pack)."""
-        if self.quantization is not None:
+        Int8 weights keep their own kernel; under "w8a8" they move into its tiled layout here."""
+        if self.quantization == "w8a8":
             for w in [self.lm_head, self.embed_tokens] + [getattr(layer, n) for layer in self.layers for n in (
                     "qkv_weight", "o_weight", "gate_up_weight", "down_weight")]:
                 if isinstance(w, Int8Weight):
                     w.pack()
+        if self.quantization is not None:
             return
         names = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
         for layer in self.layers:

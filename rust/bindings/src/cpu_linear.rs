@@ -1,5 +1,5 @@
-//! `int8_linear` (with `int8_pack`, its weight layout) and `dense_linear`: the CPU linear kernels
-//! (`specinfer_kernels::int8_linear`, `dense_linear`) over torch tensors' memory, GIL released. The callers,
+//! `int8_linear`, `w8a8_linear` (with `int8_pack`, its weight layout) and `dense_linear`: the CPU
+//! linear kernels (`specinfer_kernels::int8_linear`, `w8a8_linear`, `dense_linear`) over torch tensors' memory, GIL released. The callers,
 //! `specinfer.models.int8_linear` and `specinfer.models.few_rows_linear`, assert
 //! the memory contract (CPU, dtypes, contiguity, shapes) before passing `data_ptr()`s; this layer
 //! derives every buffer's length from the shapes it is given and the kernel re-checks them.
@@ -7,15 +7,73 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use specinfer_kernels::int8_pack::TILE;
-use specinfer_kernels::{self as kernels, Bf16, Isa, PackedInt8};
+use specinfer_kernels::{self as kernels, Bf16, Int8Weight, Isa, PackedInt8};
 
-/// out[m, n] = x[m, k] · (q[n, k] * scales[n, k / group])^T (+ bias[n]) over weights packed by
+/// out[m, n] = x[m, k] · (q[n, k] * scales[n, k / group])^T (+ bias[n]); bias_ptr 0: none.
+#[pyfunction]
+#[pyo3(signature = (x_ptr, m, k, q_ptr, scales_ptr, n, group, out_ptr, bias_ptr, num_threads, isa=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn int8_linear(
+    py: Python<'_>,
+    x_ptr: usize,
+    m: usize,
+    k: usize,
+    q_ptr: usize,
+    scales_ptr: usize,
+    n: usize,
+    group: usize,
+    out_ptr: usize,
+    bias_ptr: usize,
+    num_threads: usize,
+    isa: Option<&str>,
+) -> PyResult<()> {
+    let isa = parse_isa(isa)?;
+    if group == 0 || k % group != 0 {
+        return Err(PyValueError::new_err(format!(
+            "group: {group} does not divide k = {k}"
+        )));
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    py.detach(|| {
+        // SAFETY: the Python caller passes live, contiguous buffers of these shapes and dtypes
+        // (f32 x/scales/bias/out, i8 q); out aliases none of the inputs.
+        let (x, q, scales, bias, out) = unsafe {
+            (
+                std::slice::from_raw_parts(x_ptr as *const f32, m * k),
+                std::slice::from_raw_parts(q_ptr as *const i8, n * k),
+                std::slice::from_raw_parts(scales_ptr as *const f32, n * (k / group)),
+                (bias_ptr != 0).then(|| std::slice::from_raw_parts(bias_ptr as *const f32, n)),
+                std::slice::from_raw_parts_mut(out_ptr as *mut f32, m * n),
+            )
+        };
+        kernels::int8_linear(
+            isa,
+            num_threads,
+            x,
+            m,
+            Int8Weight {
+                q,
+                scales,
+                n,
+                k,
+                group,
+            },
+            bias,
+            out,
+        )
+    })
+    .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// W8A8: out[m, n] = x[m, k] · (q[n, k] * scales[n, k / group])^T (+ bias[n]) over weights packed by
 /// `int8_pack` (w_ptr: u8[tiles(n) * 16 * k], scales_ptr: f32[tiles(n) * 16 * k / group]);
 /// bias_ptr 0: none.
 #[pyfunction]
 #[pyo3(signature = (x_ptr, m, k, w_ptr, scales_ptr, n, group, out_ptr, bias_ptr, num_threads, isa=None))]
 #[allow(clippy::too_many_arguments)]
-pub fn int8_linear(
+pub fn w8a8_linear(
     py: Python<'_>,
     x_ptr: usize,
     m: usize,
@@ -54,7 +112,7 @@ pub fn int8_linear(
             k,
             group,
         };
-        kernels::int8_linear(isa, num_threads, x, m, w, bias, out)
+        kernels::w8a8_linear(isa, num_threads, x, m, w, bias, out)
     })
     .map_err(|e| PyValueError::new_err(e.to_string()))
 }
@@ -186,6 +244,7 @@ pub fn dense_linear(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(int8_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(w8a8_linear, m)?)?;
     m.add_function(wrap_pyfunction!(int8_pack, m)?)?;
     m.add_function(wrap_pyfunction!(dense_linear, m)?)
 }

@@ -27,6 +27,7 @@ pub fn dense_linear<W: DenseElem>(
 ) -> Result<(), KernelError> {
     let w = Weights {
         q: w,
+        scales: &[],
         n,
         k,
         group: step(k),

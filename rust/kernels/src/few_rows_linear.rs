@@ -1,16 +1,15 @@
 //! Linear layers for few activation rows — decodes, 1 + k verification runs, small batches:
-//! `out[M, N] = x[M, K] · W^T (+ bias)`, x and out f32, W row-major `[N, K]` of bf16 or f32
-//! ([`crate::dense_linear`]). Accumulation is f32. (Int8 weights have their own kernel,
-//! [`crate::int8_linear`].)
+//! `out[M, N] = x[M, K] · W^T (+ bias)`, x and out f32, W row-major `[N, K]` of int8 with one
+//! f32 scale per group of `group` inputs ([`crate::int8_linear`]), of bf16 or of f32
+//! ([`crate::dense_linear`]). Accumulation is f32.
 //!
 //! At such M a linear layer streams its weights once and does little arithmetic per byte, so
 //! the kernel is built around the weight stream: each weight vector is widened to f32 once and
 //! multiplies up to 8 activation rows held in registers; work items of 16 output rows are split
 //! over threads (rayon); the weight lines a few row blocks ahead are prefetched, since a row is
 //! only k elements, too short for the hardware prefetcher to ramp up on (cold weights came at
-//! 6 GB/s of int8 without it, 13 with it, when this kernel also served int8). An output row's
-//! sum does not depend on M (same lanes, same order), so a decode and a verification agree bit
-//! for bit.
+//! 6 GB/s of int8 without it, 13 with it). An output row's sum does not depend on M for
+//! unscaled weights (same lanes, same order), so a decode and a verification agree bit for bit.
 
 use rayon::prelude::*;
 
@@ -26,14 +25,24 @@ const ROWS_PER_ITEM: usize = 16;
 /// How many blocks of NR output rows ahead the weights are prefetched.
 const PREFETCH_BLOCKS: usize = 4;
 
-/// A weight element: how a run of lanes is widened to f32.
+/// A weight element: how a run of lanes is widened to f32, and whether rows carry group scales.
 pub trait WeightElem: Copy + Send + Sync + 'static {
+    const SCALED: bool;
     /// # Safety
     /// `p` addresses at least `L::W` valid elements; `L`'s instruction set is enabled.
     unsafe fn widen<L: I8Rows>(p: *const Self) -> L::V;
 }
 
+impl WeightElem for i8 {
+    const SCALED: bool = true;
+    #[inline(always)]
+    unsafe fn widen<L: I8Rows>(p: *const i8) -> L::V {
+        L::load_i8(p)
+    }
+}
+
 impl WeightElem for Bf16 {
+    const SCALED: bool = false;
     #[inline(always)]
     unsafe fn widen<L: I8Rows>(p: *const Bf16) -> L::V {
         L::load_bf16(p as *const u16)
@@ -41,16 +50,19 @@ impl WeightElem for Bf16 {
 }
 
 impl WeightElem for f32 {
+    const SCALED: bool = false;
     #[inline(always)]
     unsafe fn widen<L: I8Rows>(p: *const f32) -> L::V {
         L::load(p)
     }
 }
 
-/// Weights `[n, k]`; `group` is the unit the loops and the prefetch step by.
+/// Weights `[n, k]`; `scales` `[n, k / group]` for scaled elements (empty otherwise). For
+/// unscaled elements `group` is only the unit the loops and the prefetch step by.
 #[derive(Clone, Copy, Debug)]
 pub struct Weights<'a, W> {
     pub q: &'a [W],
+    pub scales: &'a [f32],
     pub n: usize,
     pub k: usize,
     pub group: usize,
@@ -83,6 +95,13 @@ pub(crate) fn few_rows_linear<W: WeightElem>(
         return err(
             "weight",
             format!("has {} elements, expected {} x {}", w.q.len(), w.n, w.k),
+        );
+    }
+    let num_scales = if W::SCALED { w.n * (w.k / w.group) } else { 0 };
+    if w.scales.len() != num_scales {
+        return err(
+            "scales",
+            format!("has {} elements, expected {num_scales}", w.scales.len()),
         );
     }
     if !isa.is_supported() {
@@ -247,7 +266,27 @@ unsafe fn rows_of<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
             prefetch_l2(ahead.wrapping_add(off));
             off += 64;
         }
-        group_fma::<L, W, MC, NR>((q, xp, k, n, gi * g), g, &mut acc);
+        let at = |e: usize| (q, xp, k, n, e);
+        if !W::SCALED {
+            group_fma::<L, W, MC, NR>(at(gi * g), g, None, &mut acc);
+            continue;
+        }
+        let s: [L::V; NR] =
+            std::array::from_fn(|r| L::splat(*job.w.scales.as_ptr().add((n + r) * groups + gi)));
+        if MC <= 2 {
+            // few activation rows: sum the group against the unscaled weights, scale the sum
+            // once (one multiply per group instead of one per weight vector; decodes were bound
+            // by the widening, not by memory: 10-14 GB/s of int8 before)
+            let mut part: [[L::V; MC]; NR] = [[L::splat(0.0); MC]; NR];
+            group_fma::<L, W, MC, NR>(at(gi * g), g, None, &mut part);
+            for r in 0..NR {
+                for mi in 0..MC {
+                    acc[r][mi] = L::fma(part[r][mi], s[r], acc[r][mi]);
+                }
+            }
+            continue;
+        }
+        group_fma::<L, W, MC, NR>(at(gi * g), g, Some(s), &mut acc);
     }
     for r in 0..NR {
         let b = job.bias.map_or(0.0, |b| b[n + r]);
@@ -257,18 +296,25 @@ unsafe fn rows_of<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
     }
 }
 
-/// acc[r][mi] += x[mi, e0 .. e0 + g] * w[n + r, e0 .. e0 + g] lane-wise. `at` = (weights, x
-/// rows, k, n, e0).
+/// acc[r][mi] += x[mi, e0 .. e0 + g] * w[n + r, e0 .. e0 + g] lane-wise, each widened weight
+/// vector multiplied by `scale[r]` first when given. `at` = (weights, x rows, k, n, e0).
 #[inline(always)]
 unsafe fn group_fma<L: I8Rows, W: WeightElem, const MC: usize, const NR: usize>(
     at: (*const W, *const f32, usize, usize, usize),
     g: usize,
+    scale: Option<[L::V; NR]>,
     acc: &mut [[L::V; MC]; NR],
 ) {
     let (q, xp, k, n, e0) = at;
     let mut e = e0;
     while e < e0 + g {
-        let wv: [L::V; NR] = std::array::from_fn(|r| W::widen::<L>(q.add((n + r) * k + e)));
+        let wv: [L::V; NR] = std::array::from_fn(|r| {
+            let v = W::widen::<L>(q.add((n + r) * k + e));
+            match scale {
+                Some(s) => L::mul(v, s[r]),
+                None => v,
+            }
+        });
         for mi in 0..MC {
             let xv = L::load(xp.add(mi * k + e));
             for r in 0..NR {

@@ -1,393 +1,194 @@
-//! Int8 linear: `out[M, N] = x[M, K] · (q[N, K] * scale)^T (+ bias)`, the weights int8 with one
-//! f32 scale per group of `group` consecutive inputs of a row (GGUF Q8_0: 32), packed by
-//! [`crate::int8_pack`]. Each call quantizes the activation rows per group the same way (Q8_0's
-//! rule, as llama.cpp does for Q8_0 weights), so every group's dot product is exact in i32:
-//!
-//! ```text
-//! out[m, n] = sum over groups g of  float(sum_e q[n, e] * xq[m, e]) * (sw[n, g] * sx[m, g])
-//! ```
-//!
-//! accumulated in f32 with one fused multiply-add per group, groups in order, then `+ bias`.
-//! Lanes are output rows, so no horizontal sum: every instruction set (AVX-512 VNNI, AVX2, the
-//! portable scalar loop) computes each output with the same operations in the same order, and an
-//! output row does not depend on M or on the other rows of the batch. A decode, a 1 + k
-//! verification run and a prefill chunk therefore agree bit for bit, which greedy speculative
-//! decoding needs to stay exact.
-//!
-//! Cost per 64 weight bytes and activation row: one `vpdpbusd` (4 inputs x 16 rows, the
-//! activation bytes broadcast from memory), plus a convert, a multiply and an FMA per group of 32.
-//! The earlier kernel widened every int8 weight to f32 and spent 4 FMAs per 64 weights per row:
-//! compute-bound from a few rows on.
+//! Weight-only int8 linear: `out[M, N] = x[M, K] · (q[N, K] * scale)^T (+ bias)`, the weights
+//! int8 with one f32 scale per group of `group` consecutive inputs of a row (GGUF Q8_0: 32;
+//! per output channel: K). Activations and accumulation stay f32. The kernel is
+//! [`crate::few_rows_linear`]'s: a decode (M = 1) reads a quarter of the f32 weight bytes and a
+//! verification or batch step reuses every widened weight vector up to 8 times.
 
-use rayon::prelude::*;
-
-use crate::int8_pack::{quantize_rows, tiles, QuantizedRows, TILE};
+use crate::few_rows_linear::{few_rows_linear, Weights};
 use crate::paged_attention::AttentionError as KernelError;
 use crate::simd::Isa;
-use crate::threads;
 
-/// Tiles per work item (32 output rows: few items per call, each a contiguous run of weights).
-const ITEM_TILES: usize = 2;
-/// Bytes ahead of the read position that the weight stream is prefetched.
-/// Bytes ahead of the read position that the weight stream is prefetched (measured over the
-/// 120 GEMMs of SmolLM2-135M run cold: 4 KB beat 0, 1, 2 and 8 KB).
-const PREFETCH_BYTES: usize = 4096;
-
-/// Packed int8 weights ([`crate::int8_pack`]): `w [tiles(n) * 16 * k]` bytes (q + 128) and
-/// `scales [tiles(n) * (k / group) * 16]`.
+/// int8 weights `[n, k]` with f32 scales `[n, k / group]`.
 #[derive(Clone, Copy, Debug)]
-pub struct PackedInt8<'a> {
-    pub w: &'a [u8],
+pub struct Int8Weight<'a> {
+    pub q: &'a [i8],
     pub scales: &'a [f32],
     pub n: usize,
     pub k: usize,
     pub group: usize,
 }
 
-fn err<T>(field: &'static str, message: impl Into<String>) -> Result<T, KernelError> {
-    Err(KernelError {
-        field,
-        message: message.into(),
-    })
-}
-
-/// Check the packed weights' shapes (also used by the bindings before packing into them).
-pub fn check_packed(w: &PackedInt8<'_>) -> Result<(), KernelError> {
-    if w.group == 0 || w.group % 4 != 0 || w.k % w.group != 0 {
-        return err(
-            "group",
-            format!("{} must be a multiple of 4 dividing k = {}", w.group, w.k),
-        );
-    }
-    if w.w.len() != tiles(w.n) * TILE * w.k {
-        return err(
-            "weight",
-            format!(
-                "has {} bytes, expected {} tiles x {TILE} x {}",
-                w.w.len(),
-                tiles(w.n),
-                w.k
-            ),
-        );
-    }
-    let num_scales = tiles(w.n) * TILE * (w.k / w.group);
-    if w.scales.len() != num_scales {
-        return err(
-            "scales",
-            format!("has {} elements, expected {num_scales}", w.scales.len()),
-        );
-    }
-    Ok(())
-}
-
-/// out `[m, n]` = x `[m, k]` · w^T (+ bias `[n]`); x, bias and out row-major contiguous.
+/// out `[m, n]` = x `[m, k]` · w^T (+ bias `[n]`); all row-major contiguous.
 pub fn int8_linear(
     isa: Isa,
     num_threads: usize,
     x: &[f32],
     m: usize,
-    w: PackedInt8<'_>,
+    w: Int8Weight<'_>,
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_packed(&w)?;
-    if !isa.is_supported() {
-        return err(
-            "isa",
-            format!("{} is not supported by this CPU", isa.name()),
-        );
-    }
-    if x.len() != m * w.k {
-        return err(
-            "x",
-            format!("has {} elements, expected {m} x {}", x.len(), w.k),
-        );
-    }
-    if out.len() != m * w.n {
-        return err(
-            "out",
-            format!("has {} elements, expected {m} x {}", out.len(), w.n),
-        );
-    }
-    if let Some(b) = bias {
-        if b.len() != w.n {
-            return err(
-                "bias",
-                format!("has {} elements, expected {}", b.len(), w.n),
-            );
-        }
-    }
-    if m == 0 || w.n == 0 {
-        return Ok(());
-    }
-    let xq = quantize_rows(x, m, w.k, w.group);
-    let job = Job {
-        xq: &xq,
-        m,
-        w,
-        bias,
+    let Int8Weight {
+        q,
+        scales,
+        n,
+        k,
+        group,
+    } = w;
+    let w = Weights {
+        q,
+        scales,
+        n,
+        k,
+        group,
     };
-    let run: unsafe fn(&Job<'_>, usize, OutPtr) = match Path::of(isa) {
-        #[cfg(target_arch = "x86_64")]
-        Path::Vnni512 => item_vnni512,
-        #[cfg(target_arch = "x86_64")]
-        Path::Avx2 => item_avx2,
-        _ => item_scalar,
-    };
-    let items: Vec<usize> = (0..tiles(w.n)).step_by(ITEM_TILES).collect();
-    let out_ptr = OutPtr(out.as_mut_ptr());
-    let pool = if num_threads > 1 && items.len() > 1 {
-        threads::pool(num_threads)
-    } else {
-        None
-    };
-    match pool {
-        // SAFETY: `run` matches a supported path; items write disjoint output columns.
-        Some(pool) => pool.install(|| {
-            items
-                .par_iter()
-                .for_each(|&t0| unsafe { run(&job, t0, out_ptr) })
-        }),
-        None => items
-            .iter()
-            .for_each(|&t0| unsafe { run(&job, t0, out_ptr) }),
-    }
-    Ok(())
-}
-
-/// The code path an instruction set runs: AVX-512 needs VNNI (and BW) for `vpdpbusd`, else
-/// it takes the AVX2 path.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Path {
-    Scalar,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Vnni512,
-}
-
-impl Path {
-    fn of(isa: Isa) -> Path {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let vnni = std::arch::is_x86_feature_detected!("avx512vnni")
-                && std::arch::is_x86_feature_detected!("avx512bw");
-            match isa {
-                Isa::Avx512 if vnni => return Path::Vnni512,
-                Isa::Avx512 | Isa::Avx2 if Isa::Avx2.is_supported() => return Path::Avx2,
-                _ => {}
-            }
-        }
-        let _ = isa;
-        Path::Scalar
-    }
-}
-
-struct Job<'a> {
-    xq: &'a QuantizedRows,
-    m: usize,
-    w: PackedInt8<'a>,
-    bias: Option<&'a [f32]>,
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: items write disjoint columns of out.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-/// Write `acc` (lanes = output rows n0 ..) + bias to row `mi` of out, rows past n dropped.
-#[inline(always)]
-unsafe fn store_row(job: &Job<'_>, out: OutPtr, mi: usize, n0: usize, acc: &[f32]) {
-    let n = job.w.n;
-    for (r, &a) in acc.iter().enumerate().take(n.saturating_sub(n0)) {
-        let b = job.bias.map_or(0.0, |b| b[n0 + r]);
-        *out.0.add(mi * n + n0 + r) = if job.bias.is_some() { a + b } else { a };
-    }
-}
-
-/// The portable path: the same per-output arithmetic as the vector paths, one lane at a time.
-unsafe fn item_scalar(job: &Job<'_>, t0: usize, out: OutPtr) {
-    let (k, g) = (job.w.k, job.w.group);
-    let groups = k / g;
-    for t in t0..(t0 + ITEM_TILES).min(tiles(job.w.n)) {
-        let tile = &job.w.w[t * TILE * k..(t + 1) * TILE * k];
-        let sw = &job.w.scales[t * groups * TILE..(t + 1) * groups * TILE];
-        for mi in 0..job.m {
-            let xq = &job.xq.xq[mi * k..(mi + 1) * k];
-            let mut acc = [0.0f32; TILE];
-            for (r, a) in acc.iter_mut().enumerate() {
-                for gi in 0..groups {
-                    let mut dot = job.xq.corr[mi * groups + gi];
-                    for e in gi * g..(gi + 1) * g {
-                        dot += tile[(e / 4) * 64 + r * 4 + e % 4] as i32 * xq[e] as i32;
-                    }
-                    let s = sw[gi * TILE + r] * job.xq.sx[mi * groups + gi];
-                    *a = (dot as f32).mul_add(s, *a);
-                }
-            }
-            store_row(job, out, mi, t * TILE, &acc);
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-use std::arch::x86_64::*;
-
-/// AVX-512 VNNI: one tile (one sequential weight stream) against up to 8 activation rows per
-/// pass. (Two tiles per pass, two streams, measured 10-20 % slower at 1-5 rows.)
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn item_vnni512(job: &Job<'_>, t0: usize, out: OutPtr) {
-    for t in t0..(t0 + ITEM_TILES).min(tiles(job.w.n)) {
-        let mut m0 = 0;
-        while m0 < job.m {
-            let mc = (job.m - m0).min(8);
-            match mc {
-                8 => vnni_block::<1, 8>(job, t, m0, out),
-                7 => vnni_block::<1, 7>(job, t, m0, out),
-                6 => vnni_block::<1, 6>(job, t, m0, out),
-                5 => vnni_block::<1, 5>(job, t, m0, out),
-                4 => vnni_block::<1, 4>(job, t, m0, out),
-                3 => vnni_block::<1, 3>(job, t, m0, out),
-                2 => vnni_block::<1, 2>(job, t, m0, out),
-                _ => vnni_block::<1, 1>(job, t, m0, out),
-            }
-            m0 += mc;
-        }
-    }
-}
-
-/// Tiles t .. t + T against activation rows m0 .. m0 + MC.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn vnni_block<const T: usize, const MC: usize>(
-    job: &Job<'_>,
-    t: usize,
-    m0: usize,
-    out: OutPtr,
-) {
-    let (k, g) = (job.w.k, job.w.group);
-    let (groups, vpg) = (k / g, g / 4);
-    let w = job.w.w.as_ptr().add(t * TILE * k);
-    let xq = job.xq.xq.as_ptr().add(m0 * k);
-    let mut accf = [[_mm512_setzero_ps(); MC]; T];
-    for gi in 0..groups {
-        let mut acci: [[__m512i; MC]; T] = [std::array::from_fn(|mi| {
-            _mm512_set1_epi32(*job.xq.corr.get_unchecked((m0 + mi) * groups + gi))
-        }); T];
-        for v in gi * vpg..(gi + 1) * vpg {
-            let wv: [__m512i; T] = std::array::from_fn(|tt| {
-                let p = w.add(tt * TILE * k + v * 64);
-                crate::simd::prefetch_l2(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-                _mm512_loadu_si512(p as *const __m512i)
-            });
-            for mi in 0..MC {
-                let x4 = std::ptr::read_unaligned(xq.add(mi * k + v * 4) as *const i32);
-                let xb = _mm512_set1_epi32(x4);
-                for tt in 0..T {
-                    acci[tt][mi] = _mm512_dpbusd_epi32(acci[tt][mi], wv[tt], xb);
-                }
-            }
-        }
-        for tt in 0..T {
-            let sw = _mm512_loadu_ps(
-                job.w
-                    .scales
-                    .as_ptr()
-                    .add((t + tt) * groups * TILE + gi * TILE),
-            );
-            for mi in 0..MC {
-                let sx = _mm512_set1_ps(*job.xq.sx.get_unchecked((m0 + mi) * groups + gi));
-                let s = _mm512_mul_ps(sw, sx);
-                accf[tt][mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acci[tt][mi]), s, accf[tt][mi]);
-            }
-        }
-    }
-    for tt in 0..T {
-        for mi in 0..MC {
-            let mut lanes = [0.0f32; TILE];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), accf[tt][mi]);
-            store_row(job, out, m0 + mi, (t + tt) * TILE, &lanes);
-        }
-    }
-}
-
-/// AVX2 (no VNNI): each tile as two halves of 8 rows, 4 activation rows per pass. The int8
-/// products go through `vpmaddubsw` on |x| and q signed by x (|q|, |x| <= 127: no saturation).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn item_avx2(job: &Job<'_>, t0: usize, out: OutPtr) {
-    let t1 = (t0 + ITEM_TILES).min(tiles(job.w.n));
-    for t in t0..t1 {
-        for h in 0..2 {
-            let mut m0 = 0;
-            while m0 < job.m {
-                let mc = (job.m - m0).min(4);
-                match mc {
-                    4 => avx2_block::<4>(job, t, h, m0, out),
-                    3 => avx2_block::<3>(job, t, h, m0, out),
-                    2 => avx2_block::<2>(job, t, h, m0, out),
-                    _ => avx2_block::<1>(job, t, h, m0, out),
-                }
-                m0 += mc;
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn avx2_block<const MC: usize>(job: &Job<'_>, t: usize, h: usize, m0: usize, out: OutPtr) {
-    let (k, g) = (job.w.k, job.w.group);
-    let (groups, vpg) = (k / g, g / 4);
-    let w = job.w.w.as_ptr().add(t * TILE * k + h * 32);
-    let xq = job.xq.xq.as_ptr().add(m0 * k);
-    let flip = _mm256_set1_epi8(-128);
-    let ones = _mm256_set1_epi16(1);
-    let mut accf = [_mm256_setzero_ps(); MC];
-    for gi in 0..groups {
-        let mut acci = [_mm256_setzero_si256(); MC];
-        for v in gi * vpg..(gi + 1) * vpg {
-            let p = w.add(v * 64);
-            crate::simd::prefetch_l2(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-            // bytes q + 128 back to signed q
-            let q = _mm256_xor_si256(_mm256_loadu_si256(p as *const __m256i), flip);
-            for (mi, a) in acci.iter_mut().enumerate() {
-                let x4 = std::ptr::read_unaligned(xq.add(mi * k + v * 4) as *const i32);
-                let xb = _mm256_set1_epi32(x4);
-                let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(q, xb));
-                *a = _mm256_add_epi32(*a, _mm256_madd_epi16(pairs, ones));
-            }
-        }
-        // exact integer dot of the group; add the offset correction's counterpart (none here:
-        // this path multiplies q itself, the VNNI path q + 128 then corrects)
-        let sw = _mm256_loadu_ps(
-            job.w
-                .scales
-                .as_ptr()
-                .add(t * groups * TILE + gi * TILE + h * 8),
-        );
-        for (mi, a) in accf.iter_mut().enumerate() {
-            let sx = _mm256_set1_ps(*job.xq.sx.get_unchecked((m0 + mi) * groups + gi));
-            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acci[mi]), _mm256_mul_ps(sw, sx), *a);
-        }
-    }
-    for (mi, a) in accf.iter().enumerate() {
-        let mut lanes = [0.0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), *a);
-        store_row(job, out, m0 + mi, t * TILE + h * 8, &lanes);
-    }
+    few_rows_linear(isa, num_threads, x, m, w, bias, out)
 }
 
 /// Symmetric absmax quantization of `w` `[n, k]` in groups of `group` inputs (GGUF Q8_0's rule:
 /// scale = max |w| / 127, q = round(w / scale)). Returns (q, scales).
 pub fn quantize(w: &[f32], n: usize, k: usize, group: usize) -> (Vec<i8>, Vec<f32>) {
     assert!(group > 0 && k % group == 0 && w.len() == n * k);
-    let r = quantize_rows(w, n, k, group);
-    (r.xq, r.sx)
+    let mut q = vec![0i8; n * k];
+    let mut scales = vec![0.0f32; n * (k / group)];
+    for (gi, (chunk, qc)) in w.chunks(group).zip(q.chunks_mut(group)).enumerate() {
+        let amax = chunk.iter().fold(0.0f32, |a, &x| a.max(x.abs()));
+        let scale = amax / 127.0;
+        scales[gi] = scale;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        for (d, &x) in qc.iter_mut().zip(chunk) {
+            *d = (x * inv).round().clamp(-127.0, 127.0) as i8;
+        }
+    }
+    (q, scales)
 }
 
 #[cfg(test)]
-#[path = "int8_linear_tests.rs"]
-mod tests;
+mod tests {
+    use super::*;
+    use crate::few_rows_linear::test_rand as rand;
+
+    #[test]
+    fn matches_dequantized_f64_reference_for_every_isa_and_row_count() {
+        for (n, k, group) in [(37, 64, 32), (16, 96, 32), (5, 128, 128), (40, 48, 16)] {
+            let wf = rand(n * k, 3);
+            let (q, scales) = quantize(&wf, n, k, group);
+            let bias = rand(n, 5);
+            for m in [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 21, 40] {
+                let x = rand(m * k, 7 + m as u64);
+                let want: Vec<f64> = (0..m * n)
+                    .map(|i| {
+                        let (mi, ni) = (i / n, i % n);
+                        (0..k)
+                            .map(|e| {
+                                x[mi * k + e] as f64
+                                    * q[ni * k + e] as f64
+                                    * scales[ni * (k / group) + e / group] as f64
+                            })
+                            .sum::<f64>()
+                            + bias[ni] as f64
+                    })
+                    .collect();
+                for isa in Isa::supported() {
+                    for threads in [1, 3] {
+                        let mut out = vec![0.0f32; m * n];
+                        let w = Int8Weight {
+                            q: &q,
+                            scales: &scales,
+                            n,
+                            k,
+                            group,
+                        };
+                        int8_linear(isa, threads, &x, m, w, Some(&bias), &mut out).unwrap();
+                        for (i, (&o, &r)) in out.iter().zip(&want).enumerate() {
+                            assert!(
+                                (o as f64 - r).abs() < 1e-4 * (1.0 + r.abs()),
+                                "{isa:?} m={m} n={n} k={k} {i}: {o} vs {r}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_follows_q8_0() {
+        let w = [
+            0.0f32,
+            1.0,
+            -2.0,
+            0.5,
+            127.0 / 127.0 * 2.0,
+            -0.01,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+            0.0,
+        ];
+        let (q, s) = quantize(&w, 1, 16, 16);
+        assert_eq!(s, vec![2.0 / 127.0]);
+        assert_eq!(&q[..6], &[0, 64, -127, 32, 127, -1]);
+        let (q0, s0) = quantize(&[0.0; 16], 1, 16, 16);
+        assert_eq!((q0, s0), (vec![0i8; 16], vec![0.0]));
+    }
+
+    #[test]
+    fn bad_shapes_are_refused_naming_the_field() {
+        let q = vec![0i8; 64];
+        let s = vec![1.0f32; 2];
+        let x = vec![0.0f32; 32];
+        let mut out = vec![0.0f32; 2];
+        let w = Int8Weight {
+            q: &q,
+            scales: &s,
+            n: 2,
+            k: 32,
+            group: 24,
+        };
+        assert_eq!(
+            int8_linear(Isa::Scalar, 1, &x, 1, w, None, &mut out)
+                .unwrap_err()
+                .field,
+            "group"
+        );
+        let w = Int8Weight {
+            q: &q,
+            scales: &s[..1],
+            n: 2,
+            k: 32,
+            group: 32,
+        };
+        assert_eq!(
+            int8_linear(Isa::Scalar, 1, &x, 1, w, None, &mut out)
+                .unwrap_err()
+                .field,
+            "scales"
+        );
+        let w = Int8Weight {
+            q: &q,
+            scales: &s,
+            n: 2,
+            k: 32,
+            group: 32,
+        };
+        assert_eq!(
+            int8_linear(Isa::Scalar, 1, &x[..31], 1, w, None, &mut out)
+                .unwrap_err()
+                .field,
+            "x"
+        );
+        assert_eq!(
+            int8_linear(Isa::Scalar, 1, &x, 1, w, Some(&[0.0]), &mut out)
+                .unwrap_err()
+                .field,
+            "bias"
+        );
+    }
+}

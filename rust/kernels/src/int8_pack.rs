@@ -1,4 +1,4 @@
-//! The layouts of the int8 linear kernel ([`crate::int8_linear`]): weights packed in tiles of 16
+//! The layouts of the W8A8 linear kernel ([`crate::w8a8_linear`]): weights packed in tiles of 16
 //! output rows for the dot-product instructions, and activations quantized per group per call.
 //!
 //! Weights: int8 `q [n, k]` with one f32 scale per group of `group` inputs (GGUF Q8_0: 32) are

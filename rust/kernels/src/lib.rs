@@ -4,11 +4,12 @@
 //!   1 + k verification runs) straight over the paged KV block pool, with the KV store of the
 //!   batch's new keys/values fused in front.
 //! - [`few_rows_linear`]: linear layers at few activation rows (decodes, verification runs,
-//!   small batches), streaming the weights with prefetch; its entry point is [`dense_linear`]
-//!   (bf16 or f32 weights, f32 activations).
-//! - [`int8_linear`]: int8 weights with per-group f32 scales (GGUF Q8_0's blocks of 32) in the
-//!   tiled layout of [`int8_pack`], activations quantized per group the same way, exact int32
-//!   group dots (AVX-512 VNNI, AVX2, scalar: bit-identical), every row count.
+//!   small batches), streaming the weights with prefetch; its entry points are
+//!   [`int8_linear`] (weight-only int8 with per-group f32 scales, e.g. GGUF Q8_0's blocks of
+//!   32) and [`dense_linear`] (bf16 or f32 weights). Activations f32.
+//! - [`w8a8_linear`]: int8 weights in the tiled layout of [`int8_pack`] times activations
+//!   quantized per group of 32 (Q8_0 x Q8_0), exact int32 group dots (AVX-512 VNNI, AVX2,
+//!   scalar: bit-identical), every row count.
 //! - [`dequant`]: GGUF block formats (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) to f32, rows in
 //!   parallel, bit-identical to the `gguf` package's dequantizers.
 //! - [`rms_norm`]: RMSNorm over rows in one pass (f32 arithmetic, one rounding for bf16).
@@ -27,12 +28,14 @@ pub mod paged_attention;
 pub mod rms_norm;
 pub mod simd;
 pub mod threads;
+pub mod w8a8_linear;
 
 pub use dense_linear::dense_linear;
 pub use elem::{Bf16, Elem};
-pub use int8_linear::{check_packed, int8_linear, quantize, PackedInt8};
+pub use int8_linear::{int8_linear, quantize, Int8Weight};
 pub use paged_attention::{
     paged_attention, store_kv, AttentionError, BatchLayout, HeadGeometry, StridedHeads,
 };
 pub use rms_norm::rms_norm;
 pub use simd::Isa;
+pub use w8a8_linear::{check_packed, w8a8_linear, PackedInt8};

@@ -121,12 +121,13 @@ pub trait Rows {
     unsafe fn exp(x: Self::V) -> Self::V;
 }
 
-/// Widening loads of bf16 weights to f32 lanes, and a horizontal sum, for the few-rows linear
-/// kernel. (The name is historical: int8 weights have their own kernel, `int8_linear`.)
+/// Widening loads of int8 and bf16 weights to f32 lanes, and a horizontal sum, for the
+/// few-rows linear kernel.
 ///
 /// # Safety
 /// As for [`Rows`]; `p` addresses at least `W` valid elements.
 pub trait I8Rows: Rows {
+    unsafe fn load_i8(p: *const i8) -> Self::V;
     /// bf16 bits (the upper half of an f32) -> f32, exact.
     unsafe fn load_bf16(p: *const u16) -> Self::V;
     unsafe fn sum(v: Self::V) -> f32;
@@ -226,6 +227,10 @@ impl Rows for Scalar {
 }
 
 impl I8Rows for Scalar {
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> f32 {
+        *p as f32
+    }
     #[inline(always)]
     unsafe fn load_bf16(p: *const u16) -> f32 {
         f32::from_bits((*p as u32) << 16)
@@ -473,6 +478,10 @@ mod x86 {
 
     impl super::I8Rows for Avx2 {
         #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> __m256 {
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+        }
+        #[inline(always)]
         unsafe fn load_bf16(p: *const u16) -> __m256 {
             let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
             _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))
@@ -486,6 +495,10 @@ mod x86 {
     }
 
     impl super::I8Rows for Avx512 {
+        #[inline(always)]
+        unsafe fn load_i8(p: *const i8) -> __m512 {
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i)))
+        }
         #[inline(always)]
         unsafe fn load_bf16(p: *const u16) -> __m512 {
             let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));

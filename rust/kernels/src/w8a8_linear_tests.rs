@@ -1,5 +1,6 @@
 use super::*;
 use crate::few_rows_linear::test_rand as rand;
+use crate::int8_linear::quantize;
 use crate::int8_pack::pack;
 
 fn packed(q: &[i8], scales: &[f32], n: usize, k: usize, group: usize) -> (Vec<u8>, Vec<f32>) {
@@ -80,7 +81,7 @@ fn every_isa_matches_the_formula_bit_for_bit_and_the_float_product_closely() {
                             k,
                             group,
                         };
-                        int8_linear(isa, threads, &x, m, pw, b, &mut out).unwrap();
+                        w8a8_linear(isa, threads, &x, m, pw, b, &mut out).unwrap();
                         assert_eq!(out, want, "{isa:?} m={m} n={n} k={k} threads={threads}");
                     }
                 }
@@ -94,7 +95,7 @@ fn every_isa_matches_the_formula_bit_for_bit_and_the_float_product_closely() {
                 k,
                 group,
             };
-            int8_linear(Isa::detect(), 1, &x, m, pw, None, &mut out).unwrap();
+            w8a8_linear(Isa::detect(), 1, &x, m, pw, None, &mut out).unwrap();
             for i in 0..m * n {
                 let (mi, ni) = (i / n, i % n);
                 let mut exact = 0f64;
@@ -131,10 +132,10 @@ fn a_row_does_not_depend_on_the_other_rows_of_the_batch() {
         group,
     };
     let mut all = vec![0f32; 13 * n];
-    int8_linear(Isa::detect(), 2, &x, 13, pw, None, &mut all).unwrap();
+    w8a8_linear(Isa::detect(), 2, &x, 13, pw, None, &mut all).unwrap();
     for mi in 0..13 {
         let mut one = vec![0f32; n];
-        int8_linear(
+        w8a8_linear(
             Isa::detect(),
             1,
             &x[mi * k..(mi + 1) * k],
@@ -167,7 +168,7 @@ fn bad_shapes_are_refused_naming_the_field() {
     let x = vec![0.0f32; k];
     let mut out = vec![0.0f32; n];
     let field = |pw: PackedInt8<'_>, x: &[f32], bias: Option<&[f32]>, out: &mut [f32]| {
-        int8_linear(Isa::Scalar, 1, x, 1, pw, bias, out)
+        w8a8_linear(Isa::Scalar, 1, x, 1, pw, bias, out)
             .unwrap_err()
             .field
     };
