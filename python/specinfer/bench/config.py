@@ -9,7 +9,7 @@ from pathlib import Path
 ENGINES = ("specinfer", "hf", "vllm", "llama_cpp")
 HF_MODES = ("plain", "assisted", "prompt_lookup")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8",)  # specinfer's weight-only options (models/int8_linear.py), without importing it
+QUANTIZATIONS = ("int8", "w8a8")  # specinfer's int8 options (models/int8_linear.py), without importing it
 # llama.cpp weights: f32 / f16 GGUF converted from the HF export of the same weights, llama.cpp's
 # own Q8_0 quantized from that f32 file, or "pack": the model's GGUF file itself (native types)
 GGUF_TYPES = ("f32", "f16", "q8_0", "pack")
