@@ -62,6 +62,11 @@ def _threads_setting() -> int | None:
 
 class CpuNativeBackend:
     name = "cpu_native"
+    # True: each query row's attention is the same bits in a decode, a verification run or a
+    # prefill chunk (AVX-512, head_dim 32/64/128: one kernel path for every run; ~40 % slower on
+    # prefill chunks). Set by ModelRunner for quantization="w8a8" models, whose activation
+    # rounding would turn float noise between those runs into different greedy tokens.
+    batch_invariant = False
 
     def __init__(self, num_threads: int | None = None, isa: str | None = None):
         if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
@@ -72,7 +77,8 @@ class CpuNativeBackend:
     def prepare(self, meta: AttentionMetadata) -> CpuNativePrepared:
         assert meta.slot_mapping.device.type == "cpu", "cpu_native: metadata must be on the CPU"
         batch = CpuPagedBatch(meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
-                              meta.block_table.numpy(), meta.block_size, None, *_tree_arrays(meta))
+                              meta.block_table.numpy(), meta.block_size, None, *_tree_arrays(meta),
+                              batch_invariant=self.batch_invariant)
         return CpuNativePrepared(batch, meta.num_tokens, meta.block_size, meta)
 
     def forward(self, q, k, v, kv_cache, prepared: CpuNativePrepared, scale: float) -> torch.Tensor:
@@ -132,7 +138,8 @@ class CpuNativeBackend:
                 mask = None if n == L else pos.unsqueeze(0) <= torch.arange(L - n, L).unsqueeze(1)  # [n, L]
                 runs.append((qsl[s], qsl[s + 1], slots, mask))
             batch = CpuPagedBatch(meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
-                                  meta.block_table.numpy(), meta.block_size, skip, *_tree_arrays(meta))
+                                  meta.block_table.numpy(), meta.block_size, skip, *_tree_arrays(meta),
+                                  batch_invariant=prepared.batch.batch_invariant)
             prepared.split[min_len] = (batch, tuple(runs))
         return prepared.split[min_len]
 

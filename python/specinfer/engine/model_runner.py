@@ -12,6 +12,10 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
+        if getattr(model, "quantization", None) == "w8a8" and hasattr(backend, "batch_invariant"):
+            # W8A8 rounds every GEMM input to a grid: attention must give a row the same bits in a
+            # decode and in a verification run, or greedy speculation drifts (attention/cpu_native.py)
+            backend.batch_invariant = True
         # layers whose inputs a proposer reads (EAGLE-3): each forward keeps them in last_aux
         self.aux_layers = tuple(aux_layers)
         self.last_aux: torch.Tensor | None = None  # [T, len(aux_layers) * hidden] of the latest forward

@@ -55,9 +55,10 @@ pub struct CpuPagedBatch {
 impl CpuPagedBatch {
     /// skip: per sequence, whether `forward` leaves its output rows to the caller (its K/V is
     /// still stored). tree_mask int64[T] / tree_start int32[S]: token-tree masks (both or
-    /// neither; see `specinfer.attention.metadata`).
+    /// neither; see `specinfer.attention.metadata`). batch_invariant: each query row computed
+    /// alike in any run (AVX-512; `BatchLayout::set_batch_invariant`).
     #[new]
-    #[pyo3(signature = (slot_mapping, query_start_loc, seq_lens, block_table, block_size, skip=None, tree_mask=None, tree_start=None))]
+    #[pyo3(signature = (slot_mapping, query_start_loc, seq_lens, block_table, block_size, skip=None, tree_mask=None, tree_start=None, batch_invariant=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         slot_mapping: PyArrayLike1<'_, i64, AllowTypeChange>,
@@ -68,6 +69,7 @@ impl CpuPagedBatch {
         skip: Option<Vec<bool>>,
         tree_mask: Option<PyArrayLike1<'_, i64, AllowTypeChange>>,
         tree_start: Option<PyArrayLike1<'_, i32, AllowTypeChange>>,
+        batch_invariant: bool,
     ) -> PyResult<Self> {
         let table = block_table.as_array();
         let width = table.ncols();
@@ -83,6 +85,7 @@ impl CpuPagedBatch {
         if let Some(skip) = skip {
             layout.skip_attention(skip).map_err(to_py)?;
         }
+        layout.set_batch_invariant(batch_invariant);
         match (tree_mask, tree_start) {
             (None, None) => {}
             (Some(mask), Some(start)) => layout
@@ -95,6 +98,11 @@ impl CpuPagedBatch {
             }
         }
         Ok(CpuPagedBatch { layout })
+    }
+
+    #[getter]
+    fn batch_invariant(&self) -> bool {
+        self.layout.batch_invariant()
     }
 
     #[getter]

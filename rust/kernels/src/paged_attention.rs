@@ -182,6 +182,7 @@ pub struct BatchLayout {
     max_slot: i64,           // largest slot a token writes (-1: none)
     skip: Vec<bool>, // [S] runs `paged_attention` leaves to the caller (their KV is still stored)
     tree: Option<TreeMasks>, // None: every token is causal
+    batch_invariant: bool, // see `set_batch_invariant`
 }
 
 /// Tree masks of a batch (see the module doc), validated by `set_tree_masks`.
@@ -306,6 +307,7 @@ impl BatchLayout {
             max_slot,
             skip: vec![false; s],
             tree: None,
+            batch_invariant: false,
         })
     }
 
@@ -373,6 +375,20 @@ impl BatchLayout {
 
     /// Leave the flagged runs' output rows to the caller (who attends them some other way);
     /// `store_kv` still writes their keys and values.
+    /// With AVX-512, head_dim 32 / 64 / 128 and no tree mask: every item takes the few-rows path
+    /// (not only decodes and short runs), so each query row is computed by the same operations
+    /// in the same order whether it is a decode, in a verification run or in a prefill chunk of
+    /// any length. Costs ~40 % of attention time on prefill chunks and batch-16 verification; for
+    /// models whose next layer rounds its input to a grid (W8A8), where float noise between a
+    /// decode and a verification run would change greedy tokens.
+    pub fn set_batch_invariant(&mut self, on: bool) {
+        self.batch_invariant = on;
+    }
+
+    pub fn batch_invariant(&self) -> bool {
+        self.batch_invariant
+    }
+
     pub fn skip_attention(&mut self, skip: Vec<bool>) -> Result<(), AttentionError> {
         if skip.len() != self.num_seqs() {
             return err(
@@ -610,10 +626,16 @@ unsafe fn item_avx2<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn item_avx512<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
-    match few_rows::vectors_per_row(ctx, it) {
-        Some(2) => few_rows::attend_few_rows::<E, 2>(ctx, it, out),
-        Some(4) => few_rows::attend_few_rows::<E, 4>(ctx, it, out),
-        Some(8) => few_rows::attend_few_rows::<E, 8>(ctx, it, out),
+    use few_rows::{attend_few_rows as few, MAX_ROWS as M, SHORT_ROWS as S};
+    let short = (it.q1 - it.q0) * ctx.group <= S;
+    match (few_rows::vectors_per_row(ctx, it), short) {
+        (Some(_), false) if !ctx.layout.batch_invariant => attend::<E, Avx512>(ctx, it, out),
+        (Some(2), true) => few::<E, 2, S>(ctx, it, out),
+        (Some(4), true) => few::<E, 4, S>(ctx, it, out),
+        (Some(8), true) => few::<E, 8, S>(ctx, it, out),
+        (Some(2), false) => few::<E, 2, M>(ctx, it, out),
+        (Some(4), false) => few::<E, 4, M>(ctx, it, out),
+        (Some(8), false) => few::<E, 8, M>(ctx, it, out),
         _ => attend::<E, Avx512>(ctx, it, out),
     }
 }

@@ -14,14 +14,21 @@ use super::{chunk_offsets, exp_shifted, Ctx, Item, OutPtr, KEY_CHUNK};
 use crate::elem::Elem;
 use crate::simd::Avx512;
 
-/// Items with fewer rows than this take the path (2 * rows < 16 lanes, as in `attend`).
-pub(super) const MAX_ROWS: usize = 8;
+/// Items of at most SHORT_ROWS rows take the path; in batch-invariant mode
+/// (`BatchLayout::set_batch_invariant`) items of up to MAX_ROWS rows too: every item the AVX-512
+/// tiling makes (tiles of 64 rows) when the group is at most 64 wide, so a query row's attention
+/// is computed by the same operations in the same order whether it is a decode, part of a
+/// verification run or part of a prefill chunk (the rows of an item do not interact). Its
+/// buffers are sized by the const parameter R of `attend_few_rows`: SHORT_ROWS or MAX_ROWS.
+pub(super) const MAX_ROWS: usize = 64;
+/// The buffer size of decodes and short runs.
+pub(super) const SHORT_ROWS: usize = 8;
 const MAX_DIM: usize = 128;
 
 /// Whether this path takes the item: Some(vectors per head row) or None.
 pub(super) fn vectors_per_row<E>(ctx: &Ctx<'_, E>, it: &Item) -> Option<usize> {
     let rows = (it.q1 - it.q0) * ctx.group;
-    if rows >= MAX_ROWS || rows == 0 {
+    if rows > MAX_ROWS || rows == 0 {
         return None;
     }
     if let Some(tree) = ctx.layout.tree.as_ref() {
@@ -104,7 +111,7 @@ unsafe fn row_max(x: &[f32]) -> f32 {
 /// One item (see the module doc); NV = head_dim / 16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize>(
+pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
     ctx: &Ctx<'_, E>,
     it: &Item,
     out: OutPtr<E>,
@@ -118,8 +125,9 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize>(
     let table = &lay.block_table[it.seq * lay.table_width..(it.seq + 1) * lay.table_width];
     let rows = (it.q1 - it.q0) * g;
     let mut scratch = [0.0f32; MAX_DIM];
-    let mut q = [[_mm512_setzero_ps(); NV]; MAX_ROWS]; // scaled queries
-    let mut limit = [0usize; MAX_ROWS]; // last key each row sees
+    debug_assert!(rows <= R);
+    let mut q = [[_mm512_setzero_ps(); NV]; R]; // scaled queries
+    let mut limit = [0usize; R]; // last key each row sees
     let scale = _mm512_set1_ps(ctx.scale);
     for i in 0..it.q1 - it.q0 {
         for j in 0..g {
@@ -136,11 +144,11 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize>(
     }
     let first_limit = context_start + it.q0;
     let num_keys = context_start + it.q1;
-    let mut acc = [[_mm512_setzero_ps(); NV]; MAX_ROWS];
-    let mut run_max = [f32::NEG_INFINITY; MAX_ROWS];
-    let mut run_sum = [0.0f32; MAX_ROWS];
-    let mut p = [[0.0f32; KEY_CHUNK]; MAX_ROWS]; // scores, then probabilities
-                                                 // a chunk's K and V rows as f32 (non-f32 caches): [2, KEY_CHUNK, d], this thread's buffer
+    let mut acc = [[_mm512_setzero_ps(); NV]; R];
+    let mut run_max = [f32::NEG_INFINITY; R];
+    let mut run_sum = [0.0f32; R];
+    let mut p = [[0.0f32; KEY_CHUNK]; R]; // scores, then probabilities
+                                          // a chunk's K and V rows as f32 (non-f32 caches): [2, KEY_CHUNK, d], this thread's buffer
     let buf = std::slice::from_raw_parts_mut(chunk_buffer(2 * KEY_CHUNK * d), 2 * KEY_CHUNK * d);
     let (kbuf, vbuf) = buf.split_at_mut(KEY_CHUNK * d);
     let mut krows = [std::ptr::null::<f32>(); KEY_CHUNK];
@@ -205,9 +213,12 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize>(
                 }
             }
         }
-        // online softmax and P V per row, the row's accumulator in registers
+        // online softmax and P V per row, the row's accumulator in registers. The softmax runs
+        // over the whole chunk width, keys past kn at -inf (exp: 0), so a row's arithmetic does
+        // not depend on where its item's keys end (vector exp for every key, one summation order)
         for r in 0..rows {
-            let pr = &mut p[r][..kn];
+            p[r][kn..].fill(f32::NEG_INFINITY);
+            let pr = &mut p[r][..];
             let chunk_max = row_max(pr);
             if chunk_max == f32::NEG_INFINITY {
                 continue; // every key of the chunk is in this row's future
@@ -224,7 +235,7 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize>(
             }
             run_max[r] = new_max;
             run_sum[r] += exp_shifted::<Avx512>(pr, new_max); // masked: exp(-inf) = 0
-            for (c, &w) in pr.iter().enumerate() {
+            for (c, &w) in pr[..kn].iter().enumerate() {
                 let (wv, vp) = (_mm512_set1_ps(w), vrows[c]);
                 for (v, reg) in a.iter_mut().enumerate() {
                     *reg = _mm512_fmadd_ps(wv, _mm512_loadu_ps(vp.add(16 * v)), *reg);

@@ -649,3 +649,92 @@ fn few_row_items_match_dense_oracle() {
         }
     }
 }
+
+/// One sequence of `len` tokens (q [len, h, d], k/v [len, hkv, d]) attended as a run of the last
+/// `n` tokens after `len - n` cached ones (blocks in order); returns the run's output rows.
+fn attend_split(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (len, n): (usize, usize),
+    (h, hkv, d, bs): (usize, usize, usize, usize),
+    isa: Isa,
+) -> Vec<f32> {
+    let c = len - n;
+    let nb = len.div_ceil(bs) + 1;
+    let geo = HeadGeometry {
+        num_heads: h,
+        num_kv_heads: hkv,
+        head_dim: d,
+        block_size: bs,
+        num_blocks: nb,
+    };
+    let half = geo.cache_half_len();
+    let mut cache = vec![0.0f32; 2 * half];
+    let row = hkv * d;
+    cache[..c * row].copy_from_slice(&k[..c * row]);
+    cache[half..half + c * row].copy_from_slice(&v[..c * row]);
+    let stride = (h + 2 * hkv) * d;
+    let mut qkv = vec![0.0f32; n * stride];
+    for t in 0..n {
+        let p = c + t;
+        qkv[t * stride..t * stride + h * d].copy_from_slice(&q[p * h * d..(p + 1) * h * d]);
+        qkv[t * stride + h * d..t * stride + h * d + row]
+            .copy_from_slice(&k[p * row..(p + 1) * row]);
+        qkv[t * stride + h * d + row..(t + 1) * stride].copy_from_slice(&v[p * row..(p + 1) * row]);
+    }
+    let table: Vec<i32> = (0..nb as i32).collect();
+    let slots: Vec<i64> = (c..len).map(|p| p as i64).collect();
+    let mut layout =
+        BatchLayout::new(slots, vec![0, n as i32], vec![len as i32], table, nb, bs).unwrap();
+    layout.set_batch_invariant(true);
+    let hv = |off: usize, heads: usize| StridedHeads {
+        data: &qkv[off * d..],
+        num_tokens: n,
+        num_heads: heads,
+        head_dim: d,
+        token_stride: stride,
+        head_stride: d,
+    };
+    store_kv(&layout, &geo, hv(h, hkv), hv(h + hkv, hkv), &mut cache).unwrap();
+    let mut out = vec![0.0f32; n * h * d];
+    let scale = 1.0 / (d as f32).sqrt();
+    paged_attention(isa, 1, &layout, &geo, hv(0, h), &cache, &mut out, scale).unwrap();
+    out
+}
+
+/// Batch-invariant mode with AVX-512 (head_dim 32 / 64 / 128, no tree): every item takes the few-rows path, so a query
+/// row's output is the same bits as a decode, inside a verification run or inside a prefill chunk:
+/// greedy speculative decoding stays exact even where the next layer rounds its input to a grid
+/// (quantization="w8a8"). Other instruction sets: equal within float noise only.
+#[test]
+fn a_row_is_computed_the_same_as_decode_verification_run_or_prefill_chunk() {
+    for (h, hkv, d) in [(9, 3, 64), (4, 4, 32), (8, 2, 128)] {
+        let (len, bs) = (70, 16);
+        let mut rng = Rng(0x1234_5678 + d as u64);
+        let q: Vec<f32> = (0..len * h * d).map(|_| rng.next()).collect();
+        let k: Vec<f32> = (0..len * hkv * d).map(|_| rng.next()).collect();
+        let v: Vec<f32> = (0..len * hkv * d).map(|_| rng.next()).collect();
+        for isa in Isa::supported() {
+            let geo = (h, hkv, d, bs);
+            let prefill = attend_split(&q, &k, &v, (len, len), geo, isa); // one 70-token chunk
+            for (upto, n) in [(70, 1), (70, 5), (66, 9), (41, 1), (41, 3), (64, 30)] {
+                let run = attend_split(&q, &k, &v, (upto, n), geo, isa);
+                let want = &prefill[(upto - n) * h * d..upto * h * d];
+                if isa == Isa::Avx512 {
+                    assert!(
+                        run == want,
+                        "{isa:?} h={h} hkv={hkv} d={d} run ({upto}, {n}) differs in bits"
+                    );
+                } else {
+                    for (a, b) in run.iter().zip(want) {
+                        assert!(
+                            (a - b).abs() <= 1e-5,
+                            "{isa:?} run ({upto}, {n}): {a} vs {b}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
