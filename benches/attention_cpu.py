@@ -4,6 +4,7 @@ verification runs at batch 1 and 16, and a 512-token prefill chunk. Each timed c
 layer's store + attention; torch threads as given.
 
     python benches/attention_cpu.py --repeats 20 --threads 1 [--json out.json]
+    python benches/attention_cpu.py --backends cpu_native,cpu_native+invariant   # the batch-invariant mode
 """
 from __future__ import annotations
 
@@ -54,7 +55,11 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     names = args.backends.split(",")
-    backends = {n: get_backend(n) for n in names}
+    backends = {}
+    for n in names:  # "cpu_native+invariant": the kernel's batch-invariant mode (what w8a8 models run)
+        backends[n] = get_backend(n.split("+")[0])
+        if n.endswith("+invariant"):
+            backends[n].batch_invariant = True
     rows = []
     for case, seqs in CASES.items():
         batch = make_batch(seqs, BS, H, HKV, D, dtype=dtype)

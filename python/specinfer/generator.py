@@ -34,7 +34,8 @@ class Generator:
     `quantization="int8"` keeps GEMM weights int8 (CPU; GGUF Q8_0 as stored, other weights
     quantized per 32 inputs) and runs them through the int8 kernel; `quantization="w8a8"` also
     rounds the activations to int8 per group of 32 (as llama.cpp does for Q8_0): faster from a few
-    rows on, but greedy speculative output may drift from non-speculative output (models/int8_linear.py).
+    rows on; its attention runs batch-invariant so greedy speculation stays exact (AVX-512 with
+    head_dim 32/64/128; elsewhere it may drift: models/int8_linear.py).
     `tensor_parallel_size=N` shards the target over N ranks through torch.distributed (worker
     processes this one spawns, or the ranks of a torchrun launch; docs/tensor_parallel.md); a
     draft model is sharded over speculative["draft_tensor_parallel_size"] ranks (a divisor of N,

@@ -25,8 +25,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "fp32 on CPU)")
     g.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"],
                    help="int8: weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored); w8a8: the same "
-                   "weights times activations rounded to int8 per group of 32 (faster; greedy speculation "
-                   "may drift from non-speculative output) (default: none)")
+                   "weights times activations rounded to int8 per group of 32 (faster; batch-invariant attention keeps "
+                   "greedy speculation exact on AVX-512) (default: none)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
                    "CPU) (default: auto)")
     g.add_argument("--attention-backend", default="auto",

@@ -9,9 +9,10 @@ Rust kernel. Two forms:
 - `quantization="w8a8"`: the weights move into a tiled layout (`Int8Weight.pack`) and
   `specinfer._core.w8a8_linear` (rust/kernels/src/w8a8_linear.rs) quantizes the activations per
   group of 32 too (as llama.cpp does for Q8_0) and sums each group exactly in int32 (AVX-512
-  VNNI): faster from a few rows on (verification runs, batches, prefill), but the activation
-  rounding turns float noise between a decode and a verification run into different tokens
-  after a while, so greedy speculative output is not guaranteed to equal non-speculative output.
+  VNNI): faster from a few rows on (verification runs, batches, prefill). Rounding activations
+  to a grid turns float noise between a decode and a verification run into different greedy
+  tokens after a while, so a w8a8 model's ModelRunner puts the attention kernel in its
+  batch-invariant mode (exact on AVX-512 with head_dim 32/64/128; attention/cpu_native.py).
 
 The model's norms, biases and activations keep the model dtype.
 

@@ -20,10 +20,10 @@
 //! FMAs per 64 weights per row: compute-bound from a few rows on.
 //!
 //! The catch: rounding the activations to a grid makes the layer discontinuous, so the float
-//! noise by which other kernels (attention paths, oneDNN) differ between a decode and a
-//! verification run (~1e-5) can move an input by one step and grow through the layers. Greedy
-//! speculative output then drifts from non-speculative output after some tokens; the weight-only
-//! kernel keeps that noise at noise level.
+//! noise by which other kernels differ between a decode and a verification run (~1e-5) can move
+//! an input by one step and grow through the layers; greedy speculative output then drifts from
+//! non-speculative output. Models using this kernel run attention in its batch-invariant mode
+//! (`BatchLayout::set_batch_invariant`), which removes that noise on AVX-512.
 
 use rayon::prelude::*;
 
