@@ -11,8 +11,6 @@
 //! 6 GB/s of int8 without it, 13 with it). An output row's sum does not depend on M for
 //! unscaled weights (same lanes, same order), so a decode and a verification agree bit for bit.
 
-use rayon::prelude::*;
-
 use crate::elem::Bf16;
 use crate::paged_attention::AttentionError as KernelError;
 use crate::simd::{prefetch_l2, I8Rows, Isa, Scalar};
@@ -68,6 +66,39 @@ pub struct Weights<'a, W> {
     pub group: usize,
 }
 
+/// The checks every linear kernel makes: `isa` runs here, x `[m, k]`, out `[m, n]`, bias `[n]`.
+pub(crate) fn check_io(
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    bias: Option<&[f32]>,
+    out: &[f32],
+) -> Result<(), KernelError> {
+    if !isa.is_supported() {
+        return err(
+            "isa",
+            format!("{} is not supported by this CPU", isa.name()),
+        );
+    }
+    if x.len() != m * k {
+        return err("x", format!("has {} elements, expected {m} x {k}", x.len()));
+    }
+    if out.len() != m * n {
+        return err(
+            "out",
+            format!("has {} elements, expected {m} x {n}", out.len()),
+        );
+    }
+    if let Some(b) = bias {
+        if b.len() != n {
+            return err("bias", format!("has {} elements, expected {n}", b.len()));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn err<T>(field: &'static str, message: impl Into<String>) -> Result<T, KernelError> {
     Err(KernelError {
         field,
@@ -104,32 +135,7 @@ pub(crate) fn few_rows_linear<W: WeightElem>(
             format!("has {} elements, expected {num_scales}", w.scales.len()),
         );
     }
-    if !isa.is_supported() {
-        return err(
-            "isa",
-            format!("{} is not supported by this CPU", isa.name()),
-        );
-    }
-    if x.len() != m * w.k {
-        return err(
-            "x",
-            format!("has {} elements, expected {m} x {}", x.len(), w.k),
-        );
-    }
-    if out.len() != m * w.n {
-        return err(
-            "out",
-            format!("has {} elements, expected {m} x {}", out.len(), w.n),
-        );
-    }
-    if let Some(b) = bias {
-        if b.len() != w.n {
-            return err(
-                "bias",
-                format!("has {} elements, expected {}", b.len(), w.n),
-            );
-        }
-    }
+    check_io(isa, x, m, w.k, w.n, bias, out)?;
     let items: Vec<usize> = (0..w.n).step_by(ROWS_PER_ITEM).collect();
     let out_ptr = OutPtr(out.as_mut_ptr());
     let run: unsafe fn(&Job<'_, W>, usize, OutPtr) = match isa {
@@ -140,22 +146,8 @@ pub(crate) fn few_rows_linear<W: WeightElem>(
         _ => rows_scalar::<W>,
     };
     let job = Job { x, m, w, bias };
-    let pool = if num_threads > 1 && items.len() > 1 {
-        threads::pool(num_threads)
-    } else {
-        None
-    };
-    match pool {
-        // SAFETY: `run` matches the supported `isa`; items write disjoint output columns.
-        Some(pool) => pool.install(|| {
-            items
-                .par_iter()
-                .for_each(|&n0| unsafe { run(&job, n0, out_ptr) })
-        }),
-        None => items
-            .iter()
-            .for_each(|&n0| unsafe { run(&job, n0, out_ptr) }),
-    }
+    // SAFETY: `run` matches the supported `isa`; items write disjoint output columns.
+    threads::for_each_item(num_threads, &items, |&n0| unsafe { run(&job, n0, out_ptr) });
     Ok(())
 }
 

@@ -27,7 +27,6 @@
 
 use std::fmt;
 
-use rayon::prelude::*;
 
 use crate::elem::Elem;
 #[cfg(target_arch = "x86_64")]
@@ -542,21 +541,9 @@ pub fn paged_attention<E: Elem>(
     };
     let out = OutPtr(out.as_mut_ptr());
     let run: ItemFn<E> = item_fn::<E>(isa);
-    let pool = if num_threads > 1 && items.len() > 1 {
-        threads::pool(num_threads)
-    } else {
-        None
-    };
-    match pool {
-        // SAFETY: `run` matches `isa`, which the CPU supports (checked above); every item writes
-        // only its own (token, head) rows of `out`, so items never write the same element.
-        Some(pool) => pool.install(|| {
-            items
-                .par_iter()
-                .for_each(|it| unsafe { run(&ctx, it, out) })
-        }),
-        None => items.iter().for_each(|it| unsafe { run(&ctx, it, out) }),
-    }
+    // SAFETY: `run` matches `isa`, which the CPU supports (checked above); every item writes
+    // only its own (token, head) rows of `out`, so items never write the same element.
+    threads::for_each_item(num_threads, &items, |it| unsafe { run(&ctx, it, out) });
     Ok(())
 }
 

@@ -25,3 +25,18 @@ pub fn pool(num_threads: usize) -> Option<Arc<ThreadPool>> {
     pools.insert(num_threads, p.clone());
     Some(p)
 }
+
+/// Run `f` on every item: on a pool of `num_threads` workers when that is more than one and
+/// there is more than one item (or no pool could be built: on the calling thread).
+pub fn for_each_item<T: Sync>(num_threads: usize, items: &[T], f: impl Fn(&T) + Sync + Send) {
+    use rayon::prelude::*;
+    let pool = if num_threads > 1 && items.len() > 1 {
+        pool(num_threads)
+    } else {
+        None
+    };
+    match pool {
+        Some(pool) => pool.install(|| items.par_iter().for_each(&f)),
+        None => items.iter().for_each(f),
+    }
+}

@@ -25,8 +25,7 @@
 //! non-speculative output. Models using this kernel run attention in its batch-invariant mode
 //! (`BatchLayout::set_batch_invariant`), which removes that noise on AVX-512.
 
-use rayon::prelude::*;
-
+use crate::few_rows_linear::check_io;
 use crate::int8_pack::{quantize_rows, tiles, QuantizedRows, TILE};
 use crate::paged_attention::AttentionError as KernelError;
 use crate::simd::Isa;
@@ -97,32 +96,7 @@ pub fn w8a8_linear(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     check_packed(&w)?;
-    if !isa.is_supported() {
-        return err(
-            "isa",
-            format!("{} is not supported by this CPU", isa.name()),
-        );
-    }
-    if x.len() != m * w.k {
-        return err(
-            "x",
-            format!("has {} elements, expected {m} x {}", x.len(), w.k),
-        );
-    }
-    if out.len() != m * w.n {
-        return err(
-            "out",
-            format!("has {} elements, expected {m} x {}", out.len(), w.n),
-        );
-    }
-    if let Some(b) = bias {
-        if b.len() != w.n {
-            return err(
-                "bias",
-                format!("has {} elements, expected {}", b.len(), w.n),
-            );
-        }
-    }
+    check_io(isa, x, m, w.k, w.n, bias, out)?;
     if m == 0 || w.n == 0 {
         return Ok(());
     }
@@ -142,22 +116,8 @@ pub fn w8a8_linear(
     };
     let items: Vec<usize> = (0..tiles(w.n)).step_by(ITEM_TILES).collect();
     let out_ptr = OutPtr(out.as_mut_ptr());
-    let pool = if num_threads > 1 && items.len() > 1 {
-        threads::pool(num_threads)
-    } else {
-        None
-    };
-    match pool {
-        // SAFETY: `run` matches a supported path; items write disjoint output columns.
-        Some(pool) => pool.install(|| {
-            items
-                .par_iter()
-                .for_each(|&t0| unsafe { run(&job, t0, out_ptr) })
-        }),
-        None => items
-            .iter()
-            .for_each(|&t0| unsafe { run(&job, t0, out_ptr) }),
-    }
+    // SAFETY: `run` matches a supported path; items write disjoint output columns.
+    threads::for_each_item(num_threads, &items, |&t0| unsafe { run(&job, t0, out_ptr) });
     Ok(())
 }
 
