@@ -36,6 +36,11 @@ class Generator:
     rounds the activations to int8 per group of 32 (as llama.cpp does for Q8_0): faster from a few
     rows on; its attention runs batch-invariant so greedy speculation stays exact (AVX-512 with
     head_dim 32/64/128; elsewhere it may drift: models/int8_linear.py).
+    `batch_invariant=True` (CPU, float32 or w8a8 weights, AVX-512): every token's logits are the
+    same bits whatever else its step holds (a decode, a verification run, a prefill chunk, other
+    requests), so speculative output equals non-speculative output bit for bit, logprobs
+    included, not only up to float noise: GEMMs through the few-rows kernel (faster decodes,
+    ~1.5x slower prefill) and attention in its batch-invariant mode.
     `tensor_parallel_size=N` shards the target over N ranks through torch.distributed (worker
     processes this one spawns, or the ranks of a torchrun launch; docs/tensor_parallel.md); a
     draft model is sharded over speculative["draft_tensor_parallel_size"] ranks (a divisor of N,
@@ -48,14 +53,15 @@ class Generator:
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
                  attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
-                 tensor_parallel_size=1, distributed_timeout_s=120.0):
+                 tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False):
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=speculative,
             max_logprobs=max_logprobs, attention_backend=attention_backend,
             gpu_memory_utilization=gpu_memory_utilization, quantization=quantization,
-            tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s)
+            tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s,
+            batch_invariant=batch_invariant)
         # a Generator dropped without close() still stops its tensor-parallel workers
         weakref.finalize(self, self.engine.close)
         self._counter = 0

@@ -35,6 +35,7 @@ class MethodConfig:
     dtype: str | None = None  # None: the config's dtype
     quantization: str | None = None  # specinfer only: "int8"
     gguf_type: str | None = None  # llama_cpp only; None: "f32"
+    batch_invariant: bool = False  # specinfer only: Generator(batch_invariant=True)
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -58,6 +59,8 @@ class MethodConfig:
             if self.quantization not in QUANTIZATIONS:
                 raise ValueError(f"method {self.name!r}: quantization {self.quantization!r} is unknown; "
                                  f"choose one of {QUANTIZATIONS}")
+        if self.batch_invariant not in (False, True) or (self.batch_invariant and self.engine != "specinfer"):
+            raise ValueError(f"method {self.name!r}: batch_invariant is a specinfer option, true or false")
         if self.gguf_type is not None:
             if self.engine != "llama_cpp":
                 raise ValueError(f"method {self.name!r}: gguf_type is a llama_cpp option (engine is {self.engine!r})")

@@ -30,7 +30,7 @@ class SpecinferEngine:
         self.k = k
         self.last_token_ids: list[list[int]] = []
         self.gen = Generator(method.model or cfg.model, dtype=cfg.method_dtype(method), block_size=cfg.block_size,
-                             quantization=method.quantization,
+                             quantization=method.quantization, batch_invariant=method.batch_invariant,
                              max_model_len=max_model_len,
                              num_kv_blocks=per_request * max_batch + 8, max_num_seqs=max(256, max_batch),
                              max_num_batched_tokens=cfg.max_num_batched_tokens,

@@ -27,6 +27,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="int8: weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored); w8a8: the same "
                    "weights times activations rounded to int8 per group of 32 (faster; batch-invariant attention keeps "
                    "greedy speculation exact on AVX-512) (default: none)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="every token's logits the same bits whatever its step holds, so speculative output equals "
+                   "non-speculative output bit for bit (CPU, float32 or w8a8, AVX-512; slower prefill)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
                    "CPU) (default: auto)")
     g.add_argument("--attention-backend", default="auto",
@@ -221,7 +224,8 @@ def engine_kwargs(args) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
                 gpu_memory_utilization=args.gpu_memory_utilization,
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                batch_invariant=bool(getattr(args, "batch_invariant", False)))
 
 
 def load_generator(args, spec):

@@ -65,7 +65,7 @@ class LLMEngine:
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
                  attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
-                 tensor_parallel_size=1, distributed_timeout_s=120.0):
+                 tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False):
         if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
         if not is_int(max_logprobs) or max_logprobs < 0:
@@ -84,6 +84,13 @@ class LLMEngine:
         attention_backend = self.platform.choose_attention_backend(attention_backend)  # before any load
         self.dtype = resolve_dtype(dtype, self.platform)
         self.quantization = check_quantization(quantization)  # weights of target and draft; KV stays dtype
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False (got {batch_invariant!r})")
+        if batch_invariant:
+            if self.parallel.tensor_parallel_size > 1:
+                raise ValueError("batch_invariant=True runs with tensor_parallel_size=1 only")
+            self.platform.check_batch_invariant(self.dtype, self.quantization)
+        self.platform.batch_invariant = self.batch_invariant = batch_invariant  # read by prepare_model
         self.device = self.platform.device
         # seeds for requests without one: drawn in add order from the engine's seed
         self._seed_source = np.random.Generator(np.random.PCG64(int(seed)))

@@ -12,9 +12,11 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.backend = backend
-        if getattr(model, "quantization", None) == "w8a8" and hasattr(backend, "batch_invariant"):
-            # W8A8 rounds every GEMM input to a grid: attention must give a row the same bits in a
-            # decode and in a verification run, or greedy speculation drifts (attention/cpu_native.py)
+        if (getattr(model, "batch_invariant", False) or getattr(model, "quantization", None) == "w8a8") \
+                and hasattr(backend, "batch_invariant"):
+            # a row must get the same bits in a decode and in a verification run: the engine's
+            # batch_invariant option, and always under W8A8, which rounds every GEMM input to a grid
+            # (float noise would change greedy tokens) (attention/cpu_native.py)
             backend.batch_invariant = True
         # layers whose inputs a proposer reads (EAGLE-3): each forward keeps them in last_aux
         self.aux_layers = tuple(aux_layers)

@@ -56,6 +56,13 @@ class Platform:
         self.device = device
         self.default_dtype = default_dtype
         self.attention_backend = self.default_attention_backend  # set by choose_attention_backend
+        # the engine's batch_invariant option (see check_batch_invariant): prepare_model reads it
+        self.batch_invariant = False
+
+    def check_batch_invariant(self, dtype: torch.dtype, quantization: str | None) -> None:
+        """Refuse batch_invariant=True where this platform cannot compute a row the same in
+        every batch (the CPU platform says where it can)."""
+        raise ValueError(f"batch_invariant=True runs on CPU only (device {self.device})")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, attention_backend={self.attention_backend!r})"

@@ -25,6 +25,23 @@ class CpuPlatform(Platform):
                              "TRITON_INTERPRET=1 in the environment before triton is imported")
         return name
 
+    def check_batch_invariant(self, dtype: torch.dtype, quantization: str | None) -> None:
+        """batch_invariant=True: every GEMM through a kernel whose output row does not depend on the
+        other rows (few_rows_linear for float32, w8a8_linear), attention in its batch-invariant
+        mode (AVX-512 only). bf16 (oneDNN, bf16 roundings in between) and weight-only int8 (its
+        kernel scales differently from 3 rows on) are refused."""
+        from specinfer._core import cpu_kernel_isa
+
+        if dtype != torch.float32:
+            raise ValueError(f"batch_invariant=True needs dtype float32 on CPU (got {dtype})")
+        if quantization not in (None, "w8a8"):
+            raise ValueError(f"batch_invariant=True needs float32 or quantization='w8a8' weights "
+                             f"(got quantization={quantization!r})")
+        isa = cpu_kernel_isa()[0]
+        if isa != "avx512":
+            raise ValueError(f"batch_invariant=True needs a CPU with AVX-512 (this one: {isa}): the attention "
+                             "kernel's batch-invariant mode exists for AVX-512 only")
+
     def prepare_model(self, model) -> None:
         """Choose how GEMMs run: weights pre-packed for oneDNN (MKL's small-M sgemm is slow on
         non-Intel CPUs; packed oneDNN keeps decode and verification GEMMs fast); with
@@ -34,6 +51,14 @@ class CpuPlatform(Platform):
         weights move into their kernel's tiled layout (else their first GEMM would do it)."""
         if getattr(model, "quantization", None) is not None:
             model.pack_linear_weights(None, None)
+            # w8a8 rounds GEMM inputs to a grid: always batch-invariant attention (model_runner.py)
+            model.batch_invariant = self.batch_invariant or model.quantization == "w8a8"
+            return
+        if self.batch_invariant:  # one GEMM arithmetic for every row count, row-invariant attention
+            from specinfer.models.few_rows_linear import few_rows_linear, plain_weight
+
+            model.pack_linear_weights(plain_weight, few_rows_linear)
+            model.batch_invariant = True
             return
         if os.environ.get("SPECINFER_PACK_WEIGHTS", "1") == "0":
             return
