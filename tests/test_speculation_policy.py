@@ -101,6 +101,20 @@ def test_time_table_slope_is_the_least_squares_line():
     assert t.at([20])[0] == pytest.approx(0.040)
 
 
+def test_time_table_first_time_of_a_count_is_provisional():
+    """A first step of a new shape pays one-off costs: its time is replaced by the second one, and
+    left out of the table while two counts have been seen twice."""
+    t = TimeTable(0.2)
+    for c, v in ((1, 0.010), (1, 0.010), (2, 0.011), (2, 0.011)):
+        t.record(c, v)
+    t.record(5, 0.500)  # a warm-up outlier, seen once: the line through the confirmed counts
+    assert t.at([5])[0] == pytest.approx(0.014, rel=1e-9)
+    t.record(5, 0.013)  # the second time replaces the first (an average would keep 0.40)
+    assert t.at([5])[0] == pytest.approx(0.013, rel=1e-9)
+    t.record(5, 0.023)  # from then on averaged at the table's rate
+    assert t.at([5])[0] == pytest.approx(0.013 + 0.2 * 0.010, rel=1e-9)
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_choice_is_optimal_for_a_step_cost_flat_then_rising(seed):
     """A CPU-like step cost: about flat up to some tokens (weight-bandwidth bound), then linear;
