@@ -27,7 +27,6 @@
 
 use std::fmt;
 
-
 use crate::elem::Elem;
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};

@@ -187,22 +187,35 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
             krows[c] = E::row(&ctx.k_cache[off..off + d], &mut kbuf[slot.clone()]).as_ptr();
             vrows[c] = E::row(&ctx.v_cache[off..off + d], &mut vbuf[slot]).as_ptr();
         }
-        // scores, 16 keys at a time per row
-        for r in 0..rows {
-            let qr = &q[r];
+        // scores, 16 keys at a time per row; two rows per pass share each K load (each row's
+        // operations and their order are those of a row alone)
+        let mut r = 0;
+        while r < rows {
+            let pair = r + 1 < rows;
+            let (q0, q1) = (&q[r], &q[if pair { r + 1 } else { r }]);
             for c0 in (0..kn).step_by(16) {
                 let m = 16.min(kn - c0);
-                let mut t = [_mm512_setzero_ps(); 16];
-                for (c, tc) in t.iter_mut().enumerate().take(m) {
+                let mut t0 = [_mm512_setzero_ps(); 16];
+                let mut t1 = [_mm512_setzero_ps(); 16];
+                for c in 0..m {
                     let kp = krows[c0 + c];
-                    let mut s = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kp));
-                    for (v, qv) in qr.iter().enumerate().skip(1) {
-                        s = _mm512_fmadd_ps(*qv, _mm512_loadu_ps(kp.add(16 * v)), s);
+                    let k0 = _mm512_loadu_ps(kp);
+                    let mut s0 = _mm512_mul_ps(q0[0], k0);
+                    let mut s1 = _mm512_mul_ps(q1[0], k0);
+                    for v in 1..NV {
+                        let kv = _mm512_loadu_ps(kp.add(16 * v));
+                        s0 = _mm512_fmadd_ps(q0[v], kv, s0);
+                        s1 = _mm512_fmadd_ps(q1[v], kv, s1);
                     }
-                    *tc = s;
+                    t0[c] = s0;
+                    t1[c] = s1;
                 }
-                _mm512_storeu_ps(p[r].as_mut_ptr().add(c0), transpose_sum(&t));
+                _mm512_storeu_ps(p[r].as_mut_ptr().add(c0), transpose_sum(&t0));
+                if pair {
+                    _mm512_storeu_ps(p[r + 1].as_mut_ptr().add(c0), transpose_sum(&t1));
+                }
             }
+            r += 2;
         }
         if k0 + kn - 1 > first_limit {
             for (r, pr) in p.iter_mut().enumerate().take(rows) {
@@ -216,6 +229,8 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
         // online softmax and P V per row, the row's accumulator in registers. The softmax runs
         // over the whole chunk width, keys past kn at -inf (exp: 0), so a row's arithmetic does
         // not depend on where its item's keys end (vector exp for every key, one summation order)
+        let mut active = [0usize; R]; // rows with a visible key in this chunk
+        let mut num_active = 0;
         for r in 0..rows {
             p[r][kn..].fill(f32::NEG_INFINITY);
             let pr = &mut p[r][..];
@@ -223,25 +238,44 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
             if chunk_max == f32::NEG_INFINITY {
                 continue; // every key of the chunk is in this row's future
             }
-            let mut a = acc[r];
             let new_max = run_max[r].max(chunk_max);
             if new_max > run_max[r] && run_sum[r] > 0.0 {
                 let correction = (run_max[r] - new_max).exp();
                 run_sum[r] *= correction;
                 let cv = _mm512_set1_ps(correction);
-                for reg in a.iter_mut() {
+                for reg in acc[r].iter_mut() {
                     *reg = _mm512_mul_ps(*reg, cv);
                 }
             }
             run_max[r] = new_max;
             run_sum[r] += exp_shifted::<Avx512>(pr, new_max); // masked: exp(-inf) = 0
-            for (c, &w) in pr[..kn].iter().enumerate() {
-                let (wv, vp) = (_mm512_set1_ps(w), vrows[c]);
-                for (v, reg) in a.iter_mut().enumerate() {
-                    *reg = _mm512_fmadd_ps(wv, _mm512_loadu_ps(vp.add(16 * v)), *reg);
+            active[num_active] = r;
+            num_active += 1;
+        }
+        // P V, two rows per pass sharing each V load, each accumulator in registers
+        let mut i = 0;
+        while i < num_active {
+            let r0 = active[i];
+            let r1 = if i + 1 < num_active {
+                active[i + 1]
+            } else {
+                r0
+            };
+            let (mut a0, mut a1) = (acc[r0], acc[r1]);
+            for c in 0..kn {
+                let vp = vrows[c];
+                let (w0, w1) = (_mm512_set1_ps(p[r0][c]), _mm512_set1_ps(p[r1][c]));
+                for v in 0..NV {
+                    let vv = _mm512_loadu_ps(vp.add(16 * v));
+                    a0[v] = _mm512_fmadd_ps(w0, vv, a0[v]);
+                    a1[v] = _mm512_fmadd_ps(w1, vv, a1[v]);
                 }
             }
-            acc[r] = a;
+            acc[r0] = a0;
+            if r1 != r0 {
+                acc[r1] = a1;
+            }
+            i += 2;
         }
     }
     let h = ctx.geo.num_heads;
