@@ -5,9 +5,7 @@ import pytest
 import torch
 
 from specinfer import Generator, SamplingParams
-from specinfer._core import cpu_kernel_isa
 
-AVX512 = cpu_kernel_isa()[0] == "avx512"
 PARAMS = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
 
 
@@ -24,7 +22,6 @@ def _run(path, batch_invariant, spec=None):
     return [(o.token_ids, o.logprobs) for o in outs], gen
 
 
-@pytest.mark.skipif(not AVX512, reason="the refusal on other CPUs is tested below")
 def test_speculative_logits_equal_non_speculative_bit_for_bit(tiny_dir):
     path, _ = tiny_dir("llama", False, seed=2, hidden=128, heads=4, kv_heads=2, layers=4, scale=3.0)  # head_dim 32
     want, base = _run(path, True)
@@ -43,9 +40,6 @@ def test_speculative_logits_equal_non_speculative_bit_for_bit(tiny_dir):
 
 def test_refused_where_it_cannot_hold(tiny_dir):
     path, _ = tiny_dir("llama", False)
-    if not AVX512:
-        with pytest.raises(ValueError, match="AVX-512"):
-            Generator(str(path), batch_invariant=True)
     with pytest.raises(ValueError, match="float32"):
         Generator(str(path), batch_invariant=True, dtype="bfloat16")
     with pytest.raises(ValueError, match="w8a8"):

@@ -102,8 +102,6 @@ def test_w8a8_greedy_speculation_equals_no_speculation(tiny_dir):
     run would change tokens; the model runner puts the attention kernel in batch-invariant mode
     (rust/kernels: one path per query row, AVX-512 with head_dim 32/64/128) and the int8 GEMMs
     are row-independent, so speculative greedy output equals non-speculative output bit for bit."""
-    from specinfer._core import cpu_kernel_isa
-
     # head_dim 32; 6 layers of large activations: without the invariant mode 3 of these 8
     # sequences drift from the non-speculative ones (measured), with it none
     path, _ = tiny_dir("llama", False, seed=2, hidden=128, heads=4, kv_heads=2, layers=6, scale=4.0)
@@ -113,8 +111,6 @@ def test_w8a8_greedy_speculation_equals_no_speculation(tiny_dir):
     base = Generator(str(path), max_model_len=256, quantization="w8a8")
     assert base.engine.runner.backend.batch_invariant
     assert not Generator(str(path), max_model_len=256, quantization="int8").engine.runner.backend.batch_invariant
-    if cpu_kernel_isa()[0] != "avx512":
-        pytest.skip(f"batch-invariant attention needs AVX-512 (this CPU: {cpu_kernel_isa()[0]})")
     want = [o.token_ids for o in base.generate(prompts, params, use_tqdm=False)]
     for spec in ({"method": "ngram", "num_speculative_tokens": 3, "policy": "fixed"},
                  {"method": "draft_model", "model": str(path), "num_speculative_tokens": 4, "policy": "fixed"}):

@@ -34,9 +34,8 @@ class Generator:
     `quantization="int8"` keeps GEMM weights int8 (CPU; GGUF Q8_0 as stored, other weights
     quantized per 32 inputs) and runs them through the int8 kernel; `quantization="w8a8"` also
     rounds the activations to int8 per group of 32 (as llama.cpp does for Q8_0): faster from a few
-    rows on; its attention runs batch-invariant so greedy speculation stays exact (AVX-512 with
-    head_dim 32/64/128; elsewhere it may drift: models/int8_linear.py).
-    `batch_invariant=True` (CPU, float32 or w8a8 weights, AVX-512): every token's logits are the
+    rows on; its attention runs batch-invariant so greedy speculation stays exact (models/int8_linear.py).
+    `batch_invariant=True` (CPU, float32 or w8a8 weights): every token's logits are the
     same bits whatever else its step holds (a decode, a verification run, a prefill chunk, other
     requests), so speculative output equals non-speculative output bit for bit, logprobs
     included, not only up to float noise: GEMMs through the few-rows kernel (faster decodes,

@@ -26,10 +26,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"],
                    help="int8: weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored); w8a8: the same "
                    "weights times activations rounded to int8 per group of 32 (faster; batch-invariant attention keeps "
-                   "greedy speculation exact on AVX-512) (default: none)")
+                   "greedy speculation exact) (default: none)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="every token's logits the same bits whatever its step holds, so speculative output equals "
-                   "non-speculative output bit for bit (CPU, float32 or w8a8, AVX-512; slower prefill)")
+                   "non-speculative output bit for bit (CPU, float32 or w8a8; slower prefill)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
                    "CPU) (default: auto)")
     g.add_argument("--attention-backend", default="auto",

@@ -12,7 +12,7 @@ Rust kernel. Two forms:
   VNNI): faster from a few rows on (verification runs, batches, prefill). Rounding activations
   to a grid turns float noise between a decode and a verification run into different greedy
   tokens after a while, so a w8a8 model's ModelRunner puts the attention kernel in its
-  batch-invariant mode (exact on AVX-512 with head_dim 32/64/128; attention/cpu_native.py).
+  batch-invariant mode (attention/cpu_native.py), so speculation stays exact.
 
 The model's norms, biases and activations keep the model dtype.
 

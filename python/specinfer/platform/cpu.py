@@ -28,19 +28,13 @@ class CpuPlatform(Platform):
     def check_batch_invariant(self, dtype: torch.dtype, quantization: str | None) -> None:
         """batch_invariant=True: every GEMM through a kernel whose output row does not depend on the
         other rows (few_rows_linear for float32, w8a8_linear), attention in its batch-invariant
-        mode (AVX-512 only). bf16 (oneDNN, bf16 roundings in between) and weight-only int8 (its
-        kernel scales differently from 3 rows on) are refused."""
-        from specinfer._core import cpu_kernel_isa
-
+        mode. bf16 (oneDNN, bf16 roundings in between) and weight-only int8 (its kernel scales
+        differently from 3 rows on) are refused."""
         if dtype != torch.float32:
             raise ValueError(f"batch_invariant=True needs dtype float32 on CPU (got {dtype})")
         if quantization not in (None, "w8a8"):
             raise ValueError(f"batch_invariant=True needs float32 or quantization='w8a8' weights "
                              f"(got quantization={quantization!r})")
-        isa = cpu_kernel_isa()[0]
-        if isa != "avx512":
-            raise ValueError(f"batch_invariant=True needs a CPU with AVX-512 (this one: {isa}): the attention "
-                             "kernel's batch-invariant mode exists for AVX-512 only")
 
     def prepare_model(self, model) -> None:
         """Choose how GEMMs run: weights pre-packed for oneDNN (MKL's small-M sgemm is slow on

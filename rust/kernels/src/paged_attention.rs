@@ -373,12 +373,13 @@ impl BatchLayout {
 
     /// Leave the flagged runs' output rows to the caller (who attends them some other way);
     /// `store_kv` still writes their keys and values.
-    /// With AVX-512, head_dim 32 / 64 / 128 and no tree mask: every item takes the few-rows path
-    /// (not only decodes and short runs), so each query row is computed by the same operations
-    /// in the same order whether it is a decode, in a verification run or in a prefill chunk of
-    /// any length. Costs ~40 % of attention time on prefill chunks and batch-16 verification; for
-    /// models whose next layer rounds its input to a grid (W8A8), where float noise between a
-    /// decode and a verification run would change greedy tokens.
+    /// Each query row is computed by the same operations in the same order whether it is a
+    /// decode, in a verification run or in a prefill chunk of any length: with AVX-512, head_dim
+    /// 32 / 64 / 128 and no tree mask every item takes the few-rows path (not only decodes and
+    /// short runs); otherwise every item takes the per-row path (`attend_item`), never the
+    /// row-parallel one. For exact speculation where float noise matters (W8A8 rounds each GEMM
+    /// input to a grid; bit-equal logprobs). Costs 10-30 % of attention time on AVX-512 on long
+    /// runs, more on the per-row path.
     pub fn set_batch_invariant(&mut self, on: bool) {
         self.batch_invariant = on;
     }
@@ -596,7 +597,8 @@ unsafe fn item_scalar<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
 /// prefill tiles, wide GQA groups); the per-row dot path below that (decodes).
 #[inline(always)]
 unsafe fn attend<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
-    if L::W > 1 && 2 * (it.q1 - it.q0) * ctx.group >= L::W {
+    // batch-invariant mode: every item on the per-row path (a row computed alike in any item)
+    if L::W > 1 && 2 * (it.q1 - it.q0) * ctx.group >= L::W && !ctx.layout.batch_invariant {
         attend_item_rows::<E, L>(ctx, it, out)
     } else {
         attend_item::<E, L>(ctx, it, out)
@@ -688,7 +690,10 @@ unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out
             }
         }
         for r in 0..rows {
-            let pr = &mut p[r * KEY_CHUNK..r * KEY_CHUNK + kn];
+            // the softmax runs over the whole chunk width, keys past kn at -inf (exp: 0), so a
+            // row's arithmetic does not depend on where its item's keys end (batch invariance)
+            p[r * KEY_CHUNK + kn..(r + 1) * KEY_CHUNK].fill(f32::NEG_INFINITY);
+            let pr = &mut p[r * KEY_CHUNK..(r + 1) * KEY_CHUNK];
             let chunk_max = pr.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             if chunk_max == f32::NEG_INFINITY {
                 pr.fill(0.0); // every key of the chunk is in this row's future
