@@ -35,7 +35,7 @@ class Generator:
     quantized per 32 inputs) and runs them through the int8 kernel; `quantization="w8a8"` also
     rounds the activations to int8 per group of 32 (as llama.cpp does for Q8_0): faster from a few
     rows on; its attention runs batch-invariant so greedy speculation stays exact (models/int8_linear.py).
-    `batch_invariant=True` (CPU, float32 or w8a8 weights): every token's logits are the
+    `batch_invariant=True` (CPU, float32 / bfloat16 / w8a8 weights): every token's logits are the
     same bits whatever else its step holds (a decode, a verification run, a prefill chunk, other
     requests), so speculative output equals non-speculative output bit for bit, logprobs
     included, not only up to float noise: GEMMs through the few-rows kernel (faster decodes,

@@ -108,7 +108,7 @@ class CpuNativeBackend:
         out = torch.empty(T, H, D, dtype=dtype)
         threads = self.num_threads if self.num_threads is not None else torch.get_num_threads()
         batch, long_runs = prepared.batch, ()
-        min_len = SDPA_MIN_QUERY_LEN.get(dtype)
+        min_len = None if self.batch_invariant else SDPA_MIN_QUERY_LEN.get(dtype)  # SDPA: another arithmetic
         if min_len is not None and prepared.meta.max_query_len >= min_len:
             batch, long_runs = self._split(prepared, min_len)
         batch.forward(

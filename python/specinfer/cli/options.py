@@ -29,7 +29,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "greedy speculation exact) (default: none)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="every token's logits the same bits whatever its step holds, so speculative output equals "
-                   "non-speculative output bit for bit (CPU, float32 or w8a8; slower prefill)")
+                   "non-speculative output bit for bit (CPU, float32, bfloat16 or w8a8; slower prefill)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
                    "CPU) (default: auto)")
     g.add_argument("--attention-backend", default="auto",
