@@ -1,7 +1,8 @@
 """GEMM weights streamed cold, as a decode step reads them: every linear of SmolLM2-135M's 30 layers
 (q|k|v 576->960, o 576->576, gate|up 576->3072, down 1536->576; 106 M weights, more than the L2
 holds) run back to back at M activation rows, per weight form: int8 (our kernel), oneDNN-packed
-fp32 and bf16, plain bf16 and fp32 through our few-rows kernel (models/few_rows_linear.py). Forms are interleaved per repeat; prints
+fp32 and bf16, plain bf16 and fp32 through our few-rows kernel (models/few_rows_linear.py), and
+bf16 / fp32 panels through our batch-invariant panel kernel (models/panel_linear.py). Forms are interleaved per repeat; prints
 each form's median time per pass over all layers and the weight bytes streamed per second.
 
     python benches/linear_cold.py --rows 1 5 16 --repeats 7 --threads 1 [--forms int8 bf16 ...]
@@ -16,11 +17,12 @@ import torch
 
 from specinfer.models.few_rows_linear import few_rows_linear
 from specinfer.models.int8_linear import Int8Weight, int8_linear
+from specinfer.models.panel_linear import PanelWeight, panel_linear
 from specinfer.models.packed_linear import pack_weight, packed_linear, packing_supported
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's GEMMs
 LAYERS = 30
-FORMS = ["int8", "bf16", "fp32", "bf16-kernel", "fp32-kernel"]
+FORMS = ["int8", "bf16", "fp32", "bf16-kernel", "fp32-kernel", "bf16-panel", "fp32-panel"]
 
 
 def build(form: str):
@@ -33,6 +35,9 @@ def build(form: str):
             if form == "int8":
                 w = Int8Weight(n, k)
                 w.load(None, dense)
+                nbytes += w.nbytes
+            elif form.endswith("-panel"):  # our batch-invariant panel kernel
+                w = PanelWeight(dense.to(torch.bfloat16 if form.startswith("bf16") else torch.float32))
                 nbytes += w.nbytes
             elif form.endswith("-kernel"):  # plain dense weights through our few-rows kernel
                 dtype = torch.bfloat16 if form.startswith("bf16") else torch.float32
@@ -47,6 +52,8 @@ def build(form: str):
             weights.append((w, k))
     if form == "int8":
         return weights, int8_linear, nbytes, torch.float32
+    if form.endswith("-panel"):
+        return weights, panel_linear, nbytes, torch.bfloat16 if form.startswith("bf16") else torch.float32
     if form.endswith("-kernel"):
         return weights, few_rows_linear, nbytes, torch.bfloat16 if form.startswith("bf16") else torch.float32
     return weights, packed_linear, nbytes, torch.bfloat16 if form == "bf16" else torch.float32
@@ -72,7 +79,7 @@ def main() -> None:
                 times[f].append(time.perf_counter() - t)
         for f in args.forms:
             med = statistics.median(times[f])
-            print(f"rows {m:2d}  {f:5s}  {med * 1e3:7.2f} ms per pass  {built[f][2] / med / 1e9:6.2f} GB/s "
+            print(f"rows {m:3d}  {f:11s}  {med * 1e3:7.2f} ms per pass  {built[f][2] / med / 1e9:6.2f} GB/s "
                   f"[{min(times[f]) * 1e3:.2f}-{max(times[f]) * 1e3:.2f} ms]")
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
 from specinfer.models.int8_linear import Int8Weight, check_quantization, int8_linear
+from specinfer.models.panel_linear import PanelWeight
 from specinfer.models.packed_linear import dense_linear
 from specinfer.models.rms_norm import rms_norm
 from specinfer.models.rope import apply_rope, rope_factors, rope_table
@@ -187,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tp is not None and self.tp.size > 1:
             raise ValueError("lm_head_rows: this rank holds only its vocab shard of the lm_head")
         w = self.lm_head
-        if getattr(w, "is_mkldnn", False):  # packed by the CPU platform: the dense tied table, or unpacked
+        if getattr(w, "is_mkldnn", False) or isinstance(w, PanelWeight):  # packed by the CPU platform:
+            # the dense tied table, or unpacked
             w = self.embed_tokens if self.config.tie_word_embeddings else w.to_dense()
         if isinstance(w, Int8Weight):
             return w.dequantize(ids)
@@ -230,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
             if w is None or id(w) in seen:
                 continue
             seen.add(id(w))
-            total += w.nbytes if isinstance(w, Int8Weight) else w.numel() * w.element_size()
+            total += w.nbytes if isinstance(w, (Int8Weight, PanelWeight)) else w.numel() * w.element_size()
         return total
 
     def _slots(self) -> dict[str, tuple[torch.Tensor, slice | None]]:

@@ -27,7 +27,7 @@ class CpuPlatform(Platform):
 
     def check_batch_invariant(self, dtype: torch.dtype, quantization: str | None) -> None:
         """batch_invariant=True: every GEMM through a kernel whose output row does not depend on the
-        other rows (few_rows_linear for float32 and bfloat16 weights, w8a8_linear), attention in
+        other rows (panel_linear for float32 and bfloat16 weights, w8a8_linear), attention in
         its batch-invariant mode (no SDPA for long bf16 runs). float16 (no such kernel) and
         weight-only int8 (its kernel scales differently from 3 rows on) are refused."""
         if dtype not in (torch.float32, torch.bfloat16):
@@ -49,13 +49,9 @@ class CpuPlatform(Platform):
             model.batch_invariant = self.batch_invariant or model.quantization == "w8a8"
             return
         if self.batch_invariant:  # one GEMM arithmetic for every row count, row-invariant attention
-            from specinfer.models.few_rows_linear import few_rows_linear, kernel_takes, plain_weight
+            from specinfer.models.panel_linear import pack_panels, panel_linear
 
-            model.pack_linear_weights(plain_weight, few_rows_linear)
-            weights = [model.lm_head] + [getattr(layer, n) for layer in model.layers for n in (
-                "qkv_weight", "o_weight", "gate_up_weight", "down_weight")]
-            if not all(kernel_takes(w) for w in weights):  # few_rows_linear would fall back to oneDNN
-                raise ValueError("batch_invariant=True needs every GEMM's input size to be a multiple of 16")
+            model.pack_linear_weights(pack_panels, panel_linear)
             model.batch_invariant = True
             return
         if os.environ.get("SPECINFER_PACK_WEIGHTS", "1") == "0":

@@ -167,10 +167,12 @@ class MLPSpeculatorTrainer:
                                   device=torch.device("cpu"))
 
 
-def _dense_lm_head(target) -> torch.Tensor:  # [V, H] float32, also when the CPU platform packed it (oneDNN)
+def _dense_lm_head(target) -> torch.Tensor:
+    from specinfer.models.panel_linear import PanelWeight
+  # [V, H] float32, also when the CPU platform packed it (oneDNN)
     m = target.model
     w = m.embed_tokens if target.config.tie_word_embeddings else m.lm_head
-    if getattr(w, "is_mkldnn", False):
+    if getattr(w, "is_mkldnn", False) or isinstance(w, PanelWeight):
         w = w.to_dense()
     return w.detach().float()
 

@@ -1,4 +1,5 @@
-//! `int8_linear`, `w8a8_linear` (with `int8_pack`, its weight layout) and `dense_linear`: the CPU
+//! `int8_linear`, `w8a8_linear` (with `int8_pack`, its weight layout), `dense_linear` and
+//! `panel_linear`: the CPU
 //! linear kernels (`specinfer_kernels::int8_linear`, `w8a8_linear`, `dense_linear`) over torch tensors' memory, GIL released. The callers,
 //! `specinfer.models.int8_linear` and `specinfer.models.few_rows_linear`, assert
 //! the memory contract (CPU, dtypes, contiguity, shapes) before passing `data_ptr()`s; this layer
@@ -242,9 +243,66 @@ pub fn dense_linear(
     .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// out[m, n] (f32) = x[m, k] (f32) · w^T (+ bias[n], f32), w "bfloat16" or "float32" packed in
+/// panels `[ceil(n / 16), k, 16]` (`kernels::panel_pack`'s layout); bias_ptr 0: none. Every
+/// output element is the same k-ordered FMA chain whatever m (batch-invariant).
+#[pyfunction]
+#[pyo3(signature = (x_ptr, m, k, w_ptr, w_dtype, n, out_ptr, bias_ptr, num_threads, isa=None))]
+#[allow(clippy::too_many_arguments)]
+pub fn panel_linear(
+    py: Python<'_>,
+    x_ptr: usize,
+    m: usize,
+    k: usize,
+    w_ptr: usize,
+    w_dtype: &str,
+    n: usize,
+    out_ptr: usize,
+    bias_ptr: usize,
+    num_threads: usize,
+    isa: Option<&str>,
+) -> PyResult<()> {
+    let isa = parse_isa(isa)?;
+    let bf16 = match w_dtype {
+        "bfloat16" => true,
+        "float32" => false,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "w_dtype: {other:?} is not bfloat16 or float32"
+            )))
+        }
+    };
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let len = kernels::num_panels(n) * k * kernels::PANEL;
+    py.detach(|| {
+        // SAFETY: the Python caller passes live, contiguous buffers of these shapes and dtypes
+        // (f32 x/bias/out, packed w of w_dtype); out aliases none of the inputs.
+        let (x, bias, out) = unsafe {
+            (
+                std::slice::from_raw_parts(x_ptr as *const f32, m * k),
+                (bias_ptr != 0).then(|| std::slice::from_raw_parts(bias_ptr as *const f32, n)),
+                std::slice::from_raw_parts_mut(out_ptr as *mut f32, m * n),
+            )
+        };
+        if bf16 {
+            // SAFETY: as above, w holds the packed panels of bf16 values
+            let w = unsafe { std::slice::from_raw_parts(w_ptr as *const Bf16, len) };
+            kernels::panel_linear(isa, num_threads, x, m, w, n, k, bias, out)
+        } else {
+            // SAFETY: as above, w holds the packed panels of f32 values
+            let w = unsafe { std::slice::from_raw_parts(w_ptr as *const f32, len) };
+            kernels::panel_linear(isa, num_threads, x, m, w, n, k, bias, out)
+        }
+    })
+    .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(int8_linear, m)?)?;
     m.add_function(wrap_pyfunction!(w8a8_linear, m)?)?;
     m.add_function(wrap_pyfunction!(int8_pack, m)?)?;
-    m.add_function(wrap_pyfunction!(dense_linear, m)?)
+    m.add_function(wrap_pyfunction!(dense_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(panel_linear, m)?)
 }

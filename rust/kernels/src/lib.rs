@@ -25,6 +25,7 @@ pub mod few_rows_linear;
 pub mod int8_linear;
 pub mod int8_pack;
 pub mod paged_attention;
+pub mod panel_linear;
 pub mod rms_norm;
 pub mod simd;
 pub mod threads;
@@ -36,6 +37,7 @@ pub use int8_linear::{int8_linear, quantize, Int8Weight};
 pub use paged_attention::{
     paged_attention, store_kv, AttentionError, BatchLayout, HeadGeometry, StridedHeads,
 };
+pub use panel_linear::{num_panels, panel_linear, panel_pack, PANEL};
 pub use rms_norm::rms_norm;
 pub use simd::Isa;
 pub use w8a8_linear::{check_packed, w8a8_linear, PackedInt8};

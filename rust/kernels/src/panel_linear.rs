@@ -1,0 +1,318 @@
+//! Dense linear for every row count with one arithmetic: `out[M, N] = x[M, K] · W^T (+ bias)`,
+//! W of f32 or bf16 packed in panels of [`PANEL`] output rows (`[N / 16, K, 16]`, the last panel
+//! zero-padded), x and out f32.
+//!
+//! Each output element is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 starting
+//! from zero, then `+ bias` once: the same operations in the same order whatever M, the tile
+//! that holds the element, the thread count or the instruction set (AVX-512, AVX2+FMA and the
+//! portable path all fuse). So a row's output does not depend on the other rows of the call: a
+//! decode, a 1 + k verification run and a prefill chunk give the same bits for the same input
+//! row (batch invariance), at GEMM speed for large M.
+//!
+//! The panel layout is what makes the k-ordered chain fast: at a fixed k the 16 weights of a
+//! panel are one vector, so a tile of MR rows x NV vectors takes NV weight loads and MR
+//! broadcasts per k for MR * NV FMAs (outer products), and a 1-row decode streams each panel
+//! front to back (prefetched ahead). Work items are groups of panels, split over threads.
+
+use crate::few_rows_linear::{check_io, err, WeightElem};
+use crate::paged_attention::AttentionError as KernelError;
+use crate::simd::{prefetch_l2, I8Rows, Isa, Scalar};
+#[cfg(target_arch = "x86_64")]
+use crate::simd::{Avx2, Avx512};
+use crate::threads;
+
+/// Output rows per panel.
+pub const PANEL: usize = 16;
+/// Activation rows per tile.
+const MR: usize = 6;
+/// Bytes ahead of the current k that each panel stream is prefetched (first row block only).
+const PREFETCH_AHEAD: usize = 1024;
+
+/// Panels that hold n output rows.
+pub fn num_panels(n: usize) -> usize {
+    n.div_ceil(PANEL)
+}
+
+/// w `[n, k]` row-major -> panels `[num_panels(n), k, PANEL]` (rows past n zero).
+pub fn panel_pack<W: Copy + Default>(w: &[W], n: usize, k: usize) -> Vec<W> {
+    assert_eq!(w.len(), n * k, "panel_pack: weight is not n x k");
+    let mut out = vec![W::default(); num_panels(n) * k * PANEL];
+    for r in 0..n {
+        let (p, j) = (r / PANEL, r % PANEL);
+        for e in 0..k {
+            out[(p * k + e) * PANEL + j] = w[r * k + e];
+        }
+    }
+    out
+}
+
+/// out `[m, n]` = x `[m, k]` · w^T (+ bias `[n]`), w packed by [`panel_pack`].
+#[allow(clippy::too_many_arguments)]
+pub fn panel_linear<W: WeightElem>(
+    isa: Isa,
+    num_threads: usize,
+    x: &[f32],
+    m: usize,
+    packed: &[W],
+    n: usize,
+    k: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    if W::SCALED {
+        return err(
+            "weight",
+            "panel_linear takes unscaled (f32 or bf16) weights",
+        );
+    }
+    if k == 0 {
+        return err("k", "must be at least 1");
+    }
+    if packed.len() != num_panels(n) * k * PANEL {
+        return err(
+            "weight",
+            format!(
+                "has {} elements, expected {} panels x {k} x {PANEL}",
+                packed.len(),
+                num_panels(n)
+            ),
+        );
+    }
+    check_io(isa, x, m, k, n, bias, out)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let group = match isa {
+        Isa::Avx512 => 4, // 4 vectors of 16: 24 accumulators at 6 rows
+        Isa::Avx2 => 2,   // 4 vectors of 8: 24 accumulators spill less than wider tiles
+        Isa::Scalar => 1,
+    };
+    let items: Vec<usize> = (0..num_panels(n)).step_by(group).collect();
+    let job = Job {
+        x,
+        m,
+        w: packed,
+        n,
+        k,
+        bias,
+        out: OutPtr(out.as_mut_ptr()),
+        group,
+    };
+    let run: unsafe fn(&Job<'_, W>, usize) = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => item_avx512::<W>,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => item_avx2::<W>,
+        _ => item_scalar::<W>,
+    };
+    // SAFETY: `run` matches the supported `isa`; items write disjoint output columns.
+    threads::for_each_item(num_threads, &items, |&p0| unsafe { run(&job, p0) });
+    Ok(())
+}
+
+struct Job<'a, W> {
+    x: &'a [f32],
+    m: usize,
+    w: &'a [W],
+    n: usize,
+    k: usize,
+    bias: Option<&'a [f32]>,
+    out: OutPtr,
+    group: usize,
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: items write disjoint columns of out.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+unsafe fn item_scalar<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
+    item::<ScalarFused, W, 16>(job, p0)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn item_avx2<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
+    item::<Avx2, W, 4>(job, p0)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn item_avx512<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
+    item::<Avx512, W, 4>(job, p0)
+}
+
+/// Panels p0 .. p0 + group (fewer at the end) for every activation row: tiles of up to MR rows
+/// by NV vectors (the whole group), or one panel at a time for a short last group.
+#[inline(always)]
+unsafe fn item<L: I8Rows, W: WeightElem, const NV: usize>(job: &Job<'_, W>, p0: usize) {
+    let panels = job.group.min(num_panels(job.n) - p0);
+    if panels * PANEL == NV * L::W {
+        rows::<L, W, NV>(job, p0);
+        return;
+    }
+    for p in p0..p0 + panels {
+        match PANEL / L::W {
+            1 => rows::<L, W, 1>(job, p),
+            2 => rows::<L, W, 2>(job, p),
+            _ => rows::<L, W, 16>(job, p),
+        }
+    }
+}
+
+/// Every block of up to MR activation rows against NV vectors of columns from panel p.
+#[inline(always)]
+unsafe fn rows<L: I8Rows, W: WeightElem, const NV: usize>(job: &Job<'_, W>, p: usize) {
+    let mut m0 = 0;
+    while m0 < job.m {
+        let mr = (job.m - m0).min(MR);
+        tile_dispatch::<L, W, NV>(job, p, m0, mr, m0 == 0);
+        m0 += mr;
+    }
+}
+
+#[inline(always)]
+unsafe fn tile_dispatch<L: I8Rows, W: WeightElem, const NV: usize>(
+    job: &Job<'_, W>,
+    p: usize,
+    m0: usize,
+    mr: usize,
+    first: bool,
+) {
+    match mr {
+        6 => tile::<L, W, 6, NV>(job, p, m0, first),
+        5 => tile::<L, W, 5, NV>(job, p, m0, first),
+        4 => tile::<L, W, 4, NV>(job, p, m0, first),
+        3 => tile::<L, W, 3, NV>(job, p, m0, first),
+        2 => tile::<L, W, 2, NV>(job, p, m0, first),
+        _ => tile::<L, W, 1, NV>(job, p, m0, first),
+    }
+}
+
+/// Rows m0 .. m0 + R against NV vectors of columns starting at panel p: R x NV accumulators,
+/// one FMA chain each over k in order.
+#[inline(always)]
+unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
+    job: &Job<'_, W>,
+    p: usize,
+    m0: usize,
+    first: bool,
+) {
+    let k = job.k;
+    let w = job.w.as_ptr();
+    let x = job.x.as_ptr().add(m0 * k);
+    // vector v: panel p + v * W / 16, lanes (v * W) % 16 .. of it
+    let base: [*const W; NV] =
+        std::array::from_fn(|v| w.add((p + v * L::W / PANEL) * k * PANEL + (v * L::W) % PANEL));
+    let panels = (NV * L::W).div_ceil(PANEL);
+    let line = PANEL * std::mem::size_of::<W>(); // bytes of one k step of a panel
+    let ahead = PREFETCH_AHEAD / line;
+    let mut acc = [[L::splat(0.0); NV]; R];
+    for e in 0..k {
+        if first && (e * line).is_multiple_of(64) {
+            for q in 0..panels {
+                let s = w.add((p + q) * k * PANEL) as *const i8;
+                prefetch_l2(s.wrapping_add((e + ahead) * line));
+            }
+        }
+        let wv: [L::V; NV] = std::array::from_fn(|v| W::widen::<L>(base[v].add(e * PANEL)));
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let xb = L::splat(*x.add(r * k + e));
+            for v in 0..NV {
+                acc_r[v] = L::fma(xb, wv[v], acc_r[v]);
+            }
+        }
+    }
+    let col0 = p * PANEL;
+    for (r, acc_r) in acc.iter().enumerate() {
+        let row = job.out.0.add((m0 + r) * job.n);
+        for (v, a) in acc_r.iter().enumerate() {
+            let c = col0 + v * L::W;
+            if c >= job.n {
+                break;
+            }
+            let mut lanes = [0.0f32; 16];
+            let val = match job.bias {
+                Some(b) if c + L::W <= job.n => L::add(*a, L::load(b.as_ptr().add(c))),
+                Some(b) => {
+                    // a partial vector: the bias lanes that exist, the rest are dropped below
+                    let mut bl = [0.0f32; 16];
+                    bl[..job.n - c].copy_from_slice(&b[c..job.n]);
+                    L::add(*a, L::load(bl.as_ptr()))
+                }
+                None => *a,
+            };
+            if c + L::W <= job.n {
+                L::store(row.add(c), val);
+            } else {
+                L::store(lanes.as_mut_ptr(), val);
+                std::ptr::copy_nonoverlapping(lanes.as_ptr(), row.add(c), job.n - c);
+            }
+        }
+    }
+}
+
+/// The portable path with fused multiply-adds (`f32::mul_add`), so it gives the vector paths'
+/// bits; everything else as [`Scalar`].
+struct ScalarFused;
+
+impl crate::simd::Rows for ScalarFused {
+    const W: usize = 1;
+    type V = f32;
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> f32 {
+        x
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> f32 {
+        *p
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: f32) {
+        *p = v
+    }
+    #[inline(always)]
+    unsafe fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    unsafe fn add(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    #[inline(always)]
+    unsafe fn sub(a: f32, b: f32) -> f32 {
+        a - b
+    }
+    #[inline(always)]
+    unsafe fn mul(a: f32, b: f32) -> f32 {
+        a * b
+    }
+    #[inline(always)]
+    unsafe fn max(a: f32, b: f32) -> f32 {
+        a.max(b)
+    }
+    #[inline(always)]
+    unsafe fn exp(x: f32) -> f32 {
+        <Scalar as crate::simd::Rows>::exp(x)
+    }
+}
+
+impl I8Rows for ScalarFused {
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> f32 {
+        <Scalar as I8Rows>::load_i8(p)
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> f32 {
+        <Scalar as I8Rows>::load_bf16(p)
+    }
+    #[inline(always)]
+    unsafe fn sum(v: f32) -> f32 {
+        v
+    }
+}
+
+#[cfg(test)]
+#[path = "panel_linear_tests.rs"]
+mod tests;
