@@ -1,7 +1,7 @@
 """Batch-invariant dense linear layers on CPU at every row count: the panel kernel
 (`specinfer._core.panel_linear`, rust/kernels/src/panel_linear.rs).
 
-Weights (f32 or bf16) are re-laid out once into panels of 16 output rows, `[ceil(N / 16), K, 16]`;
+Weights (f32 or bf16) are re-laid out once into panels of 64 output rows, `[ceil(N / 64), K, 64]`;
 every output element is one chain of fused multiply-adds over k in order, from zero, then
 `+ bias`: the same operations whatever the number of rows in the call, so a token's row gets the
 same bits in a decode, a 1 + k verification run or a prefill chunk, and with any other
@@ -16,14 +16,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specinfer._core import cpu_kernel_isa
 from specinfer._core import panel_linear as _panel_linear_kernel
+from specinfer.models.few_rows_linear import GEMM_ENV
 
-PANEL = 16
+PANEL = 64  # output rows per panel (rust/kernels/src/panel_linear.rs)
 _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
+def panel_preferred(dtype: torch.dtype) -> bool:
+    """Serve this dtype's GEMMs through panel_linear: float32 by default on a CPU with AVX2 or
+    AVX-512 (it beats oneDNN's packed sgemm at every row count here: benches/linear_cold.py, and
+    its rows are batch-invariant); bfloat16 only when asked (SPECINFER_CPU_GEMM=panel: its f32
+    arithmetic halves oneDNN's bf16 rate on prefill). SPECINFER_CPU_GEMM=onednn keeps oneDNN."""
+    import os
+
+    gemm = os.environ.get(GEMM_ENV, "")
+    if cpu_kernel_isa()[0] == "scalar" or dtype not in _KERNEL_DTYPES:
+        return False
+    return gemm == "panel" or (gemm == "" and dtype == torch.float32)
+
+
 class PanelWeight:
-    """An [N, K] f32/bf16 weight held as panels [ceil(N / 16), K, 16] (rows past N zero)."""
+    """An [N, K] f32/bf16 weight held as panels [ceil(N / 64), K, 64] (rows past N zero)."""
 
     def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2 or weight.dtype not in _KERNEL_DTYPES or weight.device.type != "cpu":
@@ -34,7 +49,7 @@ class PanelWeight:
         w = weight.detach()
         if p * PANEL != n:
             w = torch.cat([w, w.new_zeros(p * PANEL - n, k)])
-        self.panels = w.reshape(p, PANEL, k).transpose(1, 2).contiguous()  # [P, K, 16]
+        self.panels = w.reshape(p, PANEL, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
         self.shape = torch.Size((n, k))
         self.dtype = weight.dtype
         self.device = weight.device

@@ -37,10 +37,12 @@ class CpuPlatform(Platform):
                              f"(got quantization={quantization!r})")
 
     def prepare_model(self, model) -> None:
-        """Choose how GEMMs run: weights pre-packed for oneDNN (MKL's small-M sgemm is slow on
-        non-Intel CPUs; packed oneDNN keeps decode and verification GEMMs fast); with
-        SPECINFER_CPU_GEMM=few_rows, float32 models run plain weights through the few-rows Rust
-        kernel (faster decodes, slower prefill: models/few_rows_linear.py).
+        """Choose how GEMMs run: float32 weights in panels for our panel kernel (AVX2/AVX-512:
+        faster than oneDNN's packed sgemm at every row count here, and batch-invariant:
+        models/panel_linear.py); bf16 (and float32 with SPECINFER_CPU_GEMM=onednn, or on a CPU
+        without AVX2) pre-packed for oneDNN (MKL's small-M sgemm is slow on non-Intel CPUs);
+        with SPECINFER_CPU_GEMM=few_rows, float32 models run plain weights through the few-rows
+        Rust kernel, with SPECINFER_CPU_GEMM=panel bf16 ones through the panel kernel.
         SPECINFER_PACK_WEIGHTS=0 keeps dense weights and F.linear (a reference for tests). Int8
         weights move into their kernel's tiled layout (else their first GEMM would do it)."""
         if getattr(model, "quantization", None) is not None:
@@ -58,10 +60,13 @@ class CpuPlatform(Platform):
             return
         from specinfer.models.few_rows_linear import few_rows_linear, kernel_preferred, plain_weight
         from specinfer.models.packed_linear import pack_weight, packed_linear, packing_supported
+        from specinfer.models.panel_linear import pack_panels, panel_linear, panel_preferred
 
         dtype = model.embed_tokens.dtype
         if kernel_preferred(dtype):
             model.pack_linear_weights(plain_weight, few_rows_linear)
+        elif panel_preferred(dtype):
+            model.pack_linear_weights(pack_panels, panel_linear)
         elif packing_supported(dtype):
             model.pack_linear_weights(pack_weight, packed_linear)
 

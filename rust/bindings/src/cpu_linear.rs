@@ -244,7 +244,7 @@ pub fn dense_linear(
 }
 
 /// out[m, n] (f32) = x[m, k] (f32) · w^T (+ bias[n], f32), w "bfloat16" or "float32" packed in
-/// panels `[ceil(n / 16), k, 16]` (`kernels::panel_pack`'s layout); bias_ptr 0: none. Every
+/// panels `[ceil(n / 64), k, 64]` (`kernels::panel_pack`'s layout); bias_ptr 0: none. Every
 /// output element is the same k-ordered FMA chain whatever m (batch-invariant).
 #[pyfunction]
 #[pyo3(signature = (x_ptr, m, k, w_ptr, w_dtype, n, out_ptr, bias_ptr, num_threads, isa=None))]

@@ -1,5 +1,5 @@
 //! Dense linear for every row count with one arithmetic: `out[M, N] = x[M, K] · W^T (+ bias)`,
-//! W of f32 or bf16 packed in panels of [`PANEL`] output rows (`[N / 16, K, 16]`, the last panel
+//! W of f32 or bf16 packed in panels of [`PANEL`] output rows (`[N / 64, K, 64]`, the last panel
 //! zero-padded), x and out f32.
 //!
 //! Each output element is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 starting
@@ -9,10 +9,11 @@
 //! decode, a 1 + k verification run and a prefill chunk give the same bits for the same input
 //! row (batch invariance), at GEMM speed for large M.
 //!
-//! The panel layout is what makes the k-ordered chain fast: at a fixed k the 16 weights of a
-//! panel are one vector, so a tile of MR rows x NV vectors takes NV weight loads and MR
-//! broadcasts per k for MR * NV FMAs (outer products), and a 1-row decode streams each panel
-//! front to back (prefetched ahead). Work items are groups of panels, split over threads.
+//! The panel layout is what makes the k-ordered chain fast: at a fixed k the 64 weights of a
+//! panel are contiguous (4 AVX-512 vectors), so a tile of MR rows x NV vectors takes NV weight
+//! loads and MR broadcasts per k for MR * NV FMAs (outer products), and a 1-row decode streams
+//! each panel front to back as one sequential stream (prefetched ahead). Work items are panels,
+//! split over threads.
 
 use crate::few_rows_linear::{check_io, err, WeightElem};
 use crate::paged_attention::AttentionError as KernelError;
@@ -22,7 +23,7 @@ use crate::simd::{Avx2, Avx512};
 use crate::threads;
 
 /// Output rows per panel.
-pub const PANEL: usize = 16;
+pub const PANEL: usize = 64;
 /// Activation rows per tile.
 const MR: usize = 6;
 /// Bytes ahead of the current k that each panel stream is prefetched (first row block only).
@@ -82,12 +83,14 @@ pub fn panel_linear<W: WeightElem>(
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let group = match isa {
-        Isa::Avx512 => 4, // 4 vectors of 16: 24 accumulators at 6 rows
-        Isa::Avx2 => 2,   // 4 vectors of 8: 24 accumulators spill less than wider tiles
-        Isa::Scalar => 1,
+    let items: Vec<usize> = (0..num_panels(n)).collect();
+    // bf16 weights through the AVX-512 tile measured ~7x slower than through the AVX2 one on Zen 5
+    // (not understood yet); both give the same bits, so bf16 takes the AVX2 tile there
+    let isa = if std::mem::size_of::<W>() == 2 && isa == Isa::Avx512 && Isa::Avx2.is_supported() {
+        Isa::Avx2
+    } else {
+        isa
     };
-    let items: Vec<usize> = (0..num_panels(n)).step_by(group).collect();
     let job = Job {
         x,
         m,
@@ -96,7 +99,6 @@ pub fn panel_linear<W: WeightElem>(
         k,
         bias,
         out: OutPtr(out.as_mut_ptr()),
-        group,
     };
     let run: unsafe fn(&Job<'_, W>, usize) = match isa {
         #[cfg(target_arch = "x86_64")]
@@ -118,7 +120,6 @@ struct Job<'a, W> {
     k: usize,
     bias: Option<&'a [f32]>,
     out: OutPtr,
-    group: usize,
 }
 
 #[derive(Clone, Copy)]
@@ -134,7 +135,7 @@ unsafe fn item_scalar<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn item_avx2<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
-    item::<Avx2, W, 4>(job, p0)
+    item::<Avx2, W, 2>(job, p0)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -143,32 +144,18 @@ unsafe fn item_avx512<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
     item::<Avx512, W, 4>(job, p0)
 }
 
-/// Panels p0 .. p0 + group (fewer at the end) for every activation row: tiles of up to MR rows
-/// by NV vectors (the whole group), or one panel at a time for a short last group.
+/// Panel p for every activation row, in column slices of NV vectors (AVX-512: the whole panel).
 #[inline(always)]
-unsafe fn item<L: I8Rows, W: WeightElem, const NV: usize>(job: &Job<'_, W>, p0: usize) {
-    let panels = job.group.min(num_panels(job.n) - p0);
-    if panels * PANEL == NV * L::W {
-        rows::<L, W, NV>(job, p0);
-        return;
-    }
-    for p in p0..p0 + panels {
-        match PANEL / L::W {
-            1 => rows::<L, W, 1>(job, p),
-            2 => rows::<L, W, 2>(job, p),
-            _ => rows::<L, W, 16>(job, p),
+unsafe fn item<L: I8Rows, W: WeightElem, const NV: usize>(job: &Job<'_, W>, p: usize) {
+    let mut c = 0;
+    while c < PANEL && p * PANEL + c < job.n {
+        let mut m0 = 0;
+        while m0 < job.m {
+            let mr = (job.m - m0).min(MR);
+            tile_dispatch::<L, W, NV>(job, p, c, m0, mr, m0 == 0 && c == 0);
+            m0 += mr;
         }
-    }
-}
-
-/// Every block of up to MR activation rows against NV vectors of columns from panel p.
-#[inline(always)]
-unsafe fn rows<L: I8Rows, W: WeightElem, const NV: usize>(job: &Job<'_, W>, p: usize) {
-    let mut m0 = 0;
-    while m0 < job.m {
-        let mr = (job.m - m0).min(MR);
-        tile_dispatch::<L, W, NV>(job, p, m0, mr, m0 == 0);
-        m0 += mr;
+        c += NV * L::W;
     }
 }
 
@@ -176,47 +163,49 @@ unsafe fn rows<L: I8Rows, W: WeightElem, const NV: usize>(job: &Job<'_, W>, p: u
 unsafe fn tile_dispatch<L: I8Rows, W: WeightElem, const NV: usize>(
     job: &Job<'_, W>,
     p: usize,
+    c: usize,
     m0: usize,
     mr: usize,
     first: bool,
 ) {
     match mr {
-        6 => tile::<L, W, 6, NV>(job, p, m0, first),
-        5 => tile::<L, W, 5, NV>(job, p, m0, first),
-        4 => tile::<L, W, 4, NV>(job, p, m0, first),
-        3 => tile::<L, W, 3, NV>(job, p, m0, first),
-        2 => tile::<L, W, 2, NV>(job, p, m0, first),
-        _ => tile::<L, W, 1, NV>(job, p, m0, first),
+        6 => tile::<L, W, 6, NV>(job, p, c, m0, first),
+        5 => tile::<L, W, 5, NV>(job, p, c, m0, first),
+        4 => tile::<L, W, 4, NV>(job, p, c, m0, first),
+        3 => tile::<L, W, 3, NV>(job, p, c, m0, first),
+        2 => tile::<L, W, 2, NV>(job, p, c, m0, first),
+        _ => tile::<L, W, 1, NV>(job, p, c, m0, first),
     }
 }
 
-/// Rows m0 .. m0 + R against NV vectors of columns starting at panel p: R x NV accumulators,
-/// one FMA chain each over k in order.
+/// Rows m0 .. m0 + R against the NV vectors of columns c .. of panel p: R x NV accumulators,
+/// one FMA chain each over k in order. `first`: the first pass over the panel, which prefetches
+/// its stream.
 #[inline(always)]
 unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
     job: &Job<'_, W>,
     p: usize,
+    c: usize,
     m0: usize,
     first: bool,
 ) {
     let k = job.k;
     let w = job.w.as_ptr();
     let x = job.x.as_ptr().add(m0 * k);
-    // vector v: panel p + v * W / 16, lanes (v * W) % 16 .. of it
-    let base: [*const W; NV] =
-        std::array::from_fn(|v| w.add((p + v * L::W / PANEL) * k * PANEL + (v * L::W) % PANEL));
-    let panels = (NV * L::W).div_ceil(PANEL);
-    let line = PANEL * std::mem::size_of::<W>(); // bytes of one k step of a panel
-    let ahead = PREFETCH_AHEAD / line;
+    let panel = w.add(p * k * PANEL);
+    let base = panel.add(c);
+    let line = PANEL * std::mem::size_of::<W>(); // bytes of one k step of the panel
+    let ahead = panel as *const i8;
     let mut acc = [[L::splat(0.0); NV]; R];
     for e in 0..k {
-        if first && (e * line).is_multiple_of(64) {
-            for q in 0..panels {
-                let s = w.add((p + q) * k * PANEL) as *const i8;
-                prefetch_l2(s.wrapping_add((e + ahead) * line));
+        if first {
+            let mut off = 0;
+            while off < line {
+                prefetch_l2(ahead.wrapping_add(e * line + PREFETCH_AHEAD + off));
+                off += 64;
             }
         }
-        let wv: [L::V; NV] = std::array::from_fn(|v| W::widen::<L>(base[v].add(e * PANEL)));
+        let wv: [L::V; NV] = std::array::from_fn(|v| W::widen::<L>(base.add(e * PANEL + v * L::W)));
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let xb = L::splat(*x.add(r * k + e));
             for v in 0..NV {
@@ -224,7 +213,7 @@ unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
             }
         }
     }
-    let col0 = p * PANEL;
+    let col0 = p * PANEL + c;
     for (r, acc_r) in acc.iter().enumerate() {
         let row = job.out.0.add((m0 + r) * job.n);
         for (v, a) in acc_r.iter().enumerate() {

@@ -97,14 +97,14 @@ fn a_row_gets_the_same_bits_alone_and_among_any_number_of_rows() {
 }
 
 #[test]
-fn packing_puts_sixteen_output_rows_side_by_side_per_k() {
-    let (n, k) = (18, 3);
+fn packing_puts_sixty_four_output_rows_side_by_side_per_k() {
+    let (n, k) = (66, 3);
     let w: Vec<f32> = (0..n * k).map(|i| i as f32).collect();
     let p = panel_pack(&w, n, k);
     assert_eq!(p.len(), 2 * k * PANEL);
     assert_eq!(p[0..3], [0.0, 3.0, 6.0]); // k = 0 of rows 0, 1, 2
     assert_eq!(p[PANEL], 1.0); // k = 1 of row 0
-    assert_eq!(p[k * PANEL], w[16 * k]); // second panel: row 16
+    assert_eq!(p[k * PANEL], w[64 * k]); // second panel: row 64
     assert_eq!(p[k * PANEL + 2], 0.0); // rows past n are zero
 }
 
