@@ -189,6 +189,36 @@ fn parse_isa(isa: Option<&str>) -> PyResult<Isa> {
     }
 }
 
+/// Whether a float weight dtype name is "bfloat16" (else "float32"; anything else refused).
+fn is_bf16(w_dtype: &str) -> PyResult<bool> {
+    match w_dtype {
+        "bfloat16" => Ok(true),
+        "float32" => Ok(false),
+        other => Err(PyValueError::new_err(format!(
+            "w_dtype: {other:?} is not bfloat16 or float32"
+        ))),
+    }
+}
+
+/// x `[m, k]`, bias `[n]` (bias_ptr 0: none) and out `[m, n]`, all f32, of a float linear call.
+///
+/// # Safety
+/// The pointers address live, contiguous f32 buffers of those sizes; out aliases no input.
+unsafe fn float_io<'a>(
+    x_ptr: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    bias_ptr: usize,
+    out_ptr: usize,
+) -> (&'a [f32], Option<&'a [f32]>, &'a mut [f32]) {
+    (
+        std::slice::from_raw_parts(x_ptr as *const f32, m * k),
+        (bias_ptr != 0).then(|| std::slice::from_raw_parts(bias_ptr as *const f32, n)),
+        std::slice::from_raw_parts_mut(out_ptr as *mut f32, m * n),
+    )
+}
+
 /// out[m, n] (f32) = x[m, k] (f32) · w[n, k]^T (+ bias[n], f32); w "bfloat16" or "float32";
 /// bias_ptr 0: none.
 #[pyfunction]
@@ -208,28 +238,14 @@ pub fn dense_linear(
     isa: Option<&str>,
 ) -> PyResult<()> {
     let isa = parse_isa(isa)?;
-    let bf16 = match w_dtype {
-        "bfloat16" => true,
-        "float32" => false,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "w_dtype: {other:?} is not bfloat16 or float32"
-            )))
-        }
-    };
+    let bf16 = is_bf16(w_dtype)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
     py.detach(|| {
-        // SAFETY: the Python caller passes live, contiguous buffers of these shapes and dtypes
-        // (f32 x/bias/out, w of w_dtype); out aliases none of the inputs.
-        let (x, bias, out) = unsafe {
-            (
-                std::slice::from_raw_parts(x_ptr as *const f32, m * k),
-                (bias_ptr != 0).then(|| std::slice::from_raw_parts(bias_ptr as *const f32, n)),
-                std::slice::from_raw_parts_mut(out_ptr as *mut f32, m * n),
-            )
-        };
+        // SAFETY: the Python caller passes live, contiguous f32 x/bias/out buffers of these
+        // shapes; out aliases none of the inputs.
+        let (x, bias, out) = unsafe { float_io(x_ptr, m, k, n, bias_ptr, out_ptr) };
         if bf16 {
             // SAFETY: as above, w holds n * k bf16 values
             let w = unsafe { std::slice::from_raw_parts(w_ptr as *const Bf16, n * k) };
@@ -263,29 +279,15 @@ pub fn panel_linear(
     isa: Option<&str>,
 ) -> PyResult<()> {
     let isa = parse_isa(isa)?;
-    let bf16 = match w_dtype {
-        "bfloat16" => true,
-        "float32" => false,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "w_dtype: {other:?} is not bfloat16 or float32"
-            )))
-        }
-    };
+    let bf16 = is_bf16(w_dtype)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
     let len = kernels::num_panels(n) * k * kernels::PANEL;
     py.detach(|| {
-        // SAFETY: the Python caller passes live, contiguous buffers of these shapes and dtypes
-        // (f32 x/bias/out, packed w of w_dtype); out aliases none of the inputs.
-        let (x, bias, out) = unsafe {
-            (
-                std::slice::from_raw_parts(x_ptr as *const f32, m * k),
-                (bias_ptr != 0).then(|| std::slice::from_raw_parts(bias_ptr as *const f32, n)),
-                std::slice::from_raw_parts_mut(out_ptr as *mut f32, m * n),
-            )
-        };
+        // SAFETY: the Python caller passes live, contiguous f32 x/bias/out buffers of these
+        // shapes; out aliases none of the inputs.
+        let (x, bias, out) = unsafe { float_io(x_ptr, m, k, n, bias_ptr, out_ptr) };
         if bf16 {
             // SAFETY: as above, w holds the packed panels of bf16 values
             let w = unsafe { std::slice::from_raw_parts(w_ptr as *const Bf16, len) };
