@@ -17,7 +17,7 @@
 
 use crate::few_rows_linear::{check_io, err, WeightElem};
 use crate::paged_attention::AttentionError as KernelError;
-use crate::simd::{prefetch_l2, I8Rows, Isa, Scalar};
+use crate::simd::{prefetch_l1, I8Rows, Isa, Scalar};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
 use crate::threads;
@@ -26,8 +26,12 @@ use crate::threads;
 pub const PANEL: usize = 64;
 /// Activation rows per tile.
 const MR: usize = 6;
-/// Bytes ahead of the current k that each panel stream is prefetched (first row block only).
-const PREFETCH_AHEAD: usize = 1024;
+/// Bytes ahead of the current k that each panel stream is prefetched into L1 (first row block
+/// only). On Zen 5, one thread, SmolLM2-135M (benches/verify_cost.py): 1024 bytes into L2 gave a
+/// decode of 19-21 ms and a 1 + 4 verification 1.13x that; 4096 into L1 17.6-18.8 ms and 1.08x
+/// (the hardware prefetcher alone keeps too few lines in flight once a k step costs 5 rows of
+/// FMAs; 2048 measured like 1024, 8192 and 16384 like 4096).
+const PREFETCH_AHEAD: usize = 4096;
 
 /// Panels that hold n output rows.
 pub fn num_panels(n: usize) -> usize {
@@ -201,7 +205,7 @@ unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
         if first {
             let mut off = 0;
             while off < line {
-                prefetch_l2(ahead.wrapping_add(e * line + PREFETCH_AHEAD + off));
+                prefetch_l1(ahead.wrapping_add(e * line + PREFETCH_AHEAD + off));
                 off += 64;
             }
         }

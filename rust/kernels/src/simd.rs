@@ -9,13 +9,23 @@
 /// Hint the cache to fetch the line holding `p` into L2 (a no-op off x86-64). Never faults, so
 /// `p` may point past the end of a buffer (build it with `wrapping_add`).
 #[inline(always)]
-#[allow(clippy::not_unsafe_ptr_arg_deref)] // a prefetch hint reads nothing: no dereference
 pub fn prefetch_l2(p: *const i8) {
+    prefetch::<2>(p) // _MM_HINT_T1
+}
+
+/// Hint that the cache line at `p` be fetched into L1 (and the levels below it).
+#[inline(always)]
+pub fn prefetch_l1(p: *const i8) {
+    prefetch::<3>(p) // _MM_HINT_T0
+}
+
+#[inline(always)]
+#[allow(clippy::not_unsafe_ptr_arg_deref)] // a prefetch hint reads nothing: no dereference
+fn prefetch<const HINT: i32>(p: *const i8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch hint reads nothing architecturally and cannot fault.
     unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        _mm_prefetch::<_MM_HINT_T1>(p)
+        std::arch::x86_64::_mm_prefetch::<HINT>(p)
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
