@@ -1008,15 +1008,26 @@ unsafe fn pv_rows<L: Rows, const NV: usize, const RB: usize>(
     let w = L::W;
     let d = NV * w;
     let a = acc.as_mut_ptr().add(r0 * d);
-    let mut regs: [[L::V; NV]; RB] =
-        std::array::from_fn(|b| std::array::from_fn(|i| L::load(a.add(b * d + i * w))));
+    // plain loops, not array::from_fn: those closures were left out of line (a call per key)
+    let mut regs = [[L::splat(0.0); NV]; RB];
+    for (b, row) in regs.iter_mut().enumerate() {
+        for (i, reg) in row.iter_mut().enumerate() {
+            *reg = L::load(a.add(b * d + i * w));
+        }
+    }
     for (c, vrow) in v.iter().enumerate() {
-        let wgt: [f32; RB] = std::array::from_fn(|b| probs[c * mp + r0 + b]);
+        let mut wgt = [0.0f32; RB];
+        for (b, x) in wgt.iter_mut().enumerate() {
+            *x = probs[c * mp + r0 + b];
+        }
         if wgt.iter().all(|&x| x == 0.0) {
             continue; // a key no row of the block sees (adding 0 * v changes no finite sum)
         }
         let vp = vrow.as_ptr();
-        let vv: [L::V; NV] = std::array::from_fn(|i| L::load(vp.add(i * w)));
+        let mut vv = [L::splat(0.0); NV];
+        for (i, x) in vv.iter_mut().enumerate() {
+            *x = L::load(vp.add(i * w));
+        }
         for b in 0..RB {
             let s = L::splat(wgt[b]);
             for i in 0..NV {

@@ -88,13 +88,6 @@ pub fn panel_linear<W: WeightElem>(
         return Ok(());
     }
     let items: Vec<usize> = (0..num_panels(n)).collect();
-    // bf16 weights through the AVX-512 tile measured ~7x slower than through the AVX2 one on Zen 5
-    // (not understood yet); both give the same bits, so bf16 takes the AVX2 tile there
-    let isa = if std::mem::size_of::<W>() == 2 && isa == Isa::Avx512 && Isa::Avx2.is_supported() {
-        Isa::Avx2
-    } else {
-        isa
-    };
     let job = Job {
         x,
         m,
@@ -209,7 +202,12 @@ unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
                 off += 64;
             }
         }
-        let wv: [L::V; NV] = std::array::from_fn(|v| W::widen::<L>(base.add(e * PANEL + v * L::W)));
+        // a plain loop, not array::from_fn: for bf16 that closure was left out of line (a call per
+        // k step, ~7x slower on AVX-512)
+        let mut wv = [L::splat(0.0); NV];
+        for (v, w) in wv.iter_mut().enumerate() {
+            *w = W::widen::<L>(base.add(e * PANEL + v * L::W));
+        }
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let xb = L::splat(*x.add(r * k + e));
             for v in 0..NV {
