@@ -25,13 +25,36 @@ def test_matches_f_linear_and_round_trips(dtype, n, k):
                                atol=0, rtol=0)
 
 
-def test_a_row_gets_the_same_bits_in_any_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_in_any_batch(dtype):
     g = torch.Generator().manual_seed(0)
-    w = PanelWeight(torch.randn(200, 576, generator=g))
-    x = torch.randn(70, 576, generator=g)
+    w = PanelWeight(torch.randn(200, 575, generator=g).to(dtype))
+    x = torch.randn(70, 575, generator=g).to(dtype)
     together = panel_linear(x, w)
     for start, rows in [(0, 1), (3, 5), (10, 9), (20, 50)]:
         assert torch.equal(panel_linear(x[start:start + rows], w), together[start:start + rows])
+
+
+def test_bf16_rounds_the_activations_and_sums_in_f32():
+    # the bf16 form computes with x rounded to bf16 and an f32 chain (no bf16 rounding inside)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 161, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 161, generator=g)
+    got = panel_linear(x, PanelWeight(w))
+    want = torch.nn.functional.linear(x.to(torch.bfloat16).double(), w.double())
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_activations_give_the_f32_result_rounded_once():
+    # bf16 x and out go through the kernel as bf16 (no f32 copies): the same bits as the f32 call
+    g = torch.Generator().manual_seed(4)
+    w = PanelWeight(torch.randn(130, 97, generator=g).to(torch.bfloat16))
+    b = torch.randn(130, generator=g).to(torch.bfloat16)
+    x = torch.randn(6, 97, generator=g).to(torch.bfloat16)
+    got = panel_linear(x, w, b)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, panel_linear(x.float(), w, b).to(torch.bfloat16))
 
 
 def test_bad_inputs_are_refused():

@@ -1,17 +1,22 @@
 """Batch-invariant dense linear layers on CPU at every row count: the panel kernel
-(`specinfer._core.panel_linear`, rust/kernels/src/panel_linear.rs).
+(`specinfer._core.panel_linear`: rust/kernels/src/panel_linear.rs for float32,
+panel_linear_bf16.rs for bfloat16).
 
-Weights (f32 or bf16) are re-laid out once into panels of 64 output rows, `[ceil(N / 64), K, 64]`;
-every output element is one chain of fused multiply-adds over k in order, from zero, then
-`+ bias`: the same operations whatever the number of rows in the call, so a token's row gets the
-same bits in a decode, a 1 + k verification run or a prefill chunk, and with any other
-requests beside it. bf16 weights and activations widen exactly to f32; one rounding of the
-result to the activation dtype. Any K and N (no multiple-of-16 rule).
+Weights are re-laid out once into panels of 64 output rows: float32 `[ceil(N / 64), K, 64]`, each
+output element one chain of fused multiply-adds over k in order from zero, then `+ bias`;
+bfloat16 `[ceil(N / 64), ceil(K / 2), 64, 2]`, the activations rounded to bf16 and each element one
+chain over the k pairs (the odd product, then the even one: AVX-512 BF16's `vdpbf16ps`, two
+multiply-adds per lane per instruction; the same bits by fused multiply-adds elsewhere). Either
+way the operations do not depend on the number of rows in the call, so a token's row gets the
+same bits in a decode, a 1 + k verification run or a prefill chunk, and with any other requests
+beside it. One rounding of the f32 result to the activation dtype. Any K and N.
 
     w = PanelWeight(weight)              # [N, K] dense -> panels
     y = panel_linear(x, w, bias)         # same contract as F.linear(x, weight, bias)
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -25,20 +30,44 @@ _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def panel_preferred(dtype: torch.dtype) -> bool:
-    """Serve this dtype's GEMMs through panel_linear: float32 by default on a CPU with AVX2 or
-    AVX-512 (it beats oneDNN's packed sgemm at every row count here: benches/linear_cold.py, and
-    its rows are batch-invariant); bfloat16 only when asked (SPECINFER_CPU_GEMM=panel: its f32
-    arithmetic halves oneDNN's bf16 rate on prefill). SPECINFER_CPU_GEMM=onednn keeps oneDNN."""
+    """Serve this dtype's GEMMs through panel_linear (SPECINFER_CPU_GEMM=onednn keeps oneDNN,
+    =panel asks for it): float32 by default on a CPU with AVX2 or AVX-512 (faster than oneDNN's
+    packed sgemm at every row count here: benches/linear_cold.py); bfloat16 by default where the
+    CPU has AVX-512 BF16 but no AMX (one `vdpbf16ps` per pair of k: on Zen 5 1.15x oneDNN's decode
+    speed, level at batch 16; where AMX multiplies tiles, oneDNN's prefill is out of its reach,
+    and without AVX-512 BF16 its fused-multiply-add form runs at half oneDNN's bf16 rate). Either
+    way its rows are batch-invariant."""
     import os
 
     gemm = os.environ.get(GEMM_ENV, "")
     if cpu_kernel_isa()[0] == "scalar" or dtype not in _KERNEL_DTYPES:
         return False
-    return gemm == "panel" or (gemm == "" and dtype == torch.float32)
+    if gemm:
+        return gemm == "panel"
+    if dtype == torch.bfloat16:
+        flags = cpu_flags()
+        return "avx512_bf16" in flags and "amx_bf16" not in flags
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 class PanelWeight:
-    """An [N, K] f32/bf16 weight held as panels [ceil(N / 64), K, 64] (rows past N zero)."""
+    """An [N, K] weight held as panels (rows past N zero): float32 as [ceil(N / 64), K, 64];
+    bfloat16 as paired panels [ceil(N / 64), ceil(K / 2), 64, 2] (k = 2i and 2i + 1 of an output
+    row side by side, as AVX-512 BF16's `vdpbf16ps` reads them; an odd K padded with a zero k;
+    denormal weights flushed to zero, as that instruction reads them)."""
 
     def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2 or weight.dtype not in _KERNEL_DTYPES or weight.device.type != "cpu":
@@ -49,7 +78,14 @@ class PanelWeight:
         w = weight.detach()
         if p * PANEL != n:
             w = torch.cat([w, w.new_zeros(p * PANEL - n, k)])
-        self.panels = w.reshape(p, PANEL, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
+        if w.dtype == torch.bfloat16:
+            w = torch.where(w.abs() < torch.finfo(torch.bfloat16).tiny, torch.zeros((), dtype=w.dtype), w)
+            if k % 2:
+                w = torch.cat([w, w.new_zeros(p * PANEL, 1)], 1)
+            k2 = w.shape[1] // 2
+            self.panels = w.reshape(p, PANEL, k2, 2).transpose(1, 2).contiguous()  # [P, K2, PANEL, 2]
+        else:
+            self.panels = w.reshape(p, PANEL, k).transpose(1, 2).contiguous()  # [P, K, PANEL]
         self.shape = torch.Size((n, k))
         self.dtype = weight.dtype
         self.device = weight.device
@@ -59,8 +95,11 @@ class PanelWeight:
         return self.panels.numel() * self.panels.element_size()
 
     def to_dense(self) -> torch.Tensor:
-        """The [N, K] weight back."""
+        """The [N, K] weight back (bf16 denormals as the zeros the kernel reads)."""
         n, k = self.shape
+        if self.dtype == torch.bfloat16:
+            p, k2 = self.panels.shape[:2]
+            return self.panels.transpose(1, 2).reshape(p * PANEL, 2 * k2)[:n, :k]
         return self.panels.transpose(1, 2).reshape(-1, k)[:n]
 
 
@@ -78,14 +117,18 @@ def panel_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
         return F.linear(x, weight.to_dense().to(x.dtype), bias)
     lead = x.shape[:-1]
     M = x.numel() // K if K else 0
-    out = torch.empty(M, N, dtype=torch.float32)
+    # bf16 weights with bf16 activations: x read and the output written as bf16 by the kernel (no
+    # f32 copies: a 5 x 49152 logits conversion alone cost ~5 % of a bf16 verification step)
+    io = torch.bfloat16 if weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 else torch.float32
+    out = torch.empty(M, N, dtype=io)
     if M:
-        x2 = x.reshape(M, K).to(torch.float32).contiguous()
+        x2 = x.reshape(M, K).to(io).contiguous()
         b = None
         if bias is not None:
             b = bias.to(torch.float32).contiguous()
             if b.shape != (N,):
                 raise ValueError(f"panel_linear: bias shape {tuple(b.shape)} is not ({N},)")
         _panel_linear_kernel(x2.data_ptr(), M, K, weight.panels.data_ptr(), _KERNEL_DTYPES[weight.dtype], N,
-                             out.data_ptr(), 0 if b is None else b.data_ptr(), torch.get_num_threads())
+                             out.data_ptr(), 0 if b is None else b.data_ptr(), torch.get_num_threads(),
+                             io_dtype=_KERNEL_DTYPES[io])
     return out.to(x.dtype).view(*lead, N)

@@ -37,14 +37,15 @@ class CpuPlatform(Platform):
                              f"(got quantization={quantization!r})")
 
     def prepare_model(self, model) -> None:
-        """Choose how GEMMs run: float32 weights in panels for our panel kernel (AVX2/AVX-512:
-        faster than oneDNN's packed sgemm at every row count here, and batch-invariant:
-        models/panel_linear.py); bf16 (and float32 with SPECINFER_CPU_GEMM=onednn, or on a CPU
-        without AVX2) pre-packed for oneDNN (MKL's small-M sgemm is slow on non-Intel CPUs);
-        with SPECINFER_CPU_GEMM=few_rows, float32 models run plain weights through the few-rows
-        Rust kernel, with SPECINFER_CPU_GEMM=panel bf16 ones through the panel kernel.
-        SPECINFER_PACK_WEIGHTS=0 keeps dense weights and F.linear (a reference for tests). Int8
-        weights move into their kernel's tiled layout (else their first GEMM would do it)."""
+        """Choose how GEMMs run: float32 weights (and bf16 ones on a CPU with AVX-512 BF16 and no
+        AMX) in panels for our panel kernel (faster than oneDNN's packed GEMM here, and
+        batch-invariant: models/panel_linear.py, panel_preferred); other bf16 (and float32 with
+        SPECINFER_CPU_GEMM=onednn, or on a CPU without AVX2) pre-packed for oneDNN (MKL's small-M
+        sgemm is slow on non-Intel CPUs); with SPECINFER_CPU_GEMM=few_rows, float32 models run
+        plain weights through the few-rows Rust kernel, with SPECINFER_CPU_GEMM=panel bf16 ones
+        through the panel kernel anywhere. SPECINFER_PACK_WEIGHTS=0 keeps dense weights and
+        F.linear (a reference for tests). Int8 weights move into their kernel's tiled layout
+        (else their first GEMM would do it)."""
         if getattr(model, "quantization", None) is not None:
             model.pack_linear_weights(None, None)
             # w8a8 rounds GEMM inputs to a grid: always batch-invariant attention (model_runner.py)

@@ -189,13 +189,14 @@ fn parse_isa(isa: Option<&str>) -> PyResult<Isa> {
     }
 }
 
-/// Whether a float weight dtype name is "bfloat16" (else "float32"; anything else refused).
-fn is_bf16(w_dtype: &str) -> PyResult<bool> {
-    match w_dtype {
+/// Whether the float dtype name given as `field` is "bfloat16" (else "float32"; anything else
+/// refused).
+fn is_bf16(field: &str, dtype: &str) -> PyResult<bool> {
+    match dtype {
         "bfloat16" => Ok(true),
         "float32" => Ok(false),
         other => Err(PyValueError::new_err(format!(
-            "w_dtype: {other:?} is not bfloat16 or float32"
+            "{field}: {other:?} is not bfloat16 or float32"
         ))),
     }
 }
@@ -238,7 +239,7 @@ pub fn dense_linear(
     isa: Option<&str>,
 ) -> PyResult<()> {
     let isa = parse_isa(isa)?;
-    let bf16 = is_bf16(w_dtype)?;
+    let bf16 = is_bf16("w_dtype", w_dtype)?;
     if m == 0 || n == 0 {
         return Ok(());
     }
@@ -259,11 +260,14 @@ pub fn dense_linear(
     .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
-/// out[m, n] (f32) = x[m, k] (f32) · w^T (+ bias[n], f32), w "bfloat16" or "float32" packed in
-/// panels `[ceil(n / 64), k, 64]` (`kernels::panel_pack`'s layout); bias_ptr 0: none. Every
-/// output element is the same k-ordered FMA chain whatever m (batch-invariant).
+/// out[m, n] = x[m, k] · w^T (+ bias[n], f32): w "float32" packed in panels
+/// `[ceil(n / 64), k, 64]` (`kernels::panel_pack`'s layout) or "bfloat16" in paired panels
+/// `[ceil(n / 64), ceil(k / 2), 64, 2]` (`kernels::panel_pack_pairs`'s, x then rounded to bf16);
+/// x and out of `io_dtype`: "float32", or "bfloat16" with bf16 weights (out rounded once from the
+/// f32 result); bias_ptr 0: none. Every output element is the same k-ordered chain whatever m
+/// (batch-invariant).
 #[pyfunction]
-#[pyo3(signature = (x_ptr, m, k, w_ptr, w_dtype, n, out_ptr, bias_ptr, num_threads, isa=None))]
+#[pyo3(signature = (x_ptr, m, k, w_ptr, w_dtype, n, out_ptr, bias_ptr, num_threads, isa=None, io_dtype="float32"))]
 #[allow(clippy::too_many_arguments)]
 pub fn panel_linear(
     py: Python<'_>,
@@ -277,22 +281,49 @@ pub fn panel_linear(
     bias_ptr: usize,
     num_threads: usize,
     isa: Option<&str>,
+    io_dtype: &str,
 ) -> PyResult<()> {
     let isa = parse_isa(isa)?;
-    let bf16 = is_bf16(w_dtype)?;
+    let bf16 = is_bf16("w_dtype", w_dtype)?;
+    let bf16_io = is_bf16("io_dtype", io_dtype)?;
+    if bf16_io && !bf16 {
+        return Err(PyValueError::new_err(
+            "panel_linear: io_dtype bfloat16 needs bfloat16 weights",
+        ));
+    }
     if m == 0 || n == 0 {
         return Ok(());
     }
-    let len = kernels::num_panels(n) * k * kernels::PANEL;
+    if bf16 && !w_ptr.is_multiple_of(4) {
+        return Err(PyValueError::new_err(
+            "panel_linear: bf16 paired panels must be 4-byte aligned",
+        ));
+    }
+    let bias = (bias_ptr != 0).then(|| {
+        // SAFETY: the Python caller passes a live, contiguous f32 bias of n elements
+        unsafe { std::slice::from_raw_parts(bias_ptr as *const f32, n) }
+    });
     py.detach(|| {
-        // SAFETY: the Python caller passes live, contiguous f32 x/bias/out buffers of these
-        // shapes; out aliases none of the inputs.
-        let (x, bias, out) = unsafe { float_io(x_ptr, m, k, n, bias_ptr, out_ptr) };
         if bf16 {
-            // SAFETY: as above, w holds the packed panels of bf16 values
-            let w = unsafe { std::slice::from_raw_parts(w_ptr as *const Bf16, len) };
-            kernels::panel_linear(isa, num_threads, x, m, w, n, k, bias, out)
+            let len = kernels::num_panels(n) * kernels::num_pairs(k) * kernels::PANEL;
+            // SAFETY: the caller passes live, contiguous buffers of these shapes and dtypes (w the
+            // paired panels, two bf16 per u32, 4-byte aligned); out aliases none of the inputs.
+            unsafe {
+                let w = std::slice::from_raw_parts(w_ptr as *const u32, len);
+                if bf16_io {
+                    let x = std::slice::from_raw_parts(x_ptr as *const Bf16, m * k);
+                    let out = std::slice::from_raw_parts_mut(out_ptr as *mut Bf16, m * n);
+                    kernels::panel_linear_bf16(isa, num_threads, x, m, w, n, k, bias, out)
+                } else {
+                    let x = std::slice::from_raw_parts(x_ptr as *const f32, m * k);
+                    let out = std::slice::from_raw_parts_mut(out_ptr as *mut f32, m * n);
+                    kernels::panel_linear_bf16(isa, num_threads, x, m, w, n, k, bias, out)
+                }
+            }
         } else {
+            // SAFETY: as above (f32 x, out and panels)
+            let (x, bias, out) = unsafe { float_io(x_ptr, m, k, n, bias_ptr, out_ptr) };
+            let len = kernels::num_panels(n) * k * kernels::PANEL;
             // SAFETY: as above, w holds the packed panels of f32 values
             let w = unsafe { std::slice::from_raw_parts(w_ptr as *const f32, len) };
             kernels::panel_linear(isa, num_threads, x, m, w, n, k, bias, out)

@@ -67,14 +67,14 @@ pub struct Weights<'a, W> {
 }
 
 /// The checks every linear kernel makes: `isa` runs here, x `[m, k]`, out `[m, n]`, bias `[n]`.
-pub(crate) fn check_io(
+pub(crate) fn check_io<X, O>(
     isa: Isa,
-    x: &[f32],
+    x: &[X],
     m: usize,
     k: usize,
     n: usize,
     bias: Option<&[f32]>,
-    out: &[f32],
+    out: &[O],
 ) -> Result<(), KernelError> {
     if !isa.is_supported() {
         return err(

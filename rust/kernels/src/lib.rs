@@ -26,6 +26,7 @@ pub mod int8_linear;
 pub mod int8_pack;
 pub mod paged_attention;
 pub mod panel_linear;
+pub mod panel_linear_bf16;
 pub mod rms_norm;
 pub mod simd;
 pub mod threads;
@@ -38,6 +39,7 @@ pub use paged_attention::{
     paged_attention, store_kv, AttentionError, BatchLayout, HeadGeometry, StridedHeads,
 };
 pub use panel_linear::{num_panels, panel_linear, panel_pack, PANEL};
+pub use panel_linear_bf16::{num_pairs, panel_linear_bf16, panel_pack_pairs};
 pub use rms_norm::rms_norm;
 pub use simd::Isa;
 pub use w8a8_linear::{check_packed, w8a8_linear, PackedInt8};

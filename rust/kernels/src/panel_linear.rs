@@ -15,9 +15,10 @@
 //! each panel front to back as one sequential stream (prefetched ahead). Work items are panels,
 //! split over threads.
 
+use crate::elem::Elem;
 use crate::few_rows_linear::{check_io, err, WeightElem};
 use crate::paged_attention::AttentionError as KernelError;
-use crate::simd::{prefetch_l1, I8Rows, Isa, Scalar};
+use crate::simd::{prefetch_l1, I8Rows, Isa, Rows, Scalar};
 #[cfg(target_arch = "x86_64")]
 use crate::simd::{Avx2, Avx512};
 use crate::threads;
@@ -215,30 +216,46 @@ unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
             }
         }
     }
-    let col0 = p * PANEL + c;
+    store_tile::<L, f32, R, NV>(job.out.0, job.n, job.bias, m0, p * PANEL + c, &acc);
+}
+
+/// Rows m0 .. m0 + R of out `[m, n]`, columns col0 .. (NV vectors, clipped at n): the tile's
+/// accumulators `+ bias`, rounded once to the output element (nothing for f32; to nearest even
+/// for bf16, as torch's `.to(torch.bfloat16)`).
+#[inline(always)]
+pub(crate) unsafe fn store_tile<L: Rows, O: Elem, const R: usize, const NV: usize>(
+    out: *mut O,
+    n: usize,
+    bias: Option<&[f32]>,
+    m0: usize,
+    col0: usize,
+    acc: &[[L::V; NV]; R],
+) {
     for (r, acc_r) in acc.iter().enumerate() {
-        let row = job.out.0.add((m0 + r) * job.n);
+        let row = out.add((m0 + r) * n);
         for (v, a) in acc_r.iter().enumerate() {
             let c = col0 + v * L::W;
-            if c >= job.n {
+            if c >= n {
                 break;
             }
             let mut lanes = [0.0f32; 16];
-            let val = match job.bias {
-                Some(b) if c + L::W <= job.n => L::add(*a, L::load(b.as_ptr().add(c))),
+            let val = match bias {
+                Some(b) if c + L::W <= n => L::add(*a, L::load(b.as_ptr().add(c))),
                 Some(b) => {
                     // a partial vector: the bias lanes that exist, the rest are dropped below
                     let mut bl = [0.0f32; 16];
-                    bl[..job.n - c].copy_from_slice(&b[c..job.n]);
+                    bl[..n - c].copy_from_slice(&b[c..n]);
                     L::add(*a, L::load(bl.as_ptr()))
                 }
                 None => *a,
             };
-            if c + L::W <= job.n {
-                L::store(row.add(c), val);
-            } else {
-                L::store(lanes.as_mut_ptr(), val);
-                std::ptr::copy_nonoverlapping(lanes.as_ptr(), row.add(c), job.n - c);
+            if std::mem::size_of::<O>() == 4 && c + L::W <= n {
+                L::store(row.add(c) as *mut f32, val); // O is f32 (the only 4-byte Elem)
+                continue;
+            }
+            L::store(lanes.as_mut_ptr(), val);
+            for (j, &x) in lanes[..L::W.min(n - c)].iter().enumerate() {
+                *row.add(c + j) = O::from_f32(x);
             }
         }
     }
@@ -246,7 +263,7 @@ unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
 
 /// The portable path with fused multiply-adds (`f32::mul_add`), so it gives the vector paths'
 /// bits; everything else as [`Scalar`].
-struct ScalarFused;
+pub(crate) struct ScalarFused;
 
 impl crate::simd::Rows for ScalarFused {
     const W: usize = 1;
@@ -297,6 +314,10 @@ impl I8Rows for ScalarFused {
     #[inline(always)]
     unsafe fn load_bf16(p: *const u16) -> f32 {
         <Scalar as I8Rows>::load_bf16(p)
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_pairs(p: *const u32) -> (f32, f32) {
+        <Scalar as I8Rows>::load_bf16_pairs(p)
     }
     #[inline(always)]
     unsafe fn sum(v: f32) -> f32 {

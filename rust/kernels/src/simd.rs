@@ -140,6 +140,9 @@ pub trait I8Rows: Rows {
     unsafe fn load_i8(p: *const i8) -> Self::V;
     /// bf16 bits (the upper half of an f32) -> f32, exact.
     unsafe fn load_bf16(p: *const u16) -> Self::V;
+    /// W dwords, each a pair of bf16s (k even in the low half, k odd in the high half) -> the
+    /// evens and the odds as f32, exact.
+    unsafe fn load_bf16_pairs(p: *const u32) -> (Self::V, Self::V);
     unsafe fn sum(v: Self::V) -> f32;
 }
 
@@ -244,6 +247,10 @@ impl I8Rows for Scalar {
     #[inline(always)]
     unsafe fn load_bf16(p: *const u16) -> f32 {
         f32::from_bits((*p as u32) << 16)
+    }
+    #[inline(always)]
+    unsafe fn load_bf16_pairs(p: *const u32) -> (f32, f32) {
+        (f32::from_bits(*p << 16), f32::from_bits(*p & 0xFFFF_0000))
     }
     #[inline(always)]
     unsafe fn sum(v: f32) -> f32 {
@@ -497,6 +504,15 @@ mod x86 {
             _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))
         }
         #[inline(always)]
+        unsafe fn load_bf16_pairs(p: *const u32) -> (__m256, __m256) {
+            let v = _mm256_loadu_si256(p as *const __m256i);
+            let high = _mm256_set1_epi32(0xFFFF_0000u32 as i32);
+            (
+                _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
+                _mm256_castsi256_ps(_mm256_and_si256(v, high)),
+            )
+        }
+        #[inline(always)]
         unsafe fn sum(v: __m256) -> f32 {
             let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
             let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -513,6 +529,15 @@ mod x86 {
         unsafe fn load_bf16(p: *const u16) -> __m512 {
             let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
             _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))
+        }
+        #[inline(always)]
+        unsafe fn load_bf16_pairs(p: *const u32) -> (__m512, __m512) {
+            let v = _mm512_loadu_si512(p as *const __m512i);
+            let high = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            (
+                _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+                _mm512_castsi512_ps(_mm512_and_si512(v, high)),
+            )
         }
         #[inline(always)]
         unsafe fn sum(v: __m512) -> f32 {
