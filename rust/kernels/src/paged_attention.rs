@@ -996,7 +996,9 @@ unsafe fn pv_block<L: Rows, const NV: usize>(
     }
 }
 
-/// Rows r0 .. r0 + RB of pv_block together: RB x NV accumulators, one load per V vector.
+/// Rows r0 .. r0 + RB of pv_block together: RB x NV accumulators, one load per V vector. Raw
+/// pointers and no bounds checks in the key loop: with checked slices LLVM kept half the
+/// accumulators on the stack (a load and a store around every FMA).
 #[inline(always)]
 unsafe fn pv_rows<L: Rows, const NV: usize, const RB: usize>(
     acc: &mut [f32],
@@ -1007,20 +1009,22 @@ unsafe fn pv_rows<L: Rows, const NV: usize, const RB: usize>(
 ) {
     let w = L::W;
     let d = NV * w;
+    debug_assert!(acc.len() >= (r0 + RB) * d && probs.len() >= (v.len().max(1) - 1) * mp + r0 + RB);
     let a = acc.as_mut_ptr().add(r0 * d);
-    // plain loops, not array::from_fn: those closures were left out of line (a call per key)
     let mut regs = [[L::splat(0.0); NV]; RB];
     for (b, row) in regs.iter_mut().enumerate() {
         for (i, reg) in row.iter_mut().enumerate() {
             *reg = L::load(a.add(b * d + i * w));
         }
     }
+    let pp = probs.as_ptr().add(r0);
     for (c, vrow) in v.iter().enumerate() {
-        let mut wgt = [0.0f32; RB];
-        for (b, x) in wgt.iter_mut().enumerate() {
-            *x = probs[c * mp + r0 + b];
+        let wp = pp.add(c * mp);
+        let mut any = false;
+        for b in 0..RB {
+            any |= *wp.add(b) != 0.0;
         }
-        if wgt.iter().all(|&x| x == 0.0) {
+        if !any {
             continue; // a key no row of the block sees (adding 0 * v changes no finite sum)
         }
         let vp = vrow.as_ptr();
@@ -1028,10 +1032,10 @@ unsafe fn pv_rows<L: Rows, const NV: usize, const RB: usize>(
         for (i, x) in vv.iter_mut().enumerate() {
             *x = L::load(vp.add(i * w));
         }
-        for b in 0..RB {
-            let s = L::splat(wgt[b]);
-            for i in 0..NV {
-                regs[b][i] = L::fma(s, vv[i], regs[b][i]);
+        for (b, row) in regs.iter_mut().enumerate() {
+            let s = L::splat(*wp.add(b));
+            for (reg, x) in row.iter_mut().zip(vv) {
+                *reg = L::fma(s, x, *reg);
             }
         }
     }
