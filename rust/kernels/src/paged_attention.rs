@@ -596,7 +596,11 @@ unsafe fn item_scalar<E: Elem>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
 /// The row-parallel path once an item has at least half a vector of rows (verification runs,
 /// prefill tiles, wide GQA groups); the per-row dot path below that (decodes).
 #[inline(always)]
-unsafe fn attend<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+unsafe fn attend<E: Elem, L: Lanes + Rows + PvOutlined>(
+    ctx: &Ctx<'_, E>,
+    it: &Item,
+    out: OutPtr<E>,
+) {
     // batch-invariant mode: every item on the per-row path (a row computed alike in any item)
     if L::W > 1 && 2 * (it.q1 - it.q0) * ctx.group >= L::W && !ctx.layout.batch_invariant {
         attend_item_rows::<E, L>(ctx, it, out)
@@ -738,7 +742,11 @@ unsafe fn attend_item<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out
 /// transposed query tile (no horizontal sums), then the online softmax vectorized across rows
 /// with a vector exp. Same rows and masks as `attend_item`.
 #[inline(always)]
-unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item, out: OutPtr<E>) {
+unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows + PvOutlined>(
+    ctx: &Ctx<'_, E>,
+    it: &Item,
+    out: OutPtr<E>,
+) {
     let (d, g, hkv, bs, w) = (
         ctx.geo.head_dim,
         ctx.group,
@@ -864,10 +872,10 @@ unsafe fn attend_item_rows<E: Elem, L: Lanes + Rows>(ctx: &Ctx<'_, E>, it: &Item
         let probs = &p[..kn * mp];
         match d / w {
             _ if d % w != 0 => pv_axpy::<L>(&mut acc, probs, &vrows[..kn], rows, mp, d),
-            1 => pv_block::<L, 1>(&mut acc, probs, &vrows[..kn], rows, mp),
-            2 => pv_block::<L, 2>(&mut acc, probs, &vrows[..kn], rows, mp),
-            4 => pv_block::<L, 4>(&mut acc, probs, &vrows[..kn], rows, mp),
-            8 => pv_block::<L, 8>(&mut acc, probs, &vrows[..kn], rows, mp),
+            1 => L::pv_block_outlined::<1>(&mut acc, probs, &vrows[..kn], rows, mp),
+            2 => L::pv_block_outlined::<2>(&mut acc, probs, &vrows[..kn], rows, mp),
+            4 => L::pv_block_outlined::<4>(&mut acc, probs, &vrows[..kn], rows, mp),
+            8 => L::pv_block_outlined::<8>(&mut acc, probs, &vrows[..kn], rows, mp),
             _ => pv_axpy::<L>(&mut acc, probs, &vrows[..kn], rows, mp, d),
         }
     }
@@ -965,6 +973,85 @@ unsafe fn exp_shifted<L: Rows>(x: &mut [f32], shift: f32) -> f32 {
         i += 1;
     }
     sum
+}
+
+/// [`pv_block`] compiled as a function of its own per instruction set: inlined into the
+/// row-parallel item, its accumulators competed for registers with the constants the item's
+/// softmax keeps live, and LLVM kept half of them on the stack (a load and a store around
+/// every FMA).
+trait PvOutlined: Rows {
+    unsafe fn pv_block_outlined<const NV: usize>(
+        acc: &mut [f32],
+        probs: &[f32],
+        v: &[&[f32]],
+        rows: usize,
+        mp: usize,
+    );
+}
+
+impl PvOutlined for Scalar {
+    #[inline(never)]
+    unsafe fn pv_block_outlined<const NV: usize>(
+        acc: &mut [f32],
+        probs: &[f32],
+        v: &[&[f32]],
+        rows: usize,
+        mp: usize,
+    ) {
+        pv_block::<Scalar, NV>(acc, probs, v, rows, mp)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl PvOutlined for Avx2 {
+    #[inline(never)]
+    unsafe fn pv_block_outlined<const NV: usize>(
+        acc: &mut [f32],
+        probs: &[f32],
+        v: &[&[f32]],
+        rows: usize,
+        mp: usize,
+    ) {
+        pv_block_avx2::<NV>(acc, probs, v, rows, mp)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pv_block_avx2<const NV: usize>(
+    acc: &mut [f32],
+    probs: &[f32],
+    v: &[&[f32]],
+    rows: usize,
+    mp: usize,
+) {
+    pv_block::<Avx2, NV>(acc, probs, v, rows, mp)
+}
+
+#[cfg(target_arch = "x86_64")]
+impl PvOutlined for Avx512 {
+    #[inline(never)]
+    unsafe fn pv_block_outlined<const NV: usize>(
+        acc: &mut [f32],
+        probs: &[f32],
+        v: &[&[f32]],
+        rows: usize,
+        mp: usize,
+    ) {
+        pv_block_avx512::<NV>(acc, probs, v, rows, mp)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn pv_block_avx512<const NV: usize>(
+    acc: &mut [f32],
+    probs: &[f32],
+    v: &[&[f32]],
+    rows: usize,
+    mp: usize,
+) {
+    pv_block::<Avx512, NV>(acc, probs, v, rows, mp)
 }
 
 /// acc[r] += sum_c probs[c, r] * v[c] with acc[r] held in NV registers across the chunk.
