@@ -75,12 +75,14 @@ def test_cpu_native_matches_explicit_masks(layout, block_size, H, hkv, D, seed):
             torch.testing.assert_close(out, b.want, atol=2e-5, rtol=2e-5, msg=lambda m: f"{isa} x{threads}: {m}")
 
 
-def test_cpu_native_bf16_keeps_tree_runs_out_of_sdpa():
-    """bf16 sends query runs >= 64 tokens to SDPA; a 63-node tree run (64 tokens) must stay in the
-    kernel, which applies its mask, while a long prefill chunk beside it still goes to SDPA."""
+def test_cpu_native_bf16_keeps_tree_runs_out_of_sdpa(monkeypatch):
+    """bf16 sends query runs >= 64 tokens to SDPA (on AMX CPUs); a 63-node tree run (64 tokens)
+    must stay in the kernel, which applies its mask, while a long prefill chunk beside it still
+    goes to SDPA."""
     from specinfer.attention import cpu_native
     from specinfer.attention.cpu_native import CpuNativeBackend
 
+    monkeypatch.setattr(cpu_native, "SDPA_ROUTE", True)
     rng = random.Random(11)
     reqs = mixed_requests(rng) + [Request(5, "prefill", 70)]
     b = build(reqs, "mqa", 16, 8, 2, 64, 11, dtype=torch.bfloat16)

@@ -65,11 +65,21 @@ def test_bfloat16_long_prefill_runs_go_to_sdpa_the_rest_to_the_kernel(monkeypatc
     from specinfer.attention import cpu_native
 
     seqs = MIXED + [(10, 70), (0, 64)]  # two runs at or past SDPA_MIN_QUERY_LEN, one with context
+    monkeypatch.setattr(cpu_native, "SDPA_ROUTE", True)  # as on a CPU with AMX
     monkeypatch.setattr(cpu_native, "_sdpa_runs", _counting(cpu_native._sdpa_runs, calls := []))
     _check(seqs, 16, 8, 2, 64, dtype=torch.bfloat16, tol=2e-2)
     assert [len(runs) for runs in calls] == [2]
     calls.clear()
     _check(seqs, 16, 8, 2, 64, dtype=torch.float32)  # float32: the kernel attends everything
+    assert calls == []
+
+
+def test_without_amx_the_kernel_attends_long_bfloat16_runs_too(monkeypatch):
+    from specinfer.attention import cpu_native
+
+    monkeypatch.setattr(cpu_native, "SDPA_ROUTE", False)  # e.g. AVX-512 BF16 without AMX (Zen 5)
+    monkeypatch.setattr(cpu_native, "_sdpa_runs", _counting(cpu_native._sdpa_runs, calls := []))
+    _check(MIXED + [(10, 70), (0, 64)], 16, 8, 2, 64, dtype=torch.bfloat16, tol=2e-2)
     assert calls == []
 
 

@@ -11,10 +11,13 @@ allows (`isa` forces one; `specinfer._core.cpu_kernel_isa()` says what this CPU 
 Token trees (`meta.tree_mask` / `tree_start`, see attention/metadata.py) go to the kernel with
 the layout and are applied inside it; without them the kernel runs its plain causal code.
 
-One exception, measured: over a bfloat16 cache, query runs of at least SDPA_MIN_QUERY_LEN tokens
-(long prefill chunks) go to torch's SDPA (as in torch_ref: keys gathered per sequence), whose
-bf16 kernel (AMX / avx512_bf16) beat this f32-arithmetic kernel 2.5x on a 512-token chunk; the
-kernel still stores their K/V and attends every other run of the batch.
+One exception, on CPUs with AMX only (SDPA_ROUTE): over a bfloat16 cache, query runs of at least
+SDPA_MIN_QUERY_LEN tokens (long prefill chunks) go to torch's SDPA (as in torch_ref: keys
+gathered per sequence), whose AMX bf16 kernel beat this f32-arithmetic kernel 2.5x on a
+512-token chunk on an Intel Xeon (measured before the kernel's row path was reworked, 3x faster
+since; not re-measured there). Without AMX (AVX-512 BF16 on Zen 5) the kernel is the faster one:
+2.1 vs 6.8 ms on a 512-token chunk, 0.83 vs 2.0 ms on 128 tokens at context 384. The kernel
+still stores the routed runs' K/V and attends every other run of the batch.
 
 Memory contract (asserted here, sizes re-checked in Rust): CPU tensors of one dtype (float32 or
 bfloat16; q/k/v are cast to the cache's; a float16 cache goes to torch_ref instead), q [T, H, D] and k/v [T, Hkv, D] with unit stride along
@@ -31,9 +34,11 @@ import torch.nn.functional as F
 
 from specinfer._core import CpuPagedBatch
 from specinfer.attention.metadata import AttentionMetadata
+from specinfer.platform.cpu_features import has_amx_bf16
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 SDPA_MIN_QUERY_LEN = {torch.bfloat16: 64}  # cache dtype -> query runs at least this long go to SDPA
+SDPA_ROUTE = has_amx_bf16()  # whether they do (see the module doc)
 THREADS_ENV = "SPECINFER_ATTENTION_THREADS"
 
 
@@ -108,7 +113,8 @@ class CpuNativeBackend:
         out = torch.empty(T, H, D, dtype=dtype)
         threads = self.num_threads if self.num_threads is not None else torch.get_num_threads()
         batch, long_runs = prepared.batch, ()
-        min_len = None if self.batch_invariant else SDPA_MIN_QUERY_LEN.get(dtype)  # SDPA: another arithmetic
+        # SDPA: another arithmetic, so never in batch-invariant mode
+        min_len = None if self.batch_invariant or not SDPA_ROUTE else SDPA_MIN_QUERY_LEN.get(dtype)
         if min_len is not None and prepared.meta.max_query_len >= min_len:
             batch, long_runs = self._split(prepared, min_len)
         batch.forward(

@@ -16,14 +16,13 @@ beside it. One rounding of the f32 result to the activation dtype. Any K and N.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from specinfer._core import cpu_kernel_isa
 from specinfer._core import panel_linear as _panel_linear_kernel
 from specinfer.models.few_rows_linear import GEMM_ENV
+from specinfer.platform.cpu_features import has_amx_bf16, has_avx512_bf16
 
 PANEL = 64  # output rows per panel (rust/kernels/src/panel_linear.rs)
 _KERNEL_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -45,22 +44,8 @@ def panel_preferred(dtype: torch.dtype) -> bool:
     if gemm:
         return gemm == "panel"
     if dtype == torch.bfloat16:
-        flags = cpu_flags()
-        return "avx512_bf16" in flags and "amx_bf16" not in flags
+        return has_avx512_bf16() and not has_amx_bf16()
     return True
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 class PanelWeight:
