@@ -1002,57 +1002,39 @@ impl PvOutlined for Scalar {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-impl PvOutlined for Avx2 {
-    #[inline(never)]
-    unsafe fn pv_block_outlined<const NV: usize>(
-        acc: &mut [f32],
-        probs: &[f32],
-        v: &[&[f32]],
-        rows: usize,
-        mp: usize,
-    ) {
-        pv_block_avx2::<NV>(acc, probs, v, rows, mp)
-    }
+/// PvOutlined for a vector `Lanes` type: a `#[target_feature]` function holding its pv_block.
+macro_rules! pv_outlined {
+    ($lanes:ty, $features:literal, $func:ident) => {
+        #[cfg(target_arch = "x86_64")]
+        impl PvOutlined for $lanes {
+            unsafe fn pv_block_outlined<const NV: usize>(
+                acc: &mut [f32],
+                probs: &[f32],
+                v: &[&[f32]],
+                rows: usize,
+                mp: usize,
+            ) {
+                $func::<NV>(acc, probs, v, rows, mp)
+            }
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[inline(never)]
+        #[target_feature(enable = $features)]
+        unsafe fn $func<const NV: usize>(
+            acc: &mut [f32],
+            probs: &[f32],
+            v: &[&[f32]],
+            rows: usize,
+            mp: usize,
+        ) {
+            pv_block::<$lanes, NV>(acc, probs, v, rows, mp)
+        }
+    };
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn pv_block_avx2<const NV: usize>(
-    acc: &mut [f32],
-    probs: &[f32],
-    v: &[&[f32]],
-    rows: usize,
-    mp: usize,
-) {
-    pv_block::<Avx2, NV>(acc, probs, v, rows, mp)
-}
-
-#[cfg(target_arch = "x86_64")]
-impl PvOutlined for Avx512 {
-    #[inline(never)]
-    unsafe fn pv_block_outlined<const NV: usize>(
-        acc: &mut [f32],
-        probs: &[f32],
-        v: &[&[f32]],
-        rows: usize,
-        mp: usize,
-    ) {
-        pv_block_avx512::<NV>(acc, probs, v, rows, mp)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn pv_block_avx512<const NV: usize>(
-    acc: &mut [f32],
-    probs: &[f32],
-    v: &[&[f32]],
-    rows: usize,
-    mp: usize,
-) {
-    pv_block::<Avx512, NV>(acc, probs, v, rows, mp)
-}
+pv_outlined!(Avx2, "avx2,fma", pv_block_avx2);
+pv_outlined!(Avx512, "avx512f", pv_block_avx512);
 
 /// acc[r] += sum_c probs[c, r] * v[c] with acc[r] held in NV registers across the chunk.
 #[inline(always)]
