@@ -1,6 +1,6 @@
 //! Dense linear for every row count with one arithmetic: `out[M, N] = x[M, K] · W^T (+ bias)`,
-//! W of f32 or bf16 packed in panels of [`PANEL`] output rows (`[N / 64, K, 64]`, the last panel
-//! zero-padded), x and out f32.
+//! W f32 packed in panels of [`PANEL`] output rows (`[N / 64, K, 64]`, the last panel
+//! zero-padded), x and out f32. (bf16 weights: [`crate::panel_linear_bf16`], paired panels.)
 //!
 //! Each output element is one chain of fused multiply-adds over k = 0, 1, ..., K - 1 starting
 //! from zero, then `+ bias` once: the same operations in the same order whatever M, the tile
@@ -16,7 +16,7 @@
 //! split over threads.
 
 use crate::elem::Elem;
-use crate::few_rows_linear::{check_io, err, WeightElem};
+use crate::few_rows_linear::{check_io, err};
 use crate::paged_attention::AttentionError as KernelError;
 use crate::simd::{prefetch_l1, I8Rows, Isa, Rows, Scalar};
 #[cfg(target_arch = "x86_64")]
@@ -54,23 +54,17 @@ pub fn panel_pack<W: Copy + Default>(w: &[W], n: usize, k: usize) -> Vec<W> {
 
 /// out `[m, n]` = x `[m, k]` · w^T (+ bias `[n]`), w packed by [`panel_pack`].
 #[allow(clippy::too_many_arguments)]
-pub fn panel_linear<W: WeightElem>(
+pub fn panel_linear(
     isa: Isa,
     num_threads: usize,
     x: &[f32],
     m: usize,
-    packed: &[W],
+    packed: &[f32],
     n: usize,
     k: usize,
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    if W::SCALED {
-        return err(
-            "weight",
-            "panel_linear takes unscaled (f32 or bf16) weights",
-        );
-    }
     if k == 0 {
         return err("k", "must be at least 1");
     }
@@ -98,22 +92,22 @@ pub fn panel_linear<W: WeightElem>(
         bias,
         out: OutPtr(out.as_mut_ptr()),
     };
-    let run: unsafe fn(&Job<'_, W>, usize) = match isa {
+    let run: unsafe fn(&Job<'_>, usize) = match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => item_avx512::<W>,
+        Isa::Avx512 => item_avx512,
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => item_avx2::<W>,
-        _ => item_scalar::<W>,
+        Isa::Avx2 => item_avx2,
+        _ => item_scalar,
     };
     // SAFETY: `run` matches the supported `isa`; items write disjoint output columns.
     threads::for_each_item(num_threads, &items, |&p0| unsafe { run(&job, p0) });
     Ok(())
 }
 
-struct Job<'a, W> {
+struct Job<'a> {
     x: &'a [f32],
     m: usize,
-    w: &'a [W],
+    w: &'a [f32],
     n: usize,
     k: usize,
     bias: Option<&'a [f32]>,
@@ -126,31 +120,31 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
-unsafe fn item_scalar<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
-    item::<ScalarFused, W, 16>(job, p0)
+unsafe fn item_scalar(job: &Job<'_>, p0: usize) {
+    item::<ScalarFused, 16>(job, p0)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn item_avx2<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
-    item::<Avx2, W, 2>(job, p0)
+unsafe fn item_avx2(job: &Job<'_>, p0: usize) {
+    item::<Avx2, 2>(job, p0)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn item_avx512<W: WeightElem>(job: &Job<'_, W>, p0: usize) {
-    item::<Avx512, W, 4>(job, p0)
+unsafe fn item_avx512(job: &Job<'_>, p0: usize) {
+    item::<Avx512, 4>(job, p0)
 }
 
 /// Panel p for every activation row, in column slices of NV vectors (AVX-512: the whole panel).
 #[inline(always)]
-unsafe fn item<L: I8Rows, W: WeightElem, const NV: usize>(job: &Job<'_, W>, p: usize) {
+unsafe fn item<L: Rows, const NV: usize>(job: &Job<'_>, p: usize) {
     let mut c = 0;
     while c < PANEL && p * PANEL + c < job.n {
         let mut m0 = 0;
         while m0 < job.m {
             let mr = (job.m - m0).min(MR);
-            tile_dispatch::<L, W, NV>(job, p, c, m0, mr, m0 == 0 && c == 0);
+            tile_dispatch::<L, NV>(job, p, c, m0, mr, m0 == 0 && c == 0);
             m0 += mr;
         }
         c += NV * L::W;
@@ -158,8 +152,8 @@ unsafe fn item<L: I8Rows, W: WeightElem, const NV: usize>(job: &Job<'_, W>, p: u
 }
 
 #[inline(always)]
-unsafe fn tile_dispatch<L: I8Rows, W: WeightElem, const NV: usize>(
-    job: &Job<'_, W>,
+unsafe fn tile_dispatch<L: Rows, const NV: usize>(
+    job: &Job<'_>,
     p: usize,
     c: usize,
     m0: usize,
@@ -167,12 +161,12 @@ unsafe fn tile_dispatch<L: I8Rows, W: WeightElem, const NV: usize>(
     first: bool,
 ) {
     match mr {
-        6 => tile::<L, W, 6, NV>(job, p, c, m0, first),
-        5 => tile::<L, W, 5, NV>(job, p, c, m0, first),
-        4 => tile::<L, W, 4, NV>(job, p, c, m0, first),
-        3 => tile::<L, W, 3, NV>(job, p, c, m0, first),
-        2 => tile::<L, W, 2, NV>(job, p, c, m0, first),
-        _ => tile::<L, W, 1, NV>(job, p, c, m0, first),
+        6 => tile::<L, 6, NV>(job, p, c, m0, first),
+        5 => tile::<L, 5, NV>(job, p, c, m0, first),
+        4 => tile::<L, 4, NV>(job, p, c, m0, first),
+        3 => tile::<L, 3, NV>(job, p, c, m0, first),
+        2 => tile::<L, 2, NV>(job, p, c, m0, first),
+        _ => tile::<L, 1, NV>(job, p, c, m0, first),
     }
 }
 
@@ -180,8 +174,8 @@ unsafe fn tile_dispatch<L: I8Rows, W: WeightElem, const NV: usize>(
 /// one FMA chain each over k in order. `first`: the first pass over the panel, which prefetches
 /// its stream.
 #[inline(always)]
-unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
-    job: &Job<'_, W>,
+unsafe fn tile<L: Rows, const R: usize, const NV: usize>(
+    job: &Job<'_>,
     p: usize,
     c: usize,
     m0: usize,
@@ -192,7 +186,7 @@ unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
     let x = job.x.as_ptr().add(m0 * k);
     let panel = w.add(p * k * PANEL);
     let base = panel.add(c);
-    let line = PANEL * std::mem::size_of::<W>(); // bytes of one k step of the panel
+    let line = PANEL * std::mem::size_of::<f32>(); // bytes of one k step of the panel
     let ahead = panel as *const i8;
     let mut acc = [[L::splat(0.0); NV]; R];
     for e in 0..k {
@@ -207,7 +201,7 @@ unsafe fn tile<L: I8Rows, W: WeightElem, const R: usize, const NV: usize>(
         // k step, ~7x slower on AVX-512)
         let mut wv = [L::splat(0.0); NV];
         for (v, w) in wv.iter_mut().enumerate() {
-            *w = W::widen::<L>(base.add(e * PANEL + v * L::W));
+            *w = L::load(base.add(e * PANEL + v * L::W));
         }
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let xb = L::splat(*x.add(r * k + e));
