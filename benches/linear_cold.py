@@ -1,6 +1,6 @@
 """GEMM weights streamed cold, as a decode step reads them: every linear of SmolLM2-135M's 30 layers
 (q|k|v 576->960, o 576->576, gate|up 576->3072, down 1536->576; 106 M weights, more than the L2
-holds) run back to back at M activation rows, per weight form: int8 (our kernel), oneDNN-packed
+holds) run back to back at M activation rows, per weight form: int8 and w8a8 (our kernels), oneDNN-packed
 fp32 and bf16, plain bf16 and fp32 through our few-rows kernel (models/few_rows_linear.py), and
 bf16 / fp32 panels through our batch-invariant panel kernel (models/panel_linear.py). Forms are interleaved per repeat; prints
 each form's median time per pass over all layers and the weight bytes streamed per second.
@@ -22,7 +22,7 @@ from specinfer.models.packed_linear import pack_weight, packed_linear, packing_s
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's GEMMs
 LAYERS = 30
-FORMS = ["int8", "bf16", "fp32", "bf16-kernel", "fp32-kernel", "bf16-panel", "fp32-panel"]
+FORMS = ["int8", "w8a8", "bf16", "fp32", "bf16-kernel", "fp32-kernel", "bf16-panel", "fp32-panel"]
 
 
 def build(form: str):
@@ -32,9 +32,11 @@ def build(form: str):
     for _ in range(LAYERS):
         for n, k in SHAPES:
             dense = torch.randn(n, k) * 0.05
-            if form == "int8":
+            if form in ("int8", "w8a8"):
                 w = Int8Weight(n, k)
                 w.load(None, dense)
+                if form == "w8a8":  # the tiled layout the W8A8 kernel reads
+                    w.pack()
                 nbytes += w.nbytes
             elif form.endswith("-panel"):  # our batch-invariant panel kernel
                 w = PanelWeight(dense.to(torch.bfloat16 if form.startswith("bf16") else torch.float32))
@@ -50,7 +52,7 @@ def build(form: str):
                 w = pack_weight(dense.to(dtype))
                 nbytes += n * k * (2 if form == "bf16" else 4)
             weights.append((w, k))
-    if form == "int8":
+    if form in ("int8", "w8a8"):
         return weights, int8_linear, nbytes, torch.float32
     if form.endswith("-panel"):
         return weights, panel_linear, nbytes, torch.bfloat16 if form.startswith("bf16") else torch.float32
