@@ -63,73 +63,14 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
     tasks = {t: load_task(t, cfg.prompt_dir) for t in cfg.tasks}
     # every specinfer method reads one loaded copy of each model (engine/model_loading.py)
     with shared_models():
-        engines, unavailable = {}, {}
-        prompt_ids = None
-        for m in order:
-            log(f"[bench] loading {m.name} ({m.engine})")
-            try:
-                if prompt_ids is None:
-                    # load the target once without a KV pool: tokenizer, chat template, prompt lengths
-                    from specinfer.engine.model_loading import load_any
-
-                    loaded = load_any(m.model or cfg.model, dtype=getattr(torch, cfg.dtype), device=torch.device("cpu"))
-                    encode = prompt_encoder(loaded, cfg.use_chat_template)
-                    need = max(cfg.num_prompts, max(cfg.batch_sizes))
-                    prompt_ids = {t: [encode(p) for p in s.prompts[:need]] for t, s in tasks.items()}
-                    max_len = max(len(p) for ps in prompt_ids.values() for p in ps)
-                    eos = tuple(loaded.eos_token_ids)
-                    limit = int(loaded.config.max_position_embeddings)
-                    del loaded
-                    gc.collect()
-                engines[m.name] = make_engine(cfg, m, max_prompt_len=max_len, eos_token_ids=eos,
-                                              model_limit=limit if m.model is None else None, log=log)
-            except PeerUnavailable as e:
-                unavailable[m.name] = str(e)
-                log(f"[bench] {m.name}: unavailable: {e}")
-        runs = []
-        if cfg.warmup:  # one short call per batch size: first-call costs (buffers sized for b) stay untimed
-            warm = BenchConfig.from_dict({**cfg.to_dict(), "max_tokens": min(8, cfg.max_tokens)})
-            first = next(iter(prompt_ids.values()))
-            for name, eng in list(engines.items()):
-                for b in sorted(cfg.batch_sizes):
-                    try:
-                        eng.run(batches_for(first, b, 1)[0], warm)
-                    except PeerUnavailable as e:
-                        if b == 1:
-                            unavailable[name] = str(e)
-                        # b > 1: the timed runs record the error for that batch size
-        for rep, b, task, m in interleaved_schedule(cfg):
-            eng = engines.get(m.name)
-            if eng is None:
-                continue
-            calls = batches_for(prompt_ids[task], b, cfg.num_prompts)
-            load = load_average()
-            tokens, metrics, error, child_cpu, token_ids = 0, None, None, 0.0, []
-            w0, c0 = time.perf_counter(), time.process_time()
-            try:
-                for i, call in enumerate(calls):
-                    n, mm = eng.run(call, cfg, seed=rep * 1000 + i)
-                    child_cpu += getattr(eng, "last_child_cpu_s", 0.0)  # a peer in its own process
-                    tokens += n
-                    metrics = _merge_metrics(metrics, mm)
-                    if rep == 0:
-                        token_ids += getattr(eng, "last_token_ids", [])
-            except PeerUnavailable as e:
-                error = str(e)
-            wall, cpu = time.perf_counter() - w0, time.process_time() - c0 + child_cpu
-            if error is not None:
-                runs.append(dict(method=m.name, task=task, batch_size=b, repeat=rep, error=error))
-                continue
-            run = dict(method=m.name, task=task, batch_size=b, repeat=rep, num_requests=sum(map(len, calls)),
-                       tokens=tokens, wall_s=wall, cpu_s=cpu, tokens_per_s=tokens / wall if wall else None,
-                       load_average=load, metrics=metrics)
-            if rep == 0:
-                run["token_ids"] = token_ids
-            runs.append(run)
-            log(f"[bench] rep {rep} b={b} {task:16s} {m.name:20s} {tokens:5d} tok {wall:7.2f} s wall "
-                f"{cpu:7.2f} s cpu  {tokens / wall:7.2f} tok/s  load {load[0] if load else '?'}")
-        for eng in engines.values():
-            eng.close()
+        engines, unavailable, prompt_ids = _load_engines(cfg, order, tasks, log)
+        try:
+            if cfg.warmup:
+                _warm_up(cfg, engines, prompt_ids, unavailable)
+            runs = list(_timed_runs(cfg, engines, prompt_ids, log))
+        finally:
+            for eng in engines.values():
+                eng.close()
     from specinfer.bench.engines import release_hf_models
 
     release_hf_models()
@@ -162,6 +103,82 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
             results["plots_error"] = traceback.format_exc(limit=3)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=_json_default), encoding="utf-8")
     return results
+
+
+def _load_engines(cfg: BenchConfig, order, tasks, log):
+    """-> (engines by method name, unavailable {name: why}, prompt token ids by task)."""
+    engines, unavailable = {}, {}
+    prompt_ids = None
+    for m in order:
+        log(f"[bench] loading {m.name} ({m.engine})")
+        try:
+            if prompt_ids is None:
+                # load the target once without a KV pool: tokenizer, chat template, prompt lengths
+                from specinfer.engine.model_loading import load_any
+
+                loaded = load_any(m.model or cfg.model, dtype=getattr(torch, cfg.dtype), device=torch.device("cpu"))
+                encode = prompt_encoder(loaded, cfg.use_chat_template)
+                need = max(cfg.num_prompts, max(cfg.batch_sizes))
+                prompt_ids = {t: [encode(p) for p in s.prompts[:need]] for t, s in tasks.items()}
+                max_len = max(len(p) for ps in prompt_ids.values() for p in ps)
+                eos = tuple(loaded.eos_token_ids)
+                limit = int(loaded.config.max_position_embeddings)
+                del loaded
+                gc.collect()
+            engines[m.name] = make_engine(cfg, m, max_prompt_len=max_len, eos_token_ids=eos,
+                                          model_limit=limit if m.model is None else None, log=log)
+        except PeerUnavailable as e:
+            unavailable[m.name] = str(e)
+            log(f"[bench] {m.name}: unavailable: {e}")
+    return engines, unavailable, prompt_ids
+
+
+def _warm_up(cfg: BenchConfig, engines, prompt_ids, unavailable) -> None:
+    """One short call per batch size: first-call costs (buffers sized for b) stay untimed."""
+    warm = BenchConfig.from_dict({**cfg.to_dict(), "max_tokens": min(8, cfg.max_tokens)})
+    first = next(iter(prompt_ids.values()))
+    for name, eng in list(engines.items()):
+        for b in sorted(cfg.batch_sizes):
+            try:
+                eng.run(batches_for(first, b, 1)[0], warm)
+            except PeerUnavailable as e:
+                if b == 1:
+                    unavailable[name] = str(e)
+                # b > 1: the timed runs record the error for that batch size
+
+
+def _timed_runs(cfg: BenchConfig, engines, prompt_ids, log):
+    """Yield one run record per (repeat, batch size, task, method), methods interleaved."""
+    for rep, b, task, m in interleaved_schedule(cfg):
+        eng = engines.get(m.name)
+        if eng is None:
+            continue
+        calls = batches_for(prompt_ids[task], b, cfg.num_prompts)
+        load = load_average()
+        tokens, metrics, error, child_cpu, token_ids = 0, None, None, 0.0, []
+        w0, c0 = time.perf_counter(), time.process_time()
+        try:
+            for i, call in enumerate(calls):
+                n, mm = eng.run(call, cfg, seed=rep * 1000 + i)
+                child_cpu += getattr(eng, "last_child_cpu_s", 0.0)  # a peer in its own process
+                tokens += n
+                metrics = _merge_metrics(metrics, mm)
+                if rep == 0:
+                    token_ids += getattr(eng, "last_token_ids", [])
+        except PeerUnavailable as e:
+            error = str(e)
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0 + child_cpu
+        if error is not None:
+            yield dict(method=m.name, task=task, batch_size=b, repeat=rep, error=error)
+            continue
+        run = dict(method=m.name, task=task, batch_size=b, repeat=rep, num_requests=sum(map(len, calls)),
+                   tokens=tokens, wall_s=wall, cpu_s=cpu, tokens_per_s=tokens / wall if wall else None,
+                   load_average=load, metrics=metrics)
+        if rep == 0:
+            run["token_ids"] = token_ids
+        yield run
+        log(f"[bench] rep {rep} b={b} {task:16s} {m.name:20s} {tokens:5d} tok {wall:7.2f} s wall "
+            f"{cpu:7.2f} s cpu  {tokens / wall:7.2f} tok/s  load {load[0] if load else '?'}")
 
 
 def reaggregate(results_path, *, plots: bool = True) -> dict:
