@@ -244,3 +244,31 @@ def test_distillation_data_with_aux_states_serves_a_head_that_reads_none(setup, 
     assert all(torch.equal(a.final, b.final) for a, b in zip(reused, with_aux))
     cached_sequences(path, {**key, "aux": [], "prompts": 4}, build)
     assert built == [1]
+
+
+def test_distillation_data_built_in_bf16_trains_a_head_for_the_float32_target(setup, tmp_path):
+    """train_head(data_dtype="bfloat16"): the target builds the data in bf16 (its states near, not
+    equal to, the float32 build of the same prompts), the cache key names the dtype (float32 data is
+    never reused for it, nor it for float32), and the head, trained for the float32 target, drives
+    exact greedy speculation there; another dtype is refused."""
+    from specinfer.spec_decode.head_training import train_head
+
+    target, gen, prompts, _ = setup
+    cfg = TrainConfig("eagle", steps=3, save_every=3, draft_vocab_size=96)
+    train_head(str(target), tmp_path / "f32", cfg, 12, 16, progress=False, data_dtype="float32")
+    train_head(str(target), tmp_path / "bf16", cfg, 12, 16, progress=False, data_dtype="bfloat16")
+    f32, bf16 = (torch.load(tmp_path / d / "distill_data.pt", weights_only=False) for d in ("f32", "bf16"))
+    assert "dtype" not in f32["key"] and bf16["key"]["dtype"] == "bfloat16"
+    a, b = f32["seqs"][0], bf16["seqs"][0]
+    n = min(len(a["tokens"]), len(b["tokens"]))
+    assert torch.equal(a["tokens"][:a["prompt_len"]], b["tokens"][:b["prompt_len"]])  # the same prompt
+    err = (a["final"][:n] - b["final"][:n]).norm() / a["final"][:n].norm()
+    assert 0 < err < 0.1, err  # built in bf16: close, not the float32 bits
+    # the float32 data in bf16's place is rebuilt, not reused
+    (tmp_path / "bf16" / "distill_data.pt").write_bytes((tmp_path / "f32" / "distill_data.pt").read_bytes())
+    (tmp_path / "bf16" / "train_state.pt").unlink()
+    train_head(str(target), tmp_path / "bf16", cfg, 12, 16, progress=False, data_dtype="bfloat16")
+    assert torch.load(tmp_path / "bf16" / "distill_data.pt", weights_only=False)["key"]["dtype"] == "bfloat16"
+    _check_head_runs_greedy_exact(target, gen, prompts, "eagle", tmp_path / "bf16")
+    with pytest.raises(ValueError, match="data_dtype"):
+        train_head(str(target), tmp_path / "x", cfg, 12, 16, progress=False, data_dtype="float16")

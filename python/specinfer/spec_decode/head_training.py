@@ -314,23 +314,36 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
 
 
 def train_head(target_model: str, out: Path, cfg: TrainConfig, prompts: int, max_tokens: int, *,
-               progress: bool = True, data_path: Path | None = None) -> dict:
+               progress: bool = True, data_path: Path | None = None, data_dtype: str = "float32") -> dict:
     """The whole `specinfer train-heads` pipeline: load the target, build (or reuse, from data_path,
     default out/distill_data.pt) the distillation data of `prompts` greedy continuations of
-    `max_tokens` tokens, train, write the head to out; returns the report."""
+    `max_tokens` tokens, train, write the head to out; returns the report. `data_dtype` is the
+    precision the target runs in while it builds the data ("bfloat16": ~3x faster where the CPU
+    multiplies bf16 natively; the head still trains on, and is exported for, the target as loaded)."""
     import sys
 
     from specinfer.generator import Generator
     from specinfer.spec_decode.distill_data import build_sequences, cached_sequences, training_prompts
 
+    if data_dtype not in TRAIN_DTYPES:
+        raise ValueError(f"train-heads data_dtype must be one of {list(TRAIN_DTYPES)} (got {data_dtype!r})")
     gen = Generator(target_model, max_num_seqs=64)
     aux = ()
     if cfg.method == "eagle3":  # the three target layers an EAGLE-3 head reads
         from specinfer.spec_decode.eagle3_training import training_aux_layers
 
         aux = training_aux_layers(gen.engine.loaded.config.num_layers)
-    print(f"distillation data: {prompts} continuations of {max_tokens} tokens with the target ...", file=sys.stderr)
+
+    def build():
+        if gen.engine.dtype == getattr(torch, data_dtype):
+            return build_sequences(gen, training_prompts(gen.engine.loaded, prompts), max_tokens, aux)
+        with Generator(target_model, max_num_seqs=64, dtype=data_dtype) as data_gen:
+            return build_sequences(data_gen, training_prompts(data_gen.engine.loaded, prompts), max_tokens, aux)
+
+    print(f"distillation data: {prompts} continuations of {max_tokens} tokens with the target ({data_dtype}) ...",
+          file=sys.stderr)
     key = {"model": target_model, "prompts": prompts, "max_tokens": max_tokens, "aux": list(aux)}
-    seqs = cached_sequences(Path(data_path) if data_path is not None else Path(out) / "distill_data.pt", key,
-                            lambda: build_sequences(gen, training_prompts(gen.engine.loaded, prompts), max_tokens, aux))
+    if data_dtype != "float32":  # float32 data keeps the key it always had (caches built before stay valid)
+        key["dtype"] = data_dtype
+    seqs = cached_sequences(Path(data_path) if data_path is not None else Path(out) / "distill_data.pt", key, build)
     return train(gen.engine.loaded, seqs, out, cfg, progress=progress)
