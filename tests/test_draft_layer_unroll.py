@@ -124,3 +124,31 @@ def test_later_steps_at_a_subset_of_pairs_equal_the_full_unroll_there(kind):
     for s in (1, 2):
         assert part[s].shape == (1, 4, H)
         assert torch.allclose(part[s], full[s][:, pairs], atol=1e-5), s
+
+
+def test_packed_sequences_equal_the_padded_batch_at_real_positions_and_the_loss_uses_them():
+    """Training's step 1 packs sequences end to end (no padding computed): each sequence's outputs
+    equal the right-padded batch's at its real positions, and loss_on is the EAGLE loss over them."""
+    target = _target()
+    g = torch.Generator().manual_seed(4)
+    seqs = [DistillSequence(torch.randint(0, V, (n,), generator=g), 3, torch.randn(n, H, generator=g), None)
+            for n in (9, 16, 5, 12)]
+    tr = EagleTrainer(target, 3, 0, target.model.embed_tokens, seqs)
+    _randomize(tr)
+    lengths = [len(s.tokens) - 1 for s in seqs]
+    T_ = max(lengths)
+    tokens = torch.zeros(len(seqs), T_, dtype=torch.int64)
+    feats = torch.zeros(len(seqs), T_, H)
+    for b, s in enumerate(seqs):
+        tokens[b, :lengths[b]], feats[b, :lengths[b]] = s.tokens[1:], s.final[:-1]
+    with torch.no_grad():
+        padded = tr.unroll(tokens, feats, 1)[0]
+        packed = tr.packed(torch.cat([s.tokens[1:] for s in seqs]), torch.cat([s.final[:-1] for s in seqs]), lengths)
+        real = torch.cat([padded[b, :n] for b, n in enumerate(lengths)])
+        assert packed.shape == real.shape and torch.allclose(packed, real, rtol=1e-4, atol=1e-4)
+        # pair i predicts f_{i+1}, for every pair but each sequence's last
+        h = torch.cat([padded[b, :n - 1] for b, n in enumerate(lengths)])
+        nxt = torch.cat([s.final[1:-1] for s in seqs])
+        from specinfer.spec_decode import eagle_training
+        want = torch.nn.functional.smooth_l1_loss(h, nxt) + eagle_training.CLS_WEIGHT * tr.label_softmax.soft_loss(h, nxt)
+        assert torch.allclose(tr.loss_on(seqs), want, rtol=1e-5, atol=1e-5)

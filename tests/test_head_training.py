@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from specinfer import Generator, SamplingParams
 from specinfer.spec_decode.distill_data import DistillSequence, build_sequences
-from specinfer.spec_decode.head_training import MLPSpeculatorTrainer, TrainConfig, train
+from specinfer.spec_decode.head_training import WARMUP_STEPS, MLPSpeculatorTrainer, TrainConfig, learning_rate, train
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +43,46 @@ def test_trained_head_accepts_more_than_untrained(setup, tmp_path):
 
 def test_training_resumes_exactly(setup, tmp_path):
     _, gen, _, seqs = setup
-    cfg = dict(method="mlp_speculator", batch_size=16, save_every=5)
+    cfg = dict(method="mlp_speculator", batch_size=16, save_every=5, steps=12)
+    train(gen.engine.loaded, seqs, tmp_path / "once", TrainConfig(**cfg), progress=False)
+    for i in range(3):  # interrupted after one step each time (a time limit of 0 s), then resumed
+        report = train(gen.engine.loaded, seqs, tmp_path / "twice", TrainConfig(**cfg, max_seconds=0.0),
+                       progress=False)
+        assert report["steps"] == i + 1
+    report = train(gen.engine.loaded, seqs, tmp_path / "twice", TrainConfig(**cfg), progress=False)
+    assert report["steps"] == 12
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("once", "twice"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="other settings"):
+        train(gen.engine.loaded, seqs, tmp_path / "twice", TrainConfig(**{**cfg, "batch_size": 8}), progress=False)
+    with pytest.raises(ValueError, match="other settings"):  # wsd's rate ends at --steps: a run keeps them
+        train(gen.engine.loaded, seqs, tmp_path / "twice", TrainConfig(**{**cfg, "steps": 20}), progress=False)
+
+
+def test_invsqrt_training_extended_equals_one_asked_for_the_steps_at_once(setup, tmp_path):
+    _, gen, _, seqs = setup
+    cfg = dict(method="mlp_speculator", batch_size=16, save_every=5, lr_schedule="invsqrt")
     train(gen.engine.loaded, seqs, tmp_path / "once", TrainConfig(steps=12, **cfg), progress=False)
     train(gen.engine.loaded, seqs, tmp_path / "twice", TrainConfig(steps=7, **cfg), progress=False)
     report = train(gen.engine.loaded, seqs, tmp_path / "twice", TrainConfig(steps=12, **cfg), progress=False)
     assert report["steps"] == 12
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("once", "twice"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(ValueError, match="other settings"):
-        train(gen.engine.loaded, seqs, tmp_path / "twice", TrainConfig(steps=12, **{**cfg, "batch_size": 8}),
-              progress=False)
+
+
+def test_learning_rate_schedules():
+    wsd = TrainConfig("eagle", steps=1000, lr=1e-3)
+    assert wsd.lr_schedule == "wsd"
+    r = [learning_rate(wsd, s) for s in range(1000)]
+    assert r[0] == pytest.approx(1e-3 / WARMUP_STEPS) and r[WARMUP_STEPS - 1] == pytest.approx(1e-3)
+    assert all(x == pytest.approx(1e-3) for x in r[WARMUP_STEPS:701])  # stable
+    assert r[850] == pytest.approx(0.5e-3) and r[999] == pytest.approx(1e-3 / 300)  # linear to zero at steps
+    assert all(a > b for a, b in zip(r[700:], r[701:]))
+    inv = [TrainConfig("eagle", steps=n, lr=1e-3, lr_schedule="invsqrt") for n in (1000, 5000)]
+    assert [learning_rate(inv[0], s) for s in range(1000)] == [learning_rate(inv[1], s) for s in range(1000)]
+    assert learning_rate(inv[0], 799) == pytest.approx(0.5e-3)  # sqrt(200 / 800)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        TrainConfig("eagle", lr_schedule="cosine")
 
 
 @pytest.mark.slow  # ~20 s: subprocess + model load; train() itself is covered above

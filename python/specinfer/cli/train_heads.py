@@ -27,9 +27,14 @@ def add_arguments(p) -> None:
     p.add_argument("--prompts", type=int, default=400, metavar="N", help="training prompts (default 400)")
     p.add_argument("--max-tokens", type=int, default=96, metavar="N", help="target tokens per prompt (default 96)")
     p.add_argument("--steps", type=int, default=3000, metavar="N", help="optimizer steps (default 3000)")
-    p.add_argument("--minutes", type=float, default=None, metavar="M", help="stop training after M minutes")
+    p.add_argument("--minutes", type=float, default=None, metavar="M", help="stop training after M minutes (and save; rerun to resume). Under the "
+                        "default wsd schedule the rate reaches zero only at --steps: a run cut short ends before "
+                        "its decay")
     p.add_argument("--batch-size", type=int, default=64, metavar="N")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 for eagle, else 3e-3)")
+    p.add_argument("--lr-schedule", choices=("wsd", "invsqrt"), default="wsd",
+                   help="wsd (default): warm-up, constant, then linear to zero over the last 30%% of --steps (a "
+                        "resumed run keeps its --steps); invsqrt: inverse-square-root decay, a run can be extended")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-vocab-size", type=int, default=8192, metavar="N",
                    help="eagle, eagle3, medusa: draft vocabulary size (the target's most frequent tokens; d2t / "
@@ -56,7 +61,7 @@ def run(args) -> int:
     dtype = args.train_dtype if args.train_dtype != "auto" else native
     data_dtype = args.data_dtype if args.data_dtype != "auto" else native
     cfg = TrainConfig(args.method, num_heads=args.num_heads, steps=args.steps, batch_size=args.batch_size,
-                      lr=args.lr, seed=args.seed, draft_vocab_size=args.draft_vocab_size, train_dtype=dtype,
+                      lr=args.lr, lr_schedule=args.lr_schedule, seed=args.seed, draft_vocab_size=args.draft_vocab_size, train_dtype=dtype,
                       **({} if args.ttt_steps is None else {"ttt_steps": args.ttt_steps}),
                       max_seconds=None if args.minutes is None else 60 * args.minutes)
     report = train_head(args.model, Path(args.out), cfg, args.prompts, args.max_tokens, progress=not args.no_progress,

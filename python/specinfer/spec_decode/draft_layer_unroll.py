@@ -64,9 +64,42 @@ class UnrolledDraftLayer:
         attn = F.scaled_dot_product_attention(
             q.transpose(1, 2), kk.repeat_interleave(rep, 1).to(q.dtype), vv.repeat_interleave(rep, 1).to(q.dtype),
             attn_mask=mask if step else None, is_causal=not step, scale=c.head_dim ** -0.5)  # [B, nh, T, d]
-        h = resid + F.linear(attn.transpose(1, 2).reshape(B, T, -1), p["o"])
-        u = rms(h, p["post_ln"], c.rms_norm_eps)
+        return self._output(resid, attn.transpose(1, 2).reshape(B, T, -1))
+
+    def _output(self, resid: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """o_proj into the residual, then the post-norm MLP (attn [..., nh * d])."""
+        p = self.params
+        h = resid + F.linear(attn, p["o"])
+        u = rms(h, p["post_ln"], self.cfg.rms_norm_eps)
         return h + F.linear(F.silu(F.linear(u, p["gate"])) * F.linear(u, p["up"]), p["down"])
+
+    def packed(self, tokens: torch.Tensor, first: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Step 0 (teacher-forced) over sequences packed end to end: tokens int64[N], first [N, H],
+        lengths (summing to N; each sequence's positions start at 0) -> [N, H], each sequence
+        attending causally to itself alone. The same outputs as unroll(...)[0] over the right-padded
+        batch at its real positions, without the padding's linears and attention (a random batch
+        of four sequences pads ~34 % of its rows and ~64 % of its attention)."""
+        c, p = self.cfg, self.params
+        N = len(tokens)
+        resid, x = (t[0] for t in self._inputs(tokens[None], first[None]))
+        q = F.linear(x, p["q"]).view(N, c.num_heads, c.head_dim)
+        k = F.linear(x, p["k"]).view(N, c.num_kv_heads, c.head_dim)
+        v = F.linear(x, p["v"]).view(N, c.num_kv_heads, c.head_dim)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        cos, sin = rope_factors(self.rope_cos[positions], self.rope_sin[positions])  # [N, 1, d]
+        qk = apply_rope(torch.cat([q, k], 1), cos, sin)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads:].to(q.dtype)
+        rep = c.num_heads // c.num_kv_heads
+        out, start = [], 0
+        for n in lengths:  # causal attention within each sequence ([1, heads, n, d])
+            seg = slice(start, start + n)
+            a = F.scaled_dot_product_attention(
+                q[seg].transpose(0, 1)[None], k[seg].transpose(0, 1).repeat_interleave(rep, 0)[None],
+                v[seg].transpose(0, 1).repeat_interleave(rep, 0)[None].to(q.dtype), is_causal=True,
+                scale=c.head_dim ** -0.5)
+            out.append(a[0].transpose(0, 1).reshape(n, -1))
+            start += n
+        return self._output(resid, torch.cat(out))
 
     def unroll(self, tokens: torch.Tensor, first: torch.Tensor, steps: int,
                pairs: torch.Tensor | None = None) -> list[torch.Tensor]:

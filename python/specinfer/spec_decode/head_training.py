@@ -31,9 +31,14 @@ from specinfer.spec_decode.distill_data import DistillSequence, LabelSoftmax
 
 TRAINABLE = ("medusa", "mlp_speculator", "eagle", "eagle3")
 TRAIN_DTYPES = ("float32", "bfloat16")
+LR_SCHEDULES = ("wsd", "invsqrt")
 EAGLE_SEQS_PER_BATCH = 4
 WARMUP_STEPS = 20
-DECAY_FROM = 200
+DECAY_FROM = 200  # invsqrt: the rate decays from this step on
+# EAGLE on SmolLM2-135M, 800 wsd steps: 6e-3 / 3e-3 / 2e-3 / 1.2e-3 gave teacher-forced first-draft
+# accuracy 0.39 / 0.49 / 0.51 / 0.51 (benches/head_recipe_ablation.py; docs/benchmarks.md)
+DEFAULT_LR = {"eagle": 2e-3}
+WSD_DECAY_FRACTION = 0.3  # wsd: the rate falls linearly to zero over the last 30 % of the steps
 HELD_OUT_EVERY = 10
 
 
@@ -43,7 +48,7 @@ class TrainConfig:
     num_heads: int = 4  # Medusa heads / MLP speculator n_predict
     steps: int = 1000
     batch_size: int = 64
-    lr: float = 3e-3
+    lr: float | None = None  # peak learning rate; None: DEFAULT_LR of the method
     seed: int = 0
     max_seconds: float | None = None  # stop (and save) after this much training time
     save_every: int = 50
@@ -53,10 +58,18 @@ class TrainConfig:
     # ~2.5x the steps per second on a CPU with AMX / avx512_bf16), or "float32"
     train_dtype: str = "float32"
     ttt_steps: int = 1  # eagle: chain steps unrolled per training pair (eagle_training; 1: teacher-forced)
+    # "wsd" (warm-up, stable, decay to zero at `steps`) or "invsqrt" (no end: a run can be extended); learning_rate
+    lr_schedule: str = "wsd"
 
     def __post_init__(self):
         if self.method not in TRAINABLE:
             raise ValueError(f"train-heads --method must be one of {list(TRAINABLE)} (got {self.method!r})")
+        if self.lr is None:
+            object.__setattr__(self, "lr", DEFAULT_LR.get(self.method, 3e-3))
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise ValueError(f"train-heads lr must be a positive number (got {self.lr!r})")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"train-heads lr_schedule must be one of {list(LR_SCHEDULES)} (got {self.lr_schedule!r})")
         if self.train_dtype not in TRAIN_DTYPES:
             raise ValueError(f"train-heads train_dtype must be one of {list(TRAIN_DTYPES)} (got {self.train_dtype!r})")
         for name in ("num_heads", "steps", "batch_size", "save_every", "draft_vocab_size", "ttt_steps"):
@@ -207,12 +220,23 @@ def held_out_loss(trainer, held: list[DistillSequence], cfg: TrainConfig) -> flo
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
-    """Linear warm-up over WARMUP_STEPS, constant to DECAY_FROM, then inverse-square-root decay:
-    a function of the step alone, so a resumed run (whatever --steps / --minutes) equals an
-    unbroken one. (Constant-rate AdamW diverged after ~3800 EAGLE steps in a CPU run.)"""
+    """Linear warm-up over WARMUP_STEPS, then by cfg.lr_schedule:
+
+    - "wsd" (warm-up, stable, decay): constant until the last WSD_DECAY_FRACTION of cfg.steps, then
+      linear to zero at cfg.steps. In a fixed budget of steps it trains the better head (EAGLE on
+      SmolLM2-135M, 800 steps: teacher-forced first-draft accuracy 0.45 -> 0.49, held-out loss
+      0.658 -> 0.635; docs/benchmarks.md); the rate depends on cfg.steps, so a resumed run must
+      keep its --steps.
+    - "invsqrt": constant to DECAY_FROM, then inverse-square-root decay: a function of the step
+      alone, so a run can be resumed with more --steps and equals one that asked for them at once.
+
+    (Constant-rate AdamW diverged after ~3800 EAGLE steps in a CPU run.)"""
     if step < WARMUP_STEPS:
         return cfg.lr * (step + 1) / WARMUP_STEPS
-    return cfg.lr * min(1.0, math.sqrt(DECAY_FROM / (step + 1)))
+    if cfg.lr_schedule == "invsqrt":
+        return cfg.lr * min(1.0, math.sqrt(DECAY_FROM / (step + 1)))
+    decay = max(1, round(WSD_DECAY_FRACTION * cfg.steps))
+    return cfg.lr * min(1.0, (cfg.steps - step) / decay)
 
 
 def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, progress: bool = True) -> dict:
@@ -256,7 +280,9 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     state_file, start = out / "train_state.pt", 0
     if state_file.exists():
         state = torch.load(state_file, weights_only=False)
-        same = {k: v for k, v in asdict(cfg).items() if k not in ("steps", "max_seconds")}
+        # invsqrt's rate is the step's alone: such a run may be extended (--steps); wsd's ends at --steps
+        same = {k: v for k, v in asdict(cfg).items()
+                if k != "max_seconds" and not (k == "steps" and cfg.lr_schedule == "invsqrt")}
         if {k: state["config"].get(k) for k in same} != same:
             raise ValueError(f"{state_file}: a run with other settings ({state['config']}); use another --out")
         with torch.no_grad():
