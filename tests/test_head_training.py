@@ -83,6 +83,9 @@ def test_learning_rate_schedules():
     assert learning_rate(inv[0], 799) == pytest.approx(0.5e-3)  # sqrt(200 / 800)
     with pytest.raises(ValueError, match="lr_schedule"):
         TrainConfig("eagle", lr_schedule="cosine")
+    assert TrainConfig("eagle").lr == 2e-3 and TrainConfig("medusa").lr == 3e-3  # the method's default
+    with pytest.raises(ValueError, match="lr must be a positive number"):
+        TrainConfig("eagle", lr=0.0)
 
 
 @pytest.mark.slow  # ~20 s: subprocess + model load; train() itself is covered above
