@@ -52,7 +52,7 @@ class HeadRecipe:
 
 
 TRAINED_HEADS: dict[str, HeadRecipe] = {r.name: r for r in (
-    # EAGLE: packed batches at ~5 steps/s on 2 Zen 5 cores, so 3600 steps train in ~12 minutes (after the
+    # EAGLE: ~4.6 steps/s on 2 Zen 5 cores, so 3600 steps train in ~13 minutes (after the
     # distillation data: ~14 minutes there in bf16, ~5 on an Intel AMX box)
     HeadRecipe("smollm2-135m-eagle", "smollm2-135m", "eagle", prompts=1000, max_tokens=96, steps=3600, minutes=26),
     HeadRecipe("smollm2-135m-medusa", "smollm2-135m", "medusa", prompts=1000, max_tokens=96, steps=6000,
