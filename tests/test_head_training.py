@@ -43,7 +43,7 @@ def test_trained_head_accepts_more_than_untrained(setup, tmp_path):
 
 def test_training_resumes_exactly(setup, tmp_path):
     _, gen, _, seqs = setup
-    cfg = dict(method="mlp_speculator", batch_size=16, save_every=5, steps=12)
+    cfg = dict(method="mlp_speculator", batch_size=16, save_every=5, steps=12, lr_schedule="wsd")
     train(gen.engine.loaded, seqs, tmp_path / "once", TrainConfig(**cfg), progress=False)
     for i in range(3):  # interrupted after one step each time (a time limit of 0 s), then resumed
         report = train(gen.engine.loaded, seqs, tmp_path / "twice", TrainConfig(**cfg, max_seconds=0.0),
@@ -83,7 +83,8 @@ def test_learning_rate_schedules():
     assert learning_rate(inv[0], 799) == pytest.approx(0.5e-3)  # sqrt(200 / 800)
     with pytest.raises(ValueError, match="lr_schedule"):
         TrainConfig("eagle", lr_schedule="cosine")
-    assert TrainConfig("eagle").lr == 2e-3 and TrainConfig("medusa").lr == 3e-3  # the method's default
+    assert TrainConfig("eagle").lr == 2e-3 and TrainConfig("medusa").lr == 3e-3  # the method's defaults
+    assert TrainConfig("medusa").lr_schedule == TrainConfig("mlp_speculator").lr_schedule == "invsqrt"
     with pytest.raises(ValueError, match="lr must be a positive number"):
         TrainConfig("eagle", lr=0.0)
 

@@ -28,13 +28,14 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, default=96, metavar="N", help="target tokens per prompt (default 96)")
     p.add_argument("--steps", type=int, default=3000, metavar="N", help="optimizer steps (default 3000)")
     p.add_argument("--minutes", type=float, default=None, metavar="M", help="stop training after M minutes (and save; rerun to resume). Under the "
-                        "default wsd schedule the rate reaches zero only at --steps: a run cut short ends before "
+                        "wsd schedule the rate reaches zero only at --steps: a run cut short ends before "
                         "its decay")
     p.add_argument("--batch-size", type=int, default=64, metavar="N")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 for eagle, else 3e-3)")
-    p.add_argument("--lr-schedule", choices=("wsd", "invsqrt"), default="wsd",
-                   help="wsd (default): warm-up, constant, then linear to zero over the last 30%% of --steps (a "
-                        "resumed run keeps its --steps); invsqrt: inverse-square-root decay, a run can be extended")
+    p.add_argument("--lr-schedule", choices=("wsd", "invsqrt"), default=None,
+                   help="wsd (eagle's default): warm-up, constant, then linear to zero over the last 30%% of --steps "
+                        "(a resumed run keeps its --steps); invsqrt (the others' default): inverse-square-root "
+                        "decay, a run can be extended")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-vocab-size", type=int, default=8192, metavar="N",
                    help="eagle, eagle3, medusa: draft vocabulary size (the target's most frequent tokens; d2t / "

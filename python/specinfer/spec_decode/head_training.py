@@ -38,6 +38,9 @@ DECAY_FROM = 200  # invsqrt: the rate decays from this step on
 # EAGLE on SmolLM2-135M, 800 wsd steps: 6e-3 / 3e-3 / 2e-3 / 1.2e-3 gave teacher-forced first-draft
 # accuracy 0.39 / 0.49 / 0.51 / 0.51 (benches/head_recipe_ablation.py; docs/benchmarks.md)
 DEFAULT_LR = {"eagle": 2e-3}
+# wsd where it was measured to help: EAGLE (above); Medusa 6000 steps wsd / invsqrt held-out 1.54 / 1.56,
+# MLP speculator 1.52 / 1.48 (+-0.05: no difference), so they keep invsqrt
+DEFAULT_SCHEDULE = {"eagle": "wsd"}
 WSD_DECAY_FRACTION = 0.3  # wsd: the rate falls linearly to zero over the last 30 % of the steps
 HELD_OUT_EVERY = 10
 
@@ -58,8 +61,9 @@ class TrainConfig:
     # ~2.5x the steps per second on a CPU with AMX / avx512_bf16), or "float32"
     train_dtype: str = "float32"
     ttt_steps: int = 1  # eagle: chain steps unrolled per training pair (eagle_training; 1: teacher-forced)
-    # "wsd" (warm-up, stable, decay to zero at `steps`) or "invsqrt" (no end: a run can be extended); learning_rate
-    lr_schedule: str = "wsd"
+    # "wsd" (warm-up, stable, decay to zero at `steps`) or "invsqrt" (no end: a run can be extended); learning_rate;
+    # None: DEFAULT_SCHEDULE of the method
+    lr_schedule: str | None = None
 
     def __post_init__(self):
         if self.method not in TRAINABLE:
@@ -68,6 +72,8 @@ class TrainConfig:
             object.__setattr__(self, "lr", DEFAULT_LR.get(self.method, 3e-3))
         if not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"train-heads lr must be a positive number (got {self.lr!r})")
+        if self.lr_schedule is None:
+            object.__setattr__(self, "lr_schedule", DEFAULT_SCHEDULE.get(self.method, "invsqrt"))
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"train-heads lr_schedule must be one of {list(LR_SCHEDULES)} (got {self.lr_schedule!r})")
         if self.train_dtype not in TRAIN_DTYPES:
