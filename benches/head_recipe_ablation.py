@@ -1,7 +1,7 @@
 """Draft-head training recipes side by side on the same distillation data and step count.
 
     python benches/head_recipe_ablation.py [--method eagle] [--steps 800] [--lr-schedule wsd|invsqrt]
-        [--lr LR] [--cls-weight W] [--init random|last-layer] [--data PATH]
+        [--lr LR] [--cls-weight W] [--noise A] [--prompt-weight W] [--label-rows labels|draft] [--token-loss-stride N] [--minutes M] [--init random|last-layer] [--data PATH]
 
 Trains one head with train-heads' own pipeline (head_training.train, bf16 autocast where native)
 on a distillation-data file (default: the named heads' cache, which `specinfer train-heads` or the
@@ -32,6 +32,14 @@ def main() -> None:
     ap.add_argument("--lr-schedule", default="wsd", choices=("wsd", "invsqrt"))
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--cls-weight", type=float, default=None)
+    ap.add_argument("--noise", type=float, default=0.0, help="EAGLE: uniform input-feature noise U(-a, a)")
+    ap.add_argument("--prompt-weight", type=float, default=1.0,
+                    help="EAGLE: weight of the pairs whose next token is in the prompt (continuation: 1)")
+    ap.add_argument("--label-rows", default="labels", choices=("labels", "draft"),
+                    help="EAGLE: the token loss's softmax over the label vocabulary or the draft vocabulary")
+    ap.add_argument("--token-loss-stride", type=int, default=1,
+                    help="EAGLE: the token loss at every n-th pair only (eagle_training.TOKEN_LOSS_STRIDE)")
+    ap.add_argument("--minutes", type=float, default=None, help="stop training after this long (steps: the schedule's length)")
     ap.add_argument("--init", default="random", choices=("random", "last-layer"))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--data", default=str(Path.home() / ".cache/specinfer/heads" /
@@ -45,6 +53,8 @@ def main() -> None:
 
     if args.cls_weight is not None:
         eagle_training.CLS_WEIGHT = args.cls_weight
+    eagle_training.FEATURE_NOISE, eagle_training.PROMPT_WEIGHT = args.noise, args.prompt_weight
+    eagle_training.LABEL_ROWS, eagle_training.TOKEN_LOSS_STRIDE = args.label_rows, args.token_loss_stride
     target = Generator(args.model, max_num_seqs=4).engine.loaded
     saved = torch.load(args.data, weights_only=False)
     seqs = [DistillSequence(**{**s, "aux": None}) for s in saved["seqs"]]
@@ -52,8 +62,8 @@ def main() -> None:
         _init_from_last_layer(eagle_training.EagleTrainer, target)
     cfg = head_training.TrainConfig(args.method, num_heads=4, steps=args.steps, lr=args.lr, seed=0,
                                     draft_vocab_size=8192, train_dtype=native, lr_schedule=args.lr_schedule,
-                                    save_every=10 ** 9)
-    name = f"{args.method}-{args.steps}-{args.lr_schedule}-{args.lr:g}-cls{args.cls_weight}-{args.init}"
+                                    save_every=10 ** 9, max_seconds=None if args.minutes is None else args.minutes * 60)
+    name = f"{args.method}-{args.steps}-{args.lr_schedule}-{args.lr:g}-cls{args.cls_weight}-{args.init}-noise{args.noise:g}-pw{args.prompt_weight:g}-{args.label_rows}-tls{args.token_loss_stride}{'' if args.minutes is None else f'-{args.minutes:g}min'}"
     out = Path(args.out or f"/tmp/head_recipe_ablation/{name}")
     t0 = time.monotonic()
     report = head_training.train(target, seqs, out, cfg, progress=False)

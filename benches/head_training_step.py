@@ -1,7 +1,7 @@
 """Milliseconds per EAGLE training step (4 random sequences, loss + backward + AdamW, bf16 autocast
 where native) on the named heads' distillation data, as train-heads runs it.
 
-    python benches/head_training_step.py [--data PATH] [--steps 20]
+    python benches/head_training_step.py [--data PATH] [--steps 20] [--label-rows labels|draft] [--token-loss-stride N]
 
 Compare commits by running it at each (`git checkout e6192d7` for the padded batches, then at
 eb8eebc or later for packed ones). Run alone.
@@ -23,12 +23,18 @@ def main() -> None:
     ap.add_argument("--data", default=str(Path.home() / ".cache/specinfer/heads" /
                                           f"distill-smollm2-135m{'' if native == 'float32' else '-' + native}.pt"))
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--token-loss-stride", type=int, default=1, help="eagle_training.TOKEN_LOSS_STRIDE")
+    ap.add_argument("--label-rows", default="labels", choices=("labels", "draft"),
+                    help="the token loss's softmax rows (eagle_training.LABEL_ROWS)")
     args = ap.parse_args()
 
     from specinfer.generator import Generator
     from specinfer.spec_decode import head_training
     from specinfer.spec_decode.distill_data import DistillSequence
+    from specinfer.spec_decode import eagle_training
     from specinfer.spec_decode.eagle_training import EagleTrainer
+
+    eagle_training.LABEL_ROWS, eagle_training.TOKEN_LOSS_STRIDE = args.label_rows, args.token_loss_stride
 
     target = Generator("smollm2-135m", max_num_seqs=4).engine.loaded
     seqs = [DistillSequence(**{**s, "aux": None}) for s in torch.load(args.data, weights_only=False)["seqs"]]
@@ -48,7 +54,8 @@ def main() -> None:
     t = time.perf_counter()
     for i in range(args.steps):
         step(i)
-    print(f"EAGLE training step ({native}): {(time.perf_counter() - t) / args.steps * 1e3:.1f} ms "
+    print(f"EAGLE training step ({native}, token-loss rows: {args.label_rows}, stride {args.token_loss_stride}, "
+          f"{len(trainer.label_softmax.ids)}): {(time.perf_counter() - t) / args.steps * 1e3:.1f} ms "
           f"({len(seqs)} sequences, mean length {sum(len(s.tokens) for s in seqs) / len(seqs):.0f})")
 
 

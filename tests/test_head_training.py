@@ -306,3 +306,47 @@ def test_distillation_data_built_in_bf16_trains_a_head_for_the_float32_target(se
     _check_head_runs_greedy_exact(target, gen, prompts, "eagle", tmp_path / "bf16")
     with pytest.raises(ValueError, match="data_dtype"):
         train_head(str(target), tmp_path / "x", cfg, 12, 16, progress=False, data_dtype="float16")
+
+
+def test_packed_target_states_equal_one_forward_per_sequence(tiny_dir):
+    """build_sequences packs several sequences into one forward: each sequence's states are those
+    of HF transformers over it alone (final: the post-norm last hidden state; EAGLE-3's aux: the
+    inputs of its aux layers)."""
+    from transformers import AutoModelForCausalLM
+
+    from specinfer.spec_decode.distill_data import packed_target_states
+    from specinfer.spec_decode.eagle3_training import training_aux_layers
+
+    target = tiny_dir("llama", False, layers=4)[0]
+    engine = Generator(str(target), max_model_len=256).engine
+    aux = training_aux_layers(engine.loaded.config.num_layers)
+    g = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 16, 17, 40, 1, 33)]
+    packed = packed_target_states(engine.loaded.model, engine.runner.backend, seqs, aux)
+    hf = AutoModelForCausalLM.from_pretrained(str(target), torch_dtype=torch.float32).eval()
+    for s, (final, a) in zip(seqs, packed):
+        with torch.no_grad():
+            hs = hf(torch.tensor([s]), output_hidden_states=True).hidden_states  # embeddings, then each layer's output
+        torch.testing.assert_close(final, hs[-1][0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a, torch.cat([hs[i][0] for i in aux], -1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("right, starts", [(4, [5, 10, 15]), (0, list(range(5, 16))), (2, [5, 8, 11, 14])])
+def test_acceptance_estimate_walk_starts_chains_where_the_engine_does(right, starts):
+    """walk=True: the first chain right after the prompt's bonus token, each next one past the last
+    chain's accepted drafts and its bonus token (a drafter right `right` times, then wrong)."""
+    from specinfer.spec_decode.eagle_training import eagle_acceptance_estimate
+
+    seq = DistillSequence(torch.arange(20), 5, torch.zeros(20, 4), None)
+    seen = []
+
+    class Drafter:
+        def drafts(self, tokens, feats, k):  # history x_0..x_e with e = len(tokens)
+            e = len(tokens)
+            seen.append(e)
+            return [e + 1 + i if i < right else -1 for i in range(k)]
+
+    est = eagle_acceptance_estimate(Drafter(), [seq], 4, walk=True)
+    assert seen == starts
+    assert est["positions"] == len(starts)
+    assert est["mean_acceptance_length"] == pytest.approx(1 + right)

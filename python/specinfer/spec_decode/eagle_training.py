@@ -37,6 +37,18 @@ CLS_WEIGHT = 0.03
 TTT_STEPS = 1  # unrolled steps per training pair by default (1: teacher-forced only, EAGLE-1's own recipe)
 STEP_WEIGHT = 0.8  # step s's losses weigh STEP_WEIGHT^(s-1) (EAGLE-3's)
 TTT_PAIR_STRIDE = 4  # steps past the first run at every 4th pair
+# uniform noise U(-a, a) added to the input features f_i while training (EAGLE's data noise: the chain's
+# later drafts read the head's own, inexact features); 0: none
+FEATURE_NOISE = 0.0
+# the losses of pairs whose next token lies in the prompt weigh this much against the continuation's
+# (the target's own output, which drafting meets); 1.0: every pair alike
+PROMPT_WEIGHT = 1.0
+# the token loss is taken at every TOKEN_LOSS_STRIDE-th pair of a batch (an offset the batch picks): its
+# softmax over the label vocabulary (~5800 rows on SmolLM2's data) costs more than the draft layer itself
+TOKEN_LOSS_STRIDE = 1
+# the token loss's softmax rows: "labels" (every continuation token of the data) or "draft" (the draft
+# vocabulary the head's drafts are argmaxed over; fewer rows, so a cheaper step)
+LABEL_ROWS = "labels"
 
 
 class EagleTrainer(UnrolledDraftLayer):
@@ -59,14 +71,15 @@ class EagleTrainer(UnrolledDraftLayer):
             "post_ln": torch.ones(H, requires_grad=True)}
         self.embed = target.model.embed_tokens.detach().float()
         self.lm = lm_head
-        # the token loss is a softmax over the training labels' vocabulary (distill_data.LabelSoftmax)
-        self.label_softmax = LabelSoftmax(lm_head, seqs)
         # the draft vocabulary written into the checkpoint (d2t): the most frequent training tokens
         self.draft_ids = None
         if draft_vocab_size is not None and draft_vocab_size < c.vocab_size:
             from specinfer.spec_decode.eagle3_training import draft_vocabulary
 
             self.draft_ids = draft_vocabulary(seqs, c.vocab_size, draft_vocab_size)
+        # the token loss is a softmax over the training labels' vocabulary (distill_data.LabelSoftmax),
+        # or over the draft vocabulary (LABEL_ROWS)
+        self.label_softmax = LabelSoftmax(lm_head, seqs, self.draft_ids if LABEL_ROWS == "draft" else None)
         self.rope_cos, self.rope_sin = rope_table(c, c.max_position_embeddings)
 
     def _inputs(self, tokens, g):  # EAGLE-1: fc(cat(embed(x_{i+1}), f_i)), which is also the residual
@@ -82,13 +95,24 @@ class EagleTrainer(UnrolledDraftLayer):
         steps = self.ttt_steps
         if steps == 1:  # teacher-forced only: the sequences packed end to end, no padding computed
             lengths = [len(s.tokens) - 1 for s in seqs]  # pairs i = 0 .. n-1 of each sequence
-            h = self.packed(torch.cat([s.tokens[1:] for s in seqs]), torch.cat([s.final[:-1] for s in seqs]),
-                            lengths)
+            tokens, feats = torch.cat([s.tokens[1:] for s in seqs]), torch.cat([s.final[:-1] for s in seqs])
+            if FEATURE_NOISE:  # seeded by the batch itself: a resumed run draws the same noise
+                g = torch.Generator().manual_seed(int(tokens.sum()))
+                feats = feats + (torch.rand(feats.shape, generator=g) * 2 - 1).to(feats.dtype) * FEATURE_NOISE
+            h = self.packed(tokens, feats, lengths)
             # pair i predicts f_{i+1}; the last pair of each sequence is left out, as in the unrolled path
             keep = torch.cat([torch.arange(n) < n - 1 for n in lengths])
             nxt = torch.cat([s.final[1:] for s in seqs])[keep]
             h = h[keep].float()
-            return F.smooth_l1_loss(h, nxt) + CLS_WEIGHT * self.label_softmax.soft_loss(h, nxt)
+            if PROMPT_WEIGHT == 1.0:
+                at = slice(int(tokens.sum()) % TOKEN_LOSS_STRIDE, None, TOKEN_LOSS_STRIDE)
+                return F.smooth_l1_loss(h, nxt) + CLS_WEIGHT * self.label_softmax.soft_loss(h[at], nxt[at])
+            # pair i's next token is x_{i+2}: in the continuation when i + 2 >= prompt_len
+            w = torch.cat([torch.where(torch.arange(n - 1) + 2 >= s.prompt_len, 1.0, PROMPT_WEIGHT)
+                           for s, n in zip(seqs, lengths)])
+            w = w / w.sum()
+            reg = (F.smooth_l1_loss(h, nxt, reduction="none").mean(-1) * w).sum()
+            return reg + CLS_WEIGHT * (self.label_softmax.soft_loss(h, nxt, reduction="none") * w).sum()
         T = max(len(s.tokens) for s in seqs) - 1
         B, H = len(seqs), self.cfg.hidden_size
         tokens = torch.zeros(B, T + steps - 1, dtype=torch.int64)
@@ -158,18 +182,31 @@ class EagleTrainer(UnrolledDraftLayer):
 
 
 @torch.no_grad()
-def eagle_acceptance_estimate(trainer, seqs, K: int, per_seq: int = 6, feature: str = "final") -> dict:
-    """Chain acceptance at up to per_seq continuation positions of each held-out sequence; the
-    trainer drafts from (tokens, the sequence's `feature` states: "final", or "aux" for EAGLE-3)."""
+def eagle_acceptance_estimate(trainer, seqs, K: int, per_seq: int = 6, feature: str = "final",
+                              walk: bool = False) -> dict:
+    """Chain acceptance at up to per_seq continuation positions of each held-out sequence (spread
+    evenly), or with walk=True where the engine's greedy steps start chains: the first right after
+    the prompt's bonus token, each next one past the last chain's accepted drafts and its bonus
+    token. The trainer drafts from (tokens, the sequence's `feature` states: "final", or "aux" for
+    EAGLE-3)."""
     accepted = []
+
+    def chain(s, e):  # history x_0..x_e: pairs i = 0..e-1, drafts predict x_{e+1}..x_{e+K}
+        d = trainer.drafts(s.tokens[1:e + 1], getattr(s, feature)[:e], K)
+        ok = [a == b for a, b in zip(d, s.tokens[e + 1:e + 1 + K].tolist())]
+        return next((i for i, x in enumerate(ok) if not x), K)
+
     for s in seqs:
         n = len(s.tokens)
+        if walk:
+            e = s.prompt_len
+            while e + K < n:
+                accepted.append(chain(s, e))
+                e += accepted[-1] + 1
+            continue
         ends = torch.linspace(s.prompt_len, n - K - 1, steps=per_seq).long().unique().tolist() if n - K - 1 > \
             s.prompt_len else []
-        for e in ends:  # history x_0..x_e: pairs i = 0..e-1, drafts predict x_{e+1}..x_{e+K}
-            d = trainer.drafts(s.tokens[1:e + 1], getattr(s, feature)[:e], K)
-            ok = [a == b for a, b in zip(d, s.tokens[e + 1:e + 1 + K].tolist())]
-            accepted.append(next((i for i, x in enumerate(ok) if not x), K))
+        accepted += [chain(s, e) for e in ends]
     acc = torch.tensor(accepted or [0], dtype=torch.float32)
     at = [(acc >= i).float().sum().item() for i in range(K + 1)]
     return {"positions": len(accepted), "acceptance_per_position": [at[i + 1] / at[i] if at[i] else 0.0
