@@ -84,6 +84,61 @@ def _bench_rows() -> list[dict]:
     return rows
 
 
+# task-shaped prompts over standard-library modules the bench does not use: the bench's task formats
+# (bench/build_prompts.py) on other functions and docstrings, with other questions beside its own
+TASK_QUESTIONS = (
+    "What does the passage say the code is for? Answer in two sentences.",
+    "Which names does the passage define or mention, and what is each one for?",
+    "What should a user be careful about, according to the passage?",
+    "Explain the passage to a beginner, in plain words.",
+)
+
+
+def task_shaped_texts(held_modules: set[str], per_task: int) -> list[tuple[str, bool]]:
+    """(text, chat) pairs, deterministic: up to per_task prompts of each bench task shape (code
+    completion, code editing, summarization, qa) cut from the standard library's modules in sorted
+    order, skipping held_modules (those the bench prompts come from), interleaved by task."""
+    from specinfer.bench.build_prompts import EDITS, QUESTIONS, _docstrings, _functions
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tasks: dict[str, list[str]] = {"cc": [], "ce": [], "sum": [], "qa": []}
+    for f in sorted(stdlib.glob("*.py")):
+        if f.stem in held_modules or f.stem.startswith("_"):
+            continue
+        try:
+            src = f.read_text(encoding="utf-8")
+            funcs = [x for x in _functions(f.stem, src) if not x[0].name.startswith("__")][:4]
+            docs = list(_docstrings(f.stem, src))[:2]
+        except (UnicodeDecodeError, OSError, SyntaxError, ValueError):
+            continue
+        for j, (node, code) in enumerate(funcs):
+            if j % 2 == 0:
+                lines = code.splitlines()
+                head = "\n".join(lines[:max(3, len(lines) // 2)])
+                tasks["cc"].append("Continue this Python function from where it stops. Output only the code.\n\n"
+                                   f"```python\n{head}\n")
+            else:
+                params = [a.arg for a in node.args.args if a.arg != "self"]
+                i = len(tasks["ce"])
+                template = EDITS[i % len(EDITS)] if params else EDITS[3]
+                edit = template.format(p=params[0] if params else "", n=node.name)
+                tasks["ce"].append(f"{edit}\n\n```python\n{code}\n```")
+        for doc in docs:
+            tasks["sum"].append(f"Summarize the following text in three sentences, reusing its wording.\n\n{doc}")
+            questions = [*QUESTIONS, *TASK_QUESTIONS]
+            q = questions[len(tasks["qa"]) % len(questions)]
+            tasks["qa"].append(f"Read the passage and answer the question.\n\nPassage:\n{doc}\n\nQuestion: {q}")
+    picked = [t[:per_task] for t in tasks.values()]
+    return [(p, True) for group in zip(*[g + [None] * (per_task - len(g)) for g in picked]) for p in group
+            if p is not None]
+
+
+def held_out_modules() -> set[str]:
+    """The standard-library modules the bench prompts are cut from (never trained on)."""
+    return {re.split(r"[. ]", row["source"][len("stdlib:"):])[0] for row in _bench_rows()
+            if row.get("source", "").startswith("stdlib:")}
+
+
 def training_texts(max_prompts: int, stdlib_chunk_chars: int = 600, chunks_per_file: int = 8) -> list[tuple[str, bool]]:
     """(text, chat) pairs, deterministic: the bench prompts past each task's first
     EVAL_PROMPTS_PER_TASK (chat), everyday questions (chat_prompts), then chunks of the standard library's sources — skipping the
