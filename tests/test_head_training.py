@@ -226,6 +226,34 @@ def test_training_prompts_leave_out_what_the_bench_measures():
     assert len(texts) > 500 and sum(c for _, c in training_texts(10_000)) > 0.7 * len(texts)
 
 
+def test_task_shaped_prompts_have_each_bench_shape_and_leave_out_the_bench_modules():
+    """Task-shaped prompts (the bench's formats on other modules) come after the others, interleaved
+    by task, and hold no function or docstring of a module the bench prompts are cut from."""
+    import sysconfig
+    from pathlib import Path
+
+    from specinfer.bench.build_prompts import _docstrings, _functions
+    from specinfer.spec_decode.distill_data import held_out_modules, training_texts
+
+    base = training_texts(1000)
+    texts = training_texts(1000, task_shaped_per_task=40)
+    assert texts[:1000] == base and len(texts) == 1000 + 4 * 40
+    shaped = [t for t, chat in texts[1000:] if chat]
+    assert len(shaped) == 160
+    starts = ("Continue this Python function", "Summarize the following text", "Read the passage and answer")
+    for s in starts:
+        assert sum(t.startswith(s) for t in shaped) == 40
+    assert sum(not t.startswith(starts) for t in shaped) == 40  # code edits
+    assert shaped[0].startswith(starts[0])
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held = held_out_modules()
+    assert {"abc", "argparse", "heapq"} <= held
+    for m in sorted(held):
+        src = (stdlib / f"{m}.py").read_text(encoding="utf-8")
+        pieces = [code for _, code in _functions(m, src)] + list(_docstrings(m, src))
+        assert not any(p in t for p in pieces for t in shaped), m
+
+
 @pytest.mark.parametrize("draft_vocab", [8192, 96])
 def test_medusa_training_writes_a_head_the_engine_runs(setup, tmp_path, draft_vocab):
     """Medusa: the original layout on the target's lm_head, or (a truncated draft vocabulary)

@@ -40,12 +40,15 @@ class HeadRecipe:
     ttt_steps: int = 1  # eagle: chain steps unrolled per training pair (eagle_training)
     lr_schedule: str = "wsd"  # head_training.learning_rate
     seed: int = 0
+    task_shaped_per_task: int = 0  # task-shaped prompts per bench task added to `prompts` (distill_data)
     minutes: float = 0.0  # about how long it takes on a 2-core CI-class machine (shown to the user)
 
     def key(self, train_dtype: str) -> str:
         """train_dtype: the resolved precision of training, which is also the data's (bfloat16 where
         the CPU multiplies it natively, else float32)."""
         fields = {k: v for k, v in asdict(self).items() if k != "minutes"}
+        if not self.task_shaped_per_task:  # recipes without them keep the keys they always had
+            del fields["task_shaped_per_task"]
         blob = json.dumps({**fields, "train_dtype": train_dtype, "data_dtype": train_dtype,
                            "revision": TRAINING_REVISION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -121,8 +124,10 @@ def resolve_head(model: str, method: str, target: str, *, table: dict[str, HeadR
         # built in the training precision: bfloat16 where native (~3x faster than float32)
         suffix = "" if dtype == "float32" else f"-{dtype}"
         data = root / f"distill-{re.sub(r'[^A-Za-z0-9_.-]', '_', recipe.target)}{suffix}.pt"
+        if recipe.task_shaped_per_task:
+            data = data.with_name(f"{data.stem}-tasks{recipe.task_shaped_per_task}.pt")
         head_training.train_head(recipe.target, work, cfg, recipe.prompts, recipe.max_tokens, progress=progress,
-                                 data_path=data, data_dtype=dtype)
+                                 data_path=data, data_dtype=dtype, task_shaped_per_task=recipe.task_shaped_per_task)
         (work / "train_state.pt").unlink(missing_ok=True)  # not part of the head
         if final.exists():  # a damaged entry (no report): replaced
             shutil.rmtree(final)
