@@ -2,7 +2,7 @@
 
 Builds greedy continuations of 640 more chat prompts (16 templates x 40 topics, none in the bench's
 prompts) with SmolLM2-135M, adds them to the named head's cached distillation data, trains an EAGLE
-head by the named head's recipe (2682 steps, draft vocabulary 8192) into OUT, prints the training
+head by the named head's recipe (its steps, schedule and draft vocabulary) into OUT, prints the training
 report. Bench it beside the named head with `speculative.model` = OUT (docs/benchmarks.md, "More
 chat data for the EAGLE head").
 
@@ -47,15 +47,18 @@ TOPICS = (
 def main(out: str) -> None:
     recipe = TRAINED_HEADS["smollm2-135m-eagle"]
     resolve_head(recipe.name, "eagle", recipe.target)  # makes sure the cached distillation data exists
-    gen = Generator(recipe.target, max_num_seqs=64)
-    enc = prompt_encoder(gen.engine.loaded, True)
-    extra = build_sequences(gen, [list(enc(t.format(x))) for x in TOPICS for t in TEMPLATES], recipe.max_tokens)
-    saved = torch.load(heads_cache_dir() / "distill-smollm2-135m.pt", weights_only=False)
+    native = "bfloat16" if bf16_matmul_is_native() else "float32"
+    with Generator(recipe.target, max_num_seqs=64, dtype=native) as gen:  # the data's precision, as the named data
+        enc = prompt_encoder(gen.engine.loaded, True)
+        extra = build_sequences(gen, [list(enc(t.format(x))) for x in TOPICS for t in TEMPLATES], recipe.max_tokens)
+    suffix = "" if native == "float32" else f"-{native}"
+    saved = torch.load(heads_cache_dir() / f"distill-smollm2-135m{suffix}.pt", weights_only=False)
     seqs = [DistillSequence(**{**s, "aux": None}) for s in saved["seqs"]]
     cfg = head_training.TrainConfig("eagle", num_heads=recipe.num_heads, steps=recipe.steps, seed=recipe.seed,
                                     draft_vocab_size=recipe.draft_vocab_size, ttt_steps=recipe.ttt_steps,
-                                    train_dtype="bfloat16" if bf16_matmul_is_native() else "float32")
-    print(head_training.train(gen.engine.loaded, seqs + extra, Path(out), cfg, progress=True))
+                                    lr_schedule=recipe.lr_schedule, train_dtype=native)
+    target = Generator(recipe.target, max_num_seqs=4).engine.loaded
+    print(head_training.train(target, seqs + extra, Path(out), cfg, progress=False))
 
 
 if __name__ == "__main__":
