@@ -378,3 +378,26 @@ def test_acceptance_estimate_walk_starts_chains_where_the_engine_does(right, sta
     assert seen == starts
     assert est["positions"] == len(starts)
     assert est["mean_acceptance_length"] == pytest.approx(1 + right)
+
+
+def test_eagle_loss_knobs(setup, monkeypatch):
+    """The ablation knobs of teacher-forced EAGLE training: prompt weighting at 1 - eps is the plain
+    loss; a token-loss stride or input noise changes the loss, deterministically per batch."""
+    from specinfer.spec_decode import eagle_training
+    from specinfer.spec_decode.head_training import _dense_lm_head
+
+    target, gen, _, seqs = setup
+    trainer = eagle_training.EagleTrainer(gen.engine.loaded, 4, 0, _dense_lm_head(gen.engine.loaded), seqs)
+    with torch.no_grad():  # a trained-looking head: the random init's o/down are zero
+        trainer.params["o"].normal_(0, 0.05)
+        trainer.params["down"].normal_(0, 0.05)
+    batch = seqs[:4]
+    plain = trainer.loss_on(batch)
+    monkeypatch.setattr(eagle_training, "PROMPT_WEIGHT", 1 - 1e-9)
+    torch.testing.assert_close(trainer.loss_on(batch), plain)
+    monkeypatch.setattr(eagle_training, "PROMPT_WEIGHT", 1.0)
+    for knob, value in (("TOKEN_LOSS_STRIDE", 3), ("FEATURE_NOISE", 0.3)):
+        monkeypatch.setattr(eagle_training, knob, value)
+        a, b = trainer.loss_on(batch), trainer.loss_on(batch)
+        assert torch.isfinite(a) and a == b and a != plain, knob
+        monkeypatch.undo()

@@ -37,14 +37,16 @@ CLS_WEIGHT = 0.03
 TTT_STEPS = 1  # unrolled steps per training pair by default (1: teacher-forced only, EAGLE-1's own recipe)
 STEP_WEIGHT = 0.8  # step s's losses weigh STEP_WEIGHT^(s-1) (EAGLE-3's)
 TTT_PAIR_STRIDE = 4  # steps past the first run at every 4th pair
-# uniform noise U(-a, a) added to the input features f_i while training (EAGLE's data noise: the chain's
-# later drafts read the head's own, inexact features); 0: none
+# FEATURE_NOISE, PROMPT_WEIGHT, TOKEN_LOSS_STRIDE, LABEL_ROWS: ablation knobs for teacher-forced training
+# (ttt_steps 1; benches/head_recipe_ablation.py), left at what measured best (docs/benchmarks.md).
+# Uniform noise U(-a, a) added to the input features f_i while training (EAGLE's data noise: the
+# chain's later drafts read the head's own, inexact features); 0: none
 FEATURE_NOISE = 0.0
 # the losses of pairs whose next token lies in the prompt weigh this much against the continuation's
 # (the target's own output, which drafting meets); 1.0: every pair alike
 PROMPT_WEIGHT = 1.0
 # the token loss is taken at every TOKEN_LOSS_STRIDE-th pair of a batch (an offset the batch picks): its
-# softmax over the label vocabulary (~5800 rows on SmolLM2's data) costs more than the draft layer itself
+# softmax over the label vocabulary (~5800 rows on SmolLM2's data) is ~1/4 of a training step
 TOKEN_LOSS_STRIDE = 1
 # the token loss's softmax rows: "labels" (every continuation token of the data) or "draft" (the draft
 # vocabulary the head's drafts are argmaxed over; fewer rows, so a cheaper step)
@@ -104,15 +106,15 @@ class EagleTrainer(UnrolledDraftLayer):
             keep = torch.cat([torch.arange(n) < n - 1 for n in lengths])
             nxt = torch.cat([s.final[1:] for s in seqs])[keep]
             h = h[keep].float()
+            at = slice(int(tokens.sum()) % TOKEN_LOSS_STRIDE, None, TOKEN_LOSS_STRIDE)  # the token loss's pairs
             if PROMPT_WEIGHT == 1.0:
-                at = slice(int(tokens.sum()) % TOKEN_LOSS_STRIDE, None, TOKEN_LOSS_STRIDE)
                 return F.smooth_l1_loss(h, nxt) + CLS_WEIGHT * self.label_softmax.soft_loss(h[at], nxt[at])
             # pair i's next token is x_{i+2}: in the continuation when i + 2 >= prompt_len
             w = torch.cat([torch.where(torch.arange(n - 1) + 2 >= s.prompt_len, 1.0, PROMPT_WEIGHT)
                            for s, n in zip(seqs, lengths)])
-            w = w / w.sum()
-            reg = (F.smooth_l1_loss(h, nxt, reduction="none").mean(-1) * w).sum()
-            return reg + CLS_WEIGHT * (self.label_softmax.soft_loss(h, nxt, reduction="none") * w).sum()
+            reg = (F.smooth_l1_loss(h, nxt, reduction="none").mean(-1) * w).sum() / w.sum()
+            cls = (self.label_softmax.soft_loss(h[at], nxt[at], reduction="none") * w[at]).sum() / w[at].sum()
+            return reg + CLS_WEIGHT * cls
         T = max(len(s.tokens) for s in seqs) - 1
         B, H = len(seqs), self.cfg.hidden_size
         tokens = torch.zeros(B, T + steps - 1, dtype=torch.int64)
