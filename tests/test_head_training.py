@@ -401,3 +401,31 @@ def test_eagle_loss_knobs(setup, monkeypatch):
         a, b = trainer.loss_on(batch), trainer.loss_on(batch)
         assert torch.isfinite(a) and a == b and a != plain, knob
         monkeypatch.undo()
+
+
+def test_self_instruct_questions_are_the_targets_own_user_messages(tmp_path):
+    """Magpie-style questions: the target continues its chat template's user-turn opening; each kept
+    question ended with the target's end token, is distinct, and the same seed gives the same ones."""
+    import json
+
+    from tiny_models import build_tiny_model
+
+    from specinfer.spec_decode.distill_data import self_instruct_questions, user_turn_prefix
+
+    build_tiny_model(tmp_path, "llama", seed=4, vocab=16)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}t5 {{ m['content'] }} t2 {% endfor %}"
+                            "{% if add_generation_prompt %}t6 {% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    gen = Generator(str(tmp_path), max_model_len=128)
+    assert user_turn_prefix(gen.engine.loaded) == [5]
+    a = self_instruct_questions(gen, 6, seed=1, min_tokens=2)
+    assert a == self_instruct_questions(gen, 6, seed=1, min_tokens=2)
+    assert len(a) == 6 and len(set(a)) == 6
+    tok = gen.engine.loaded.tokenizer
+    for q in a:
+        ids = tok.encode(q, add_special_tokens=False).ids
+        assert len(ids) >= 2 and 2 not in ids  # the end token closed the message and is not part of it
+    assert a != self_instruct_questions(gen, 6, seed=2, min_tokens=2)
+    with pytest.raises(ValueError, match="only 0 of 3"):
+        self_instruct_questions(gen, 3, seed=1, min_tokens=1000)

@@ -25,6 +25,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (the head's checkpoint)")
     p.add_argument("--num-heads", type=int, default=4, metavar="K", help="heads / stages (max drafts), default 4")
     p.add_argument("--prompts", type=int, default=400, metavar="N", help="training prompts (default 400)")
+    p.add_argument("--self-instruct", type=int, default=0, metavar="N",
+                   help="N questions the target writes itself (sampled from its chat template's user-turn opening, "
+                        "as Magpie does) take the place of the templated everyday questions; needs a chat template")
     p.add_argument("--task-shaped", type=int, default=0, metavar="N",
                    help="add N prompts per bench task shape (code completion, code editing, summarization, qa) "
                         "cut from standard-library modules the bench does not use (default 0)")
@@ -69,7 +72,8 @@ def run(args) -> int:
                       **({} if args.ttt_steps is None else {"ttt_steps": args.ttt_steps}),
                       max_seconds=None if args.minutes is None else 60 * args.minutes)
     report = train_head(args.model, Path(args.out), cfg, args.prompts, args.max_tokens, progress=not args.no_progress,
-                        data_dtype=data_dtype, task_shaped_per_task=args.task_shaped)
+                        data_dtype=data_dtype, task_shaped_per_task=args.task_shaped,
+                        self_instruct=args.self_instruct)
     h = report["held_out"]
     print(json.dumps(report, indent=2))
     print(f"held-out estimate: mean acceptance length {h['mean_acceptance_length']:.2f} at k={args.num_heads}, "

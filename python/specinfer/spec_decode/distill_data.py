@@ -76,6 +76,59 @@ def chat_prompts() -> list[str]:
     return [t.format(topic) for topic in CHAT_TOPICS for t in CHAT_TEMPLATES]
 
 
+# Self-instructed questions (Magpie, arXiv 2406.08464): an instruction-tuned target, given its chat
+# template only up to where a user's message begins, writes a user's message itself. Sampled, so
+# the questions are as varied as the target's own idea of a user, and need no corpus.
+SELF_INSTRUCT_TEMPERATURE = 1.0
+SELF_INSTRUCT_TOP_P = 0.95
+SELF_INSTRUCT_MAX_TOKENS = 64
+_SENTINEL = "\x00specinfer-user-message\x00"
+
+
+def user_turn_prefix(loaded) -> list[int]:
+    """Token ids of the chat template's text up to where a user's (first) message begins."""
+    from specinfer.chat_template import ChatTemplate
+
+    text = ChatTemplate.for_model(loaded).render([{"role": "user", "content": _SENTINEL}])
+    if _SENTINEL not in text:
+        raise ValueError("self-instructed questions: the chat template does not show the user's message")
+    return loaded.tokenizer.encode(text[:text.index(_SENTINEL)], add_special_tokens=False).ids
+
+
+def self_instruct_questions(generator, n: int, *, seed: int = 0, min_tokens: int = 6) -> list[str]:
+    """n user questions written by the target (see above), deterministic for a seed: request i
+    samples with seed (seed, i); a question is kept when the target ended the message itself
+    (an end-of-turn token within SELF_INSTRUCT_MAX_TOKENS), it has at least min_tokens tokens and
+    it was not written before; more are drawn until n are kept (at most 8 n draws)."""
+    from specinfer.sampling_params import SamplingParams
+
+    loaded = generator.engine.loaded
+    if not loaded.chat_template:
+        raise ValueError("self-instructed questions need a target with a chat template")
+    prefix, tok = user_turn_prefix(loaded), loaded.tokenizer
+    eos = set(loaded.eos_token_ids or ())
+    kept: list[str] = []
+    seen: set[str] = set()
+    drawn = 0
+    while len(kept) < n and drawn < 8 * n:
+        batch = min(max(n - len(kept), 16) * 5 // 4, 8 * n - drawn)
+        params = [SamplingParams(max_tokens=SELF_INSTRUCT_MAX_TOKENS, temperature=SELF_INSTRUCT_TEMPERATURE,
+                                 top_p=SELF_INSTRUCT_TOP_P, seed=seed * 1_000_003 + drawn + i) for i in range(batch)]
+        outs = generator.generate([prefix] * batch, params, use_tqdm=False)
+        drawn += batch
+        for o in outs:
+            ids = list(o.token_ids)
+            if not ids or ids[-1] not in eos or len(ids) - 1 < min_tokens:
+                continue
+            q = tok.decode(ids[:-1]).strip()
+            if q and q not in seen and len(kept) < n:
+                seen.add(q)
+                kept.append(q)
+    if len(kept) < n:
+        raise ValueError(f"self-instructed questions: only {len(kept)} of {n} usable in {drawn} draws")
+    return kept
+
+
 def _bench_rows() -> list[dict]:
     data = Path(__file__).resolve().parent.parent / "bench" / "data"
     rows = []
@@ -140,13 +193,13 @@ def held_out_modules() -> set[str]:
 
 
 def training_texts(max_prompts: int, stdlib_chunk_chars: int = 600, chunks_per_file: int = 8,
-                   task_shaped_per_task: int = 0) -> list[tuple[str, bool]]:
+                   task_shaped_per_task: int = 0, chat_questions: list[str] | None = None) -> list[tuple[str, bool]]:
     """(text, chat) pairs, deterministic: the bench prompts past each task's first
-    EVAL_PROMPTS_PER_TASK (chat), everyday questions (chat_prompts), then chunks of the standard
-    library's sources (skipping the modules the bench prompts are cut from) each wrapped in one of
-    INSTRUCTIONS (chat), every fifth one left as raw text to continue: max_prompts in all. Then,
-    with task_shaped_per_task > 0, that many task-shaped prompts per bench task
-    (task_shaped_texts)."""
+    EVAL_PROMPTS_PER_TASK (chat), everyday questions (chat_prompts, or chat_questions when given:
+    self_instruct_questions), then chunks of the standard library's sources (skipping the modules
+    the bench prompts are cut from) each wrapped in one of INSTRUCTIONS (chat), every fifth one
+    left as raw text to continue: max_prompts in all. Then, with task_shaped_per_task > 0, that
+    many task-shaped prompts per bench task (task_shaped_texts)."""
     out, per_task = [], {}
     held_modules = held_out_modules()
     for row in _bench_rows():
@@ -154,7 +207,8 @@ def training_texts(max_prompts: int, stdlib_chunk_chars: int = 600, chunks_per_f
         if i >= EVAL_PROMPTS_PER_TASK:
             out.append((row["prompt"], True))
     bench_prompts = {row["prompt"] for row in _bench_rows()}
-    out += [(q, True) for q in chat_prompts() if q not in bench_prompts]
+    questions = chat_prompts() if chat_questions is None else chat_questions
+    out += [(q, True) for q in questions if q not in bench_prompts]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     n = 0
     for f in sorted(stdlib.glob("*.py")):
@@ -174,14 +228,15 @@ def training_texts(max_prompts: int, stdlib_chunk_chars: int = 600, chunks_per_f
     return out + (task_shaped_texts(held_modules, task_shaped_per_task) if task_shaped_per_task > 0 else [])
 
 
-def training_prompts(loaded, max_prompts: int, task_shaped_per_task: int = 0) -> list[list[int]]:
+def training_prompts(loaded, max_prompts: int, task_shaped_per_task: int = 0,
+                     chat_questions: list[str] | None = None) -> list[list[int]]:
     """training_texts as token ids: chat ones through the target's chat template (as the bench
     encodes its prompts), raw ones plainly."""
     from specinfer.bench.prompting import prompt_encoder
 
     chat, raw = prompt_encoder(loaded, True), prompt_encoder(loaded, False)
     return [list(chat(t) if is_chat else raw(t)) for t, is_chat in training_texts(
-        max_prompts, task_shaped_per_task=task_shaped_per_task)]
+        max_prompts, task_shaped_per_task=task_shaped_per_task, chat_questions=chat_questions)]
 
 
 def continuations(generator, prompts: list, max_tokens: int) -> list[tuple[list[int], int]]:

@@ -347,18 +347,20 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
 
 def train_head(target_model: str, out: Path, cfg: TrainConfig, prompts: int, max_tokens: int, *,
                progress: bool = True, data_path: Path | None = None, data_dtype: str = "float32",
-               task_shaped_per_task: int = 0) -> dict:
+               task_shaped_per_task: int = 0, self_instruct: int = 0) -> dict:
     """The whole `specinfer train-heads` pipeline: load the target, build (or reuse, from data_path,
     default out/distill_data.pt) the distillation data of `prompts` greedy continuations of
     `max_tokens` tokens, train, write the head to out; returns the report. `data_dtype` is the
     precision the target runs in while it builds the data ("bfloat16": ~3x faster where the CPU
     multiplies bf16 natively; the head still trains on, and is exported for, the target as loaded).
     `task_shaped_per_task`: that many task-shaped prompts per bench task added to the prompts
-    (distill_data.task_shaped_texts)."""
+    (distill_data.task_shaped_texts). `self_instruct`: that many questions the target writes itself
+    take the templated everyday questions' place (distill_data.self_instruct_questions)."""
     import sys
 
     from specinfer.generator import Generator
-    from specinfer.spec_decode.distill_data import build_sequences, cached_sequences, training_prompts
+    from specinfer.spec_decode.distill_data import (build_sequences, cached_sequences, self_instruct_questions,
+                                                   training_prompts)
 
     if data_dtype not in TRAIN_DTYPES:
         raise ValueError(f"train-heads data_dtype must be one of {list(TRAIN_DTYPES)} (got {data_dtype!r})")
@@ -369,21 +371,26 @@ def train_head(target_model: str, out: Path, cfg: TrainConfig, prompts: int, max
 
         aux = training_aux_layers(gen.engine.loaded.config.num_layers)
 
+    def sequences(g):
+        questions = self_instruct_questions(g, self_instruct) if self_instruct else None
+        return build_sequences(g, training_prompts(g.engine.loaded, prompts, task_shaped_per_task, questions),
+                               max_tokens, aux)
+
     def build():
         if gen.engine.dtype == getattr(torch, data_dtype):
-            return build_sequences(gen, training_prompts(gen.engine.loaded, prompts, task_shaped_per_task), max_tokens,
-                                   aux)
+            return sequences(gen)
         with Generator(target_model, max_num_seqs=64, dtype=data_dtype) as data_gen:
-            return build_sequences(data_gen, training_prompts(data_gen.engine.loaded, prompts, task_shaped_per_task),
-                                   max_tokens, aux)
+            return sequences(data_gen)
 
-    print(f"distillation data: {prompts} continuations (+ {task_shaped_per_task} task-shaped per task) of {max_tokens} "
-          f"tokens with the target ({data_dtype}) ...",
+    print(f"distillation data: {prompts} continuations (+ {task_shaped_per_task} task-shaped per task; "
+          f"{self_instruct} self-instructed questions) of {max_tokens} tokens with the target ({data_dtype}) ...",
           file=sys.stderr)
     key = {"model": target_model, "prompts": prompts, "max_tokens": max_tokens, "aux": list(aux)}
     if data_dtype != "float32":  # float32 data keeps the key it always had (caches built before stay valid)
         key["dtype"] = data_dtype
     if task_shaped_per_task:  # likewise: only data with task-shaped prompts names them
         key["task_shaped"] = task_shaped_per_task
+    if self_instruct:
+        key["self_instruct"] = self_instruct
     seqs = cached_sequences(Path(data_path) if data_path is not None else Path(out) / "distill_data.pt", key, build)
     return train(gen.engine.loaded, seqs, out, cfg, progress=progress)

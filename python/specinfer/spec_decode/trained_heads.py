@@ -41,14 +41,16 @@ class HeadRecipe:
     lr_schedule: str = "wsd"  # head_training.learning_rate
     seed: int = 0
     task_shaped_per_task: int = 0  # task-shaped prompts per bench task added to `prompts` (distill_data)
+    self_instruct: int = 0  # questions the target writes itself, in the templated questions' place (distill_data)
     minutes: float = 0.0  # about how long it takes on a 2-core CI-class machine (shown to the user)
 
     def key(self, train_dtype: str) -> str:
         """train_dtype: the resolved precision of training, which is also the data's (bfloat16 where
         the CPU multiplies it natively, else float32)."""
         fields = {k: v for k, v in asdict(self).items() if k != "minutes"}
-        if not self.task_shaped_per_task:  # recipes without them keep the keys they always had
-            del fields["task_shaped_per_task"]
+        for name in ("task_shaped_per_task", "self_instruct"):  # recipes without them keep the keys they had
+            if not fields[name]:
+                del fields[name]
         blob = json.dumps({**fields, "train_dtype": train_dtype, "data_dtype": train_dtype,
                            "revision": TRAINING_REVISION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -126,8 +128,11 @@ def resolve_head(model: str, method: str, target: str, *, table: dict[str, HeadR
         data = root / f"distill-{re.sub(r'[^A-Za-z0-9_.-]', '_', recipe.target)}{suffix}.pt"
         if recipe.task_shaped_per_task:
             data = data.with_name(f"{data.stem}-tasks{recipe.task_shaped_per_task}.pt")
+        if recipe.self_instruct:
+            data = data.with_name(f"{data.stem}-si{recipe.self_instruct}.pt")
         head_training.train_head(recipe.target, work, cfg, recipe.prompts, recipe.max_tokens, progress=progress,
-                                 data_path=data, data_dtype=dtype, task_shaped_per_task=recipe.task_shaped_per_task)
+                                 data_path=data, data_dtype=dtype, task_shaped_per_task=recipe.task_shaped_per_task,
+                                 self_instruct=recipe.self_instruct)
         (work / "train_state.pt").unlink(missing_ok=True)  # not part of the head
         if final.exists():  # a damaged entry (no report): replaced
             shutil.rmtree(final)
