@@ -44,6 +44,10 @@ class Generator:
     processes this one spawns, or the ranks of a torchrun launch; docs/tensor_parallel.md); a
     draft model is sharded over speculative["draft_tensor_parallel_size"] ranks (a divisor of N,
     default N). A worker silent for `distributed_timeout_s` during a step fails the Generator.
+    `overlap_steps=True` (the default) overlaps the host with the device: each step's output work
+    (detokenizing, stop strings, outputs, metrics) runs while the next step's forward computes, on
+    the device where launches are asynchronous (CUDA, Gaudi) or on a worker thread standing in for
+    it (CPU); `False` runs the serial loop (for debugging; the outputs are the same).
     Call `close()` (or use `with Generator(...) as gen:`) to stop the workers; they also stop
     when this process exits.
     """
@@ -52,7 +56,8 @@ class Generator:
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
                  attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
-                 tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False):
+                 tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False,
+                 overlap_steps=True):
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -60,7 +65,7 @@ class Generator:
             max_logprobs=max_logprobs, attention_backend=attention_backend,
             gpu_memory_utilization=gpu_memory_utilization, quantization=quantization,
             tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s,
-            batch_invariant=batch_invariant)
+            batch_invariant=batch_invariant, overlap_steps=overlap_steps)
         # a Generator dropped without close() still stops its tensor-parallel workers
         weakref.finalize(self, self.engine.close)
         self._counter = 0

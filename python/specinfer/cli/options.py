@@ -30,6 +30,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true",
                    help="every token's logits the same bits whatever its step holds, so speculative output equals "
                    "non-speculative output bit for bit (CPU, float32, bfloat16 or w8a8; slower prefill)")
+    g.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
+                   help="run the serial step loop (debugging): by default each step's output work runs while the "
+                   "next step's forward computes")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
                    "CPU) (default: auto)")
     g.add_argument("--attention-backend", default="auto",
@@ -225,7 +228,8 @@ def engine_kwargs(args) -> dict:
                 attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                batch_invariant=bool(getattr(args, "batch_invariant", False)))
+                batch_invariant=bool(getattr(args, "batch_invariant", False)),
+                overlap_steps=bool(getattr(args, "overlap_steps", True)))
 
 
 def load_generator(args, spec):

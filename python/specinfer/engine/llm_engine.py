@@ -65,7 +65,10 @@ class LLMEngine:
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
                  attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
-                 tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False):
+                 tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False,
+                 overlap_steps=True):
+        if not isinstance(overlap_steps, bool):
+            raise ValueError(f"overlap_steps must be True or False (got {overlap_steps!r})")
         if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
             raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
         if not is_int(max_logprobs) or max_logprobs < 0:
@@ -176,6 +179,13 @@ class LLMEngine:
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one thread at a time: step, add_request, abort
         self._undelivered: list[RequestOutput] = []  # outputs of a committed step that then failed
+        # the overlapped loop: the last committed step's output work (core ids), done beside the
+        # next forward; requests it finished that the core still holds leave after that step
+        self.overlap_steps = overlap_steps
+        self._tail: list[int] | None = None
+        self._stopped: list[int] = []
+        # where a launch runs the forward on this thread, a worker thread stands in for the device
+        self.executor.run_forwards_on_thread(overlap_steps and not self.platform.launches_are_async)
         self.last_failed_request_ids: list[str] = []  # requests of the last step that raised
 
     # ------------------------------------------------------------------ requests
@@ -303,8 +313,15 @@ class LLMEngine:
                 return None
             self.core.abort_request(core_id)
             st = self._requests.pop(core_id)
-            st.finish("abort")
+            try:
+                st.detokenize()  # tokens of a committed step whose output work was still due
+            except Exception:  # noqa: BLE001 - the request ends here either way
+                pass
+            if not st.finished:
+                st.finish("abort")
             self._forget([core_id])
+            # outputs of a failed step not yet delivered: the aborted request's are void
+            self._undelivered = [o for o in self._undelivered if o.request_id != request_id]
             return st.to_output()
 
     def close(self) -> None:
@@ -318,7 +335,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """Requests still running or waiting, or outputs of a failed step not yet delivered."""
-        return bool(self._requests or self._undelivered)
+        return bool(self._requests or self._undelivered)  # (a due output work's requests are still here)
 
     def spec_metrics(self) -> dict:
         return self.metrics.as_dict()
@@ -331,24 +348,47 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one step; return outputs of the requests it touched (only finished ones when
-        final_only, which spares building cumulative outputs for every running request)."""
+        final_only, which spares building cumulative outputs for every running request).
+
+        The overlapped loop (overlap_steps=True, the default) returns a step's outputs from the next
+        call: their output work (detokenizing, stop strings, RequestOutputs, metrics) runs while
+        that call's forward is on the device. The serial loop returns them from the same call."""
         with self._lock:
             outputs, self._undelivered = self._undelivered, []
+            tail, self._tail = self._tail, None  # the previous step's output work, if deferred
             t0 = time.perf_counter()
             try:
                 sched = self.core.schedule()
             except BaseException:
                 self.core.cancel_step()  # the step is pending if only its packing failed
+                self._tail, self._undelivered = tail, outputs
                 raise
             if len(sched.preempted_req_ids):
                 if self.proposer is not None:  # their proposal stays; the proposer's KV does not
                     self.proposer.forget(sched.preempted_req_ids.tolist())
             if len(sched.req_ids) == 0:
+                done, error = self._finish_tail(tail, final_only, step_pending=False)
+                outputs += done
+                if error is not None:
+                    self._undelivered = outputs
+                    raise error
                 return outputs
             states = [self._requests[i] for i in sched.req_ids.tolist()]
             committed = False
+            pending = None
+            error = None  # one request's failure in its output work: raised once the step is whole
             try:
-                hidden, emitted, t1, t2 = self._score_and_verify(sched, states)
+                pending = self._launch(sched, states)
+                t_wait = time.perf_counter()
+                if tail is not None:  # while the forward runs: the previous step's output work
+                    done, error = self._finish_tail(tail, final_only, step_pending=True)
+                    tail = None
+                    outputs += done
+                t_tail = time.perf_counter()
+                hidden, logits = pending.wait()
+                t1 = time.perf_counter()
+                emitted = self.step_sampler(logits, sched, states, self._draft_probs)
+                t2 = time.perf_counter()
                 with deferred_keyboard_interrupt():
                     upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
                     committed = True
@@ -356,14 +396,27 @@ class LLMEngine:
                     self.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)
                     self.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
                     self._record_spec(states, emitted)
-                    outputs += self._apply_update(sched, states, emitted, upd, final_only)
+                    touched = self._commit_tokens(sched, states, emitted, upd)
+                    self._release_stopped()  # requests a stop string ended while this step ran
             except BaseException:
-                if committed:  # outputs of the committed step wait for the next step() call
-                    self._undelivered = outputs + self._undelivered
-                else:
+                if pending is not None:
+                    pending.settle()  # no forward may still write KV once the step is undone
+                if not committed:
                     self.core.cancel_step()
                     self.last_failed_request_ids = [st.request_id for st in states]
+                    self._release_stopped()
+                self._tail = tail  # output work that did not run yet runs next call
+                self._undelivered = outputs + self._undelivered
                 raise
+            self.metrics.device_s += pending.device_s  # the forward, where it ran
+            self.metrics.wait_s += t1 - t_tail  # blocked on the forward's result
+            self.metrics.tail_s += t_tail - t_wait  # the previous step's output work, beside the forward
+            if self.overlap_steps:
+                self._tail = touched
+            else:
+                done, serial_error = self._finish_tail(touched, final_only, step_pending=False)
+                outputs += done
+                error = error or serial_error
             t3 = time.perf_counter()
             self._num_drafted = 0
             if self.proposer is not None:
@@ -377,7 +430,17 @@ class LLMEngine:
             self._record_times(t0, t1, t2, t3, t4)
             if self.policy is not None:
                 self.policy.observe_step(int(sched.total_num_scheduled_tokens), t3 - t0, self._num_drafted, t4 - t3)
+            if error is not None:
+                self._undelivered = outputs
+                raise error
             return outputs
+
+    def _launch(self, sched, states):
+        """Pack the batch and launch the target forward; -> executor PendingForward."""
+        for st, cached in zip(states, sched.num_cached_tokens.tolist()):
+            st.num_cached_tokens = max(st.num_cached_tokens, cached)
+        batch = model_batch_from_schedule(sched, self.block_size, self.device)
+        return self.executor.launch_model(batch)
 
     def _score_and_verify(self, sched, states):
         """The target forward over the mixed batch, then sampling / verification (no state
@@ -412,53 +475,70 @@ class LLMEngine:
                 st.num_draft_tokens += d
                 st.num_accepted_tokens += a
 
-    def _apply_update(self, sched, states, emitted, upd, final_only) -> list[RequestOutput]:
-        """Give the Python states the tokens the core committed. A request whose own state
-        update fails (say, its detokenizer) is finished with reason "error"; the others go on,
-        and the first such error is raised once every state is whole."""
+    def _commit_tokens(self, sched, states, emitted, upd) -> list[int]:
+        """The critical part of giving the Python states the tokens the core committed: the token
+        histories the sampler, the policy and the proposer read next, and the finishes the core
+        decided (EOS, stop token ids, length). -> the core ids whose output work is due
+        (_finish_tail). A request a stop string already ended takes no more tokens."""
         row_of = {cid: r for r, cid in enumerate(sched.req_ids.tolist())}
         touched = []
         cu = upd.cu_num_new
         new = upd.new_token_ids
-        error = None
         for j, cid in enumerate(upd.req_ids.tolist()):
             st = self._requests.get(cid)
-            if st is None:
+            if st is None or st.finished:
                 continue
-            toks = new[cu[j]:cu[j + 1]].tolist()
-            try:
-                if st.append(toks, emitted.logprobs[row_of[cid]]):  # a stop string matched
-                    self.core.finish_request(cid)
-            except Exception as e:  # noqa: BLE001 - contained to this request, re-raised below
-                error = error or e
-                self.core.finish_request(cid)
-                st.finish("error", repr(e))
+            st.append_tokens(new[cu[j]:cu[j + 1]].tolist(), emitted.logprobs[row_of[cid]])
             touched.append(cid)
         for cid, reason, tok in zip(upd.finished_req_ids.tolist(), upd.finish_reasons, upd.stop_token.tolist()):
             st = self._requests.get(cid)
-            if st is None:
+            if st is None or st.finished:
                 continue
-            if not st.finished:
-                st.finish(reason, tok if tok >= 0 else None)
+            st.finish(reason, tok if tok >= 0 else None)
+            st.released_by_core = True
             if cid not in touched:
                 touched.append(cid)
-        outputs = []
-        done = []
-        for cid in touched:
-            st = self._requests[cid]
-            if st.finished:
-                done.append(cid)
+        return touched
+
+    def _finish_tail(self, touched, final_only: bool, step_pending: bool) -> tuple[list[RequestOutput], Exception | None]:
+        """A committed step's output work: detokenize and match stop strings, build the
+        RequestOutputs, drop finished requests. A request whose own work fails (say, its
+        detokenizer) is finished with reason "error"; the others go on, and the first such error
+        is returned to be raised once the step is whole. A request a stop string ended while
+        another step holds it (step_pending) leaves the core once that step committed."""
+        outputs, error = [], None
+        for cid in touched or ():
+            st = self._requests.get(cid)
+            if st is None:
+                continue  # aborted meanwhile
+            try:
+                st.detokenize()
+            except Exception as e:  # noqa: BLE001 - contained to this request
+                error = error or e
+                st.finish("error", repr(e))
             if st.finished or not final_only or st.stream:
                 outputs.append(st.to_output())
-        for cid in done:
-            st = self._requests.pop(cid)
-            self._by_name.pop(st.request_id, None)
-        if done:
-            self._forget(done)
-        if error is not None:
-            self._undelivered = outputs
-            raise error
-        return outputs
+            if st.finished:
+                if step_pending and not st.released_by_core:
+                    self._stopped.append(cid)
+                else:
+                    self._release(cid)
+        return outputs, error
+
+    def _release_stopped(self) -> None:
+        """Requests finished by their output work while a step held them: out of the core now."""
+        stopped, self._stopped = self._stopped, []
+        for cid in stopped:
+            self._release(cid)
+
+    def _release(self, cid: int) -> None:
+        st = self._requests.pop(cid, None)
+        if st is None:
+            return
+        if not st.released_by_core:
+            self.core.finish_request(cid)
+        self._by_name.pop(st.request_id, None)
+        self._forget([cid])
 
     def _forget(self, core_ids) -> None:
         """Requests that finished or were aborted: drop their proposal state."""

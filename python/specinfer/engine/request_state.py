@@ -31,6 +31,8 @@ class RequestState:
     # the delta since the last output, for streaming
     new_token_ids: list[int] = field(default_factory=list)
     num_text_sent: int = 0  # characters of text already handed out in outputs
+    num_detokenized: int = 0  # output tokens already pushed through the detokenizer
+    released_by_core: bool = False  # the core finished it (EOS, stop token, length) and freed its blocks
 
     @property
     def num_tokens(self) -> int:
@@ -49,17 +51,37 @@ class RequestState:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
 
     def append(self, tokens: list[int], logprobs: list[dict[int, float]] | None) -> bool:
-        """Append tokens the core accepted; returns True when a stop string ended the request."""
-        for i, t in enumerate(tokens):
-            self.output_token_ids.append(t)
-            self.new_token_ids.append(t)
-            if self.logprobs is not None:
-                self.logprobs.append(logprobs[i] if logprobs is not None else {})
-            hit = self.detokenizer.push(t)
+        """Append tokens the core accepted and detokenize them; True when a stop string ended the
+        request (the serial order: both at once)."""
+        self.append_tokens(tokens, logprobs)
+        return self.detokenize()
+
+    def append_tokens(self, tokens: list[int], logprobs: list[dict[int, float]] | None) -> None:
+        """The step's critical part: the token history the next step and the proposer read."""
+        self.output_token_ids.extend(tokens)
+        self.new_token_ids.extend(tokens)
+        if self.logprobs is not None:
+            self.logprobs.extend(logprobs[:len(tokens)] if logprobs is not None else [{} for _ in tokens])
+
+    def detokenize(self) -> bool:
+        """Detokenize the tokens appended since the last call (off the critical path in the
+        overlapped loop). A stop string ends the request at the token that completed it: later
+        tokens are dropped and the reason becomes "stop" (also over a finish the core decided at
+        a later token). Returns True when a stop string matched."""
+        while self.num_detokenized < len(self.output_token_ids):
+            i = self.num_detokenized
+            self.num_detokenized += 1
+            hit = self.detokenizer.push(self.output_token_ids[i])
             if hit is not None:
+                drop = len(self.output_token_ids) - (i + 1)
+                if drop:
+                    del self.output_token_ids[i + 1:]
+                    del self.new_token_ids[len(self.new_token_ids) - drop:]
+                    if self.logprobs is not None:
+                        del self.logprobs[i + 1:]
                 self.finish("stop", hit)
-                break
-        return self.finished
+                return True
+        return False
 
     def finish(self, reason: str, stop_reason=None) -> None:
         self.finished = True

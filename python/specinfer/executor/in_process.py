@@ -8,10 +8,11 @@ from specinfer.engine.kv_cache import allocate_kv_caches
 from specinfer.engine.model_loading import load_any
 from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.tree_steps import apply_kv_copies
+from specinfer.executor.forward_thread import LaunchesForwards
 from specinfer.executor.head_handle import LocalHead
 
 
-class InProcessExecutor:
+class InProcessExecutor(LaunchesForwards):
     tensor_parallel_size = 1
 
     def __init__(self, platform):
@@ -69,4 +70,4 @@ class InProcessExecutor:
         apply_kv_copies(self._kv_caches, src, dst)
 
     def shutdown(self) -> None:
-        pass
+        self.run_forwards_on_thread(False)

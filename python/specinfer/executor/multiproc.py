@@ -27,6 +27,7 @@ from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.executor import messages as m
 from specinfer.executor.control_channel import ControlChannel
 from specinfer.executor.device_move import to_wire
+from specinfer.executor.forward_thread import LaunchesForwards
 from specinfer.executor.head_handle import RanksHead
 from specinfer.executor.process_group import (READY_KEY, STARTUP_TIMEOUT_S, destroy_world, env_rank, init_world,
                                               launched_by_torchrun, read_errors)
@@ -37,7 +38,7 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel worker failed, exited or stopped answering; the executor is shut down."""
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(LaunchesForwards):
     def __init__(self, parallel, platform):
         self.parallel = parallel
         self.platform = platform
@@ -133,6 +134,7 @@ class MultiprocExecutor:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        self.run_forwards_on_thread(False)
         if self._failure is None:
             try:
                 self.channel.send(m.Shutdown())

@@ -51,6 +51,9 @@ class Platform:
     supported_attention_backends: tuple[str, ...] = ATTENTION_BACKENDS
     distributed_backend = "gloo"  # torch.distributed backend of tensor-parallel collectives (executor/)
     device_name: str | None = None  # what a tensor-parallel worker passes to resolve_platform (None: the device)
+    # a forward launched here returns before the device finished it (CUDA streams, Gaudi's lazy
+    # graphs); where it does not, the engine's overlapped loop runs forwards on a worker thread
+    launches_are_async = False
 
     def __init__(self, device: torch.device, default_dtype: torch.dtype):
         self.device = device

@@ -17,6 +17,7 @@ def triton_available() -> bool:
 class CudaPlatform(Platform):
     name = "cuda"
     distributed_backend = "nccl"
+    launches_are_async = True  # kernels queue on the stream; the host returns at once
     supported_attention_backends = ("triton", "torch_ref")
 
     def __init__(self, device: torch.device, *, triton: bool | None = None, cuda_graphs: bool = True):

@@ -57,6 +57,7 @@ class HpuPlatform(Platform):
     distributed_backend = "hccl"
     device_name = "hpu"
     supported_attention_backends = ("hpu_flat",)
+    launches_are_async = True  # lazy mode: graphs run on the device after mark_step
     num_null_blocks = 1  # padded rows write their K/V into one block past the pool
 
     def __init__(self, device: torch.device | None = None, *, bucket_config: BucketConfig | None = None,
@@ -124,6 +125,7 @@ class HpuEmulatedPlatform(HpuPlatform):
 
     name = "hpu-emulated"
     distributed_backend = "gloo"
+    launches_are_async = False  # the "device" is this CPU
     device_name = "hpu-emulated"
 
     def __init__(self, *, bucket_config: BucketConfig | None = None, spec_lengths: tuple[int, ...] | None = None,

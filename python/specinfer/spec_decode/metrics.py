@@ -15,6 +15,10 @@ class SpecMetrics:
         self.drafts_at = np.zeros(k, dtype=np.int64)  # verifications with a draft at position j
         self.accepted_at = np.zeros(k, dtype=np.int64)
         self.propose_s = self.score_s = self.verify_s = self.total_s = 0.0
+        # the step's timeline (engine/llm_engine.py): the target forward where it ran (the device,
+        # or the thread standing in for it), the engine blocked on its result, and the previous
+        # step's output work done beside it. Device idle time (the bubble) = total_s - device_s.
+        self.device_s = self.wait_s = self.tail_s = 0.0
         self.num_steps = 0
 
     def record(self, num_draft: np.ndarray, num_accepted: np.ndarray,
@@ -51,5 +55,9 @@ class SpecMetrics:
             "score_s": self.score_s,
             "verify_s": self.verify_s,
             "overhead_s": max(0.0, self.total_s - self.propose_s - self.score_s - self.verify_s),
+            "device_s": self.device_s,
+            "wait_s": self.wait_s,
+            "tail_s": self.tail_s,
+            "bubble_s": max(0.0, self.total_s - self.device_s),
             "num_steps": self.num_steps,
         }

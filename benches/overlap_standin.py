@@ -1,0 +1,157 @@
+"""The step's bubble with a stand-in for an asynchronous device, on CPU (issue 38).
+
+The target is a one-layer, 32-wide random Llama (its real forward is ~0.1 ms); each of its
+forwards then sleeps until a modeled device time D(T) = --device-ms + --per-token-us * T has
+passed (T = tokens in the step), on the thread the forward runs on. With the overlapped loop that
+is the engine's forward thread, so the forward's result is readable only through an explicit
+wait, as a CUDA launch and its sync behave; with the serial loop it is the engine's own thread.
+A draft model (the same tiny shape, another seed) stands in likewise: each of its forwards takes
+--draft-ms + --per-token-us * T of modeled device time, on the engine's thread (its drafts are
+needed before the next step can be scheduled, so that time is on the critical path either way).
+
+Per engine step (medians over repeats, loops and methods interleaved): wall, device (target
+forward + draft forwards), bubble = wall - device (the time the device would sit idle: host
+work on the critical path), wall / device, and the output work that ran beside the forward.
+Targets (issue 38): wall <= 1.05 x device; a speculative step's bubble <= 1.2 x a plain step's.
+
+    python benches/overlap_standin.py --batch 32 --repeats 5
+    python benches/overlap_standin.py --batch 1 --repeats 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from specinfer import Generator, SamplingParams  # noqa: E402
+
+
+def _sleep_until(t_end: float) -> None:
+    # time.sleep overshoots by ~50-100 us; spin the last stretch (the GIL is released by sleep(0))
+    while True:
+        left = t_end - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left - 2e-4 if left > 3e-4 else 0)
+
+
+class ModeledDevice:
+    """Wraps a forward callable: compute, then hold the thread until the modeled time passed."""
+
+    def __init__(self, fn, base_s: float, per_token_s: float, tokens_of):
+        self.fn, self.base_s, self.per_token_s, self.tokens_of = fn, base_s, per_token_s, tokens_of
+        self.total_s = 0.0  # modeled device time spent (draft forwards: counted by the bench)
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter()
+        out = self.fn(*args, **kwargs)
+        d = self.base_s + self.per_token_s * self.tokens_of(*args, **kwargs)
+        _sleep_until(t + d)
+        self.total_s += time.perf_counter() - t
+        return out
+
+
+def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, ModeledDevice | None]:
+    spec = None
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}
+    elif method == "draft_model":
+        spec = {"method": "draft_model", "model": str(models / "draft"), "num_speculative_tokens": args.k,
+                "policy": "fixed"}
+    gen = Generator(str(models / "target"), speculative=spec, overlap_steps=overlap,
+                    max_model_len=args.prompt_len + args.new_tokens + 16, num_kv_blocks=args.batch * 16 + 64,
+                    enable_prefix_caching=False)
+    ex = gen.engine.executor
+    ex.execute_model = ModeledDevice(ex.execute_model, args.device_ms * 1e-3, args.per_token_us * 1e-6,
+                                     lambda batch: batch.input_ids.numel())
+    draft = None
+    if method == "draft_model":
+        runner = gen.engine.proposer.runner
+        draft = runner.forward = ModeledDevice(runner.forward, args.draft_ms * 1e-3, args.per_token_us * 1e-6,
+                                               lambda input_ids, *a, **k: input_ids.numel())
+    return gen, draft
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device-ms", type=float, default=2.5, help="modeled target forward: fixed part")
+    ap.add_argument("--per-token-us", type=float, default=4.0, help="modeled forward: per query token")
+    ap.add_argument("--draft-ms", type=float, default=0.25, help="modeled draft forward: fixed part")
+    ap.add_argument("--methods", default="plain,ngram,draft_model")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None, help="write the medians here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from tiny_models import build_tiny_model
+
+    models = Path(tempfile.mkdtemp())
+    build_tiny_model(models / "target", "llama", scale=2.0, layers=1, hidden=32, heads=2, kv_heads=1)
+    build_tiny_model(models / "draft", "llama", scale=2.0, layers=1, hidden=32, heads=2, kv_heads=1, seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = []
+    for _ in range(args.batch):  # a phrase of 8 repeated: prompt lookup always finds a match
+        phrase = torch.randint(3, 256, (8,), generator=g).tolist()
+        prompts.append((phrase * (args.prompt_len // 8 + 1))[:args.prompt_len])
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    methods = args.methods.split(",")
+    rows = {(m, loop): [] for m in methods for loop in ("serial", "overlap")}
+    gens = {key: build(key[0], key[1] == "overlap", models, args) for key in rows}
+    outputs = {}
+    for key, (gen, _) in gens.items():  # warm, and the loops must agree token for token
+        outputs[key] = [o.token_ids for o in gen.generate(prompts, params, use_tqdm=False)]
+    for m in methods:
+        assert outputs[(m, "serial")] == outputs[(m, "overlap")], f"{m}: the loops disagree"
+    for _ in range(args.repeats):
+        for key, (gen, draft) in gens.items():
+            gen.engine.reset_metrics()
+            d0 = draft.total_s if draft else 0.0
+            t = time.perf_counter()
+            gen.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t
+            mt = gen.engine.metrics.as_dict()
+            steps = mt["num_steps"]
+            device = mt["device_s"] + ((draft.total_s - d0) if draft else 0.0)
+            rows[key].append({"steps": steps, "wall_ms": wall / steps * 1e3, "device_ms": device / steps * 1e3,
+                              "bubble_ms": (wall - device) / steps * 1e3, "tail_ms": mt["tail_s"] / steps * 1e3,
+                              "wall_over_device": wall / device, "tokens_per_s": args.batch * args.new_tokens / wall,
+                              "mean_acceptance_length": mt["mean_acceptance_length"]})
+    print(f"batch {args.batch}, prompts {args.prompt_len}, new tokens {args.new_tokens}, k {args.k}; modeled device "
+          f"D(T) = {args.device_ms} ms + {args.per_token_us} us x T (draft {args.draft_ms} ms + same); per step, "
+          f"median of {args.repeats}")
+    print("| method | loop | steps | wall ms | device ms | bubble ms | wall / device | output work beside ms |"
+          " tokens/s | acc. len |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    summary = {}
+    for (m, loop), rs in rows.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        summary[f"{m}/{loop}"] = med
+        print(f"| {m} | {loop} | {med['steps']:.0f} | {med['wall_ms']:.3f} | {med['device_ms']:.3f} | "
+              f"{med['bubble_ms']:.3f} | {med['wall_over_device']:.3f} | {med['tail_ms']:.3f} | "
+              f"{med['tokens_per_s']:.0f} | {med['mean_acceptance_length']:.2f} |")
+    for loop in ("serial", "overlap"):
+        plain = summary.get(f"plain/{loop}")
+        for m in methods:
+            if m != "plain" and plain:
+                s = summary[f"{m}/{loop}"]
+                print(f"{loop}: {m} bubble / plain bubble = {s['bubble_ms'] / plain['bubble_ms']:.2f}; "
+                      f"speedup vs plain {s['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""The target forward as an asynchronous launch: ``launch(fn, batch)`` returns at once, and the
+result is readable only through ``PendingForward.wait()``, as a CUDA launch and its sync behave.
+
+On CUDA a launch is asynchronous by itself (the kernels queue on the stream and the host returns);
+the engine's overlapped loop (engine/llm_engine.py) uses that time for the previous step's output
+work. Where a forward runs on the calling thread (CPU, the emulated Gaudi path, the driver rank
+of a tensor-parallel group), one worker thread stands in for the device: the forward runs there
+while the engine's thread works, and torch's kernels and ours release the GIL while they compute.
+
+``wait()`` re-raises whatever the forward raised (KeyboardInterrupt injected there too);
+``settle()`` waits for the forward to end whatever it did, so a step cancelled by an error on the
+engine's thread (Ctrl-C during the wait) never leaves a forward writing KV into blocks that the
+next schedule may hand to another request.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+
+class PendingForward:
+    """One launched forward: its result (or exception) once the worker has run it."""
+
+    __slots__ = ("_done", "_result", "_error", "device_s")
+
+    def __init__(self):
+        self._done = threading.Event()
+        self._result = None
+        self._error: BaseException | None = None
+        self.device_s = 0.0  # seconds the forward took where it ran
+
+    @classmethod
+    def completed(cls, fn, *args) -> "PendingForward":
+        """A launch that ran on the caller's thread (its result is ready, or it raised)."""
+        p = cls()
+        t = time.perf_counter()
+        try:
+            p._result = fn(*args)
+        finally:
+            p.device_s = time.perf_counter() - t
+            p._done.set()
+        return p
+
+    def _run(self, fn, args) -> None:
+        t = time.perf_counter()
+        try:
+            self._result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread, KeyboardInterrupt too
+            self._error = e
+        finally:
+            self.device_s = time.perf_counter() - t
+            self._done.set()
+
+    def wait(self):
+        """Block until the forward ended; its result, or its exception re-raised here."""
+        self._done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._result
+
+    def settle(self) -> None:
+        """Wait for the forward to end, ignoring its outcome (the step is being cancelled);
+        a Ctrl-C meanwhile is held until it ended."""
+        interrupted = False
+        while True:
+            try:
+                self._done.wait()
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        if interrupted:
+            raise KeyboardInterrupt
+
+
+class ForwardThread:
+    """One daemon worker running launched forwards in order (one in flight at a time in the
+    engine). Started on first use; closed with the executor."""
+
+    def __init__(self, name: str = "specinfer-forward"):
+        self._name = name
+        self._jobs: deque = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def launch(self, fn, *args) -> PendingForward:
+        p = PendingForward()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the forward thread is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._jobs.append((p, fn, args))
+            self._cv.notify()
+        return p
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                p, fn, args = self._jobs.popleft()
+            p._run(fn, args)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+
+class LaunchesForwards:
+    """The executors' launch side: ``launch_model(batch)`` runs ``execute_model`` on the forward
+    thread when one is set (``run_forwards_on_thread(True)``), else on the caller's thread."""
+
+    forward_thread: ForwardThread | None = None
+
+    def run_forwards_on_thread(self, on: bool) -> None:
+        if on and self.forward_thread is None:
+            self.forward_thread = ForwardThread()
+        elif not on and self.forward_thread is not None:
+            self.forward_thread.close()
+            self.forward_thread = None
+
+    def launch_model(self, batch) -> PendingForward:
+        """batch: engine.batch.ModelBatch -> a PendingForward of (hidden [T, hidden], logits [L, vocab])."""
+        if self.forward_thread is None:
+            return PendingForward.completed(self.execute_model, batch)
+        return self.forward_thread.launch(self.execute_model, batch)
