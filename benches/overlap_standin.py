@@ -1,10 +1,10 @@
 """The step's bubble with a stand-in for an asynchronous device, on CPU (issue 38).
 
-The target is a one-layer, 32-wide random Llama (its real forward is ~0.1 ms); each of its
-forwards then sleeps until a modeled device time D(T) = --device-ms + --per-token-us * T has
-passed (T = tokens in the step), on the thread the forward runs on. With the overlapped loop that
-is the engine's forward thread, so the forward's result is readable only through an explicit
-wait, as a CUDA launch and its sync behave; with the serial loop it is the engine's own thread.
+The target is a one-layer, 32-wide random Llama (its real forward is ~0.1 ms); each forward's
+result becomes readable a modeled device time D(T) = --device-ms + --per-token-us * T after its
+launch (T = tokens in the step), and only through an explicit wait, as a CUDA launch and its sync
+behave. The tiny model computes on the engine's forward thread in the overlapped loop (the
+engine's own thread in the serial one), well inside D.
 A draft model (the same tiny shape, another seed) stands in likewise: each of its forwards takes
 --draft-ms + --per-token-us * T of modeled device time, on the engine's thread (its drafts are
 needed before the next step can be scheduled, so that time is on the critical path either way).
@@ -35,7 +35,8 @@ from specinfer import Generator, SamplingParams  # noqa: E402
 
 
 def _sleep_until(t_end: float) -> None:
-    # time.sleep overshoots by ~50-100 us; spin the last stretch (the GIL is released by sleep(0))
+    """Sleep until shortly before t_end, then spin (yielding the GIL) the last stretch: sleep
+    alone overshoots by ~50-100 us, and a host thread waiting on a CUDA sync spins."""
     while True:
         left = t_end - time.perf_counter()
         if left <= 0:
@@ -43,23 +44,54 @@ def _sleep_until(t_end: float) -> None:
         time.sleep(left - 2e-4 if left > 3e-4 else 0)
 
 
-class ModeledDevice:
-    """Wraps a forward callable: compute, then hold the thread until the modeled time passed."""
+class ModeledForward:
+    """Wraps a synchronous forward callable: compute, then hold the thread until the modeled
+    time passed (a draft model's forwards: the engine needs their drafts before it goes on)."""
 
-    def __init__(self, fn, base_s: float, per_token_s: float, tokens_of):
-        self.fn, self.base_s, self.per_token_s, self.tokens_of = fn, base_s, per_token_s, tokens_of
-        self.total_s = 0.0  # modeled device time spent (draft forwards: counted by the bench)
+    def __init__(self, fn, base_s: float, per_token_s: float):
+        self.fn, self.base_s, self.per_token_s = fn, base_s, per_token_s
+        self.total_s = 0.0  # modeled device time spent
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, input_ids, *args, **kwargs):
         t = time.perf_counter()
-        out = self.fn(*args, **kwargs)
-        d = self.base_s + self.per_token_s * self.tokens_of(*args, **kwargs)
+        out = self.fn(input_ids, *args, **kwargs)
+        d = self.base_s + self.per_token_s * input_ids.numel()
         _sleep_until(t + d)
         self.total_s += time.perf_counter() - t
         return out
 
 
-def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, ModeledDevice | None]:
+class ModeledLaunch:
+    """Wraps the executor's launch_model: the device starts the forward at launch and its result
+    is readable D(T) later, through the PendingForward's wait() only (as a CUDA launch and sync
+    behave). The tiny model itself computes wherever the engine runs forwards (its forward thread
+    in the overlapped loop, the engine's thread in the serial one), well inside D."""
+
+    def __init__(self, launch, base_s: float, per_token_s: float):
+        self.launch, self.base_s, self.per_token_s = launch, base_s, per_token_s
+
+    def __call__(self, batch):
+        t = time.perf_counter()
+        d = self.base_s + self.per_token_s * batch.input_ids.numel()
+        return _Modeled(self.launch(batch), t + d, d)
+
+
+class _Modeled:
+    """A PendingForward whose result is readable at ready_at, and whose device time is d."""
+
+    def __init__(self, pending, ready_at: float, d: float):
+        self._pending, self._ready_at, self.device_s = pending, ready_at, d
+
+    def wait(self):
+        out = self._pending.wait()
+        _sleep_until(self._ready_at)
+        return out
+
+    def settle(self):
+        self._pending.settle()
+
+
+def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, ModeledForward | None]:
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}
@@ -70,13 +102,11 @@ def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, Mo
                     max_model_len=args.prompt_len + args.new_tokens + 16, num_kv_blocks=args.batch * 16 + 64,
                     enable_prefix_caching=False)
     ex = gen.engine.executor
-    ex.execute_model = ModeledDevice(ex.execute_model, args.device_ms * 1e-3, args.per_token_us * 1e-6,
-                                     lambda batch: batch.input_ids.numel())
+    ex.launch_model = ModeledLaunch(ex.launch_model, args.device_ms * 1e-3, args.per_token_us * 1e-6)
     draft = None
     if method == "draft_model":
         runner = gen.engine.proposer.runner
-        draft = runner.forward = ModeledDevice(runner.forward, args.draft_ms * 1e-3, args.per_token_us * 1e-6,
-                                               lambda input_ids, *a, **k: input_ids.numel())
+        draft = runner.forward = ModeledForward(runner.forward, args.draft_ms * 1e-3, args.per_token_us * 1e-6)
     return gen, draft
 
 

@@ -79,16 +79,19 @@ def _run_engine(gen, prompts, params, names_prefix="r"):
     return done, faults
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 @pytest.mark.parametrize("where", ["forward", "sampler", "proposer"])
-def test_faults_at_random_steps_leave_outputs_exact(models, method, where):
+def test_faults_at_random_steps_leave_outputs_exact(models, method, where, overlap):
+    """Both step loops: in the overlapped one the forward runs on the forward thread and the
+    previous step's output work is under way when the fault lands."""
     target, draft = models
     prompts = _prompts(10)
     clean = _generator(target, draft, method)
     want, faults = _run_engine(clean, prompts, GREEDY)
     assert faults == 0 and len(want) == len(prompts)
 
-    gen = _generator(target, draft, method)
+    gen = _generator(target, draft, method, overlap_steps=overlap)
     eng = gen.engine
     rng = random.Random(zlib.crc32(f"{method}/{where}".encode()))  # hash() of a str varies per process
     fail_at = set(rng.sample(range(1, 40), 8))

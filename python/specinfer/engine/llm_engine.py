@@ -469,26 +469,29 @@ class LLMEngine:
                                              emitted.num_accepted)
         self.metrics.record(emitted.num_draft_tokens, emitted.num_accepted,
                             np.diff(emitted.cu_num_emitted), emitted.num_rows)
-        for st, d, a in zip(states, emitted.num_draft_tokens.tolist(), emitted.num_accepted.tolist()):
-            if d:
-                st.num_drafts += 1
-                st.num_draft_tokens += d
-                st.num_accepted_tokens += a
+        d, a = emitted.num_draft_tokens.tolist(), emitted.num_accepted.tolist()
+        for r in np.flatnonzero(emitted.num_draft_tokens).tolist():
+            st = states[r]
+            st.num_drafts += 1
+            st.num_draft_tokens += d[r]
+            st.num_accepted_tokens += a[r]
 
     def _commit_tokens(self, sched, states, emitted, upd) -> list[int]:
         """The critical part of giving the Python states the tokens the core committed: the token
         histories the sampler, the policy and the proposer read next, and the finishes the core
         decided (EOS, stop token ids, length). -> the core ids whose output work is due
         (_finish_tail). A request a stop string already ended takes no more tokens."""
-        row_of = {cid: r for r, cid in enumerate(sched.req_ids.tolist())}
+        lp = emitted.logprobs
+        row_of = ({cid: r for r, cid in enumerate(sched.req_ids.tolist())}
+                  if any(x is not None for x in lp) else None)
         touched = []
-        cu = upd.cu_num_new
-        new = upd.new_token_ids
+        cu = upd.cu_num_new.tolist()
+        new = upd.new_token_ids.tolist()
         for j, cid in enumerate(upd.req_ids.tolist()):
             st = self._requests.get(cid)
             if st is None or st.finished:
                 continue
-            st.append_tokens(new[cu[j]:cu[j + 1]].tolist(), emitted.logprobs[row_of[cid]])
+            st.append_tokens(new[cu[j]:cu[j + 1]], None if row_of is None else lp[row_of[cid]])
             touched.append(cid)
         for cid, reason, tok in zip(upd.finished_req_ids.tolist(), upd.finish_reasons, upd.stop_token.tolist()):
             st = self._requests.get(cid)

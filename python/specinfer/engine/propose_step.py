@@ -14,6 +14,8 @@ def spend_verified_drafts(draft_probs: dict, states, emitted) -> np.ndarray:
     Returns bool[R]: the request still has a pending proposal."""
     d = emitted.num_draft_tokens
     kept = (emitted.num_rows == d) & (d > 0) & (emitted.num_accepted == d)
+    if not draft_probs:
+        return kept  # model-free drafts (n-gram) keep no probabilities
     for r, st in enumerate(states):
         if emitted.num_rows[r] == 0:
             continue  # a prefill chunk verified nothing; a kept proposal waits
@@ -32,12 +34,12 @@ def draft_budgets(engine, states) -> np.ndarray:
     if spec.token_tree is not None:
         slots = max(spec.num_draft_slots, engine.proposer.num_lookahead_tokens)
     k = engine.platform.speculation_length(slots, len(states), spec.scorer)
-    out = np.zeros(len(states), dtype=np.int64)
-    for r, st in enumerate(states):
-        out_left = st.params.max_tokens - len(st.output_token_ids) - 1
-        len_left = engine.max_model_len - st.num_tokens - 1
-        out[r] = max(0, min(k, out_left, len_left))
-    return out
+    num_out = np.fromiter((len(st.output_token_ids) for st in states), np.int64, len(states))
+    num_prompt = np.fromiter((len(st.prompt_token_ids) for st in states), np.int64, len(states))
+    max_tokens = np.fromiter((st.params.max_tokens for st in states), np.int64, len(states))
+    out_left = max_tokens - num_out - 1
+    len_left = engine.max_model_len - (num_prompt + num_out) - 1
+    return np.clip(np.minimum(out_left, len_left), 0, k)
 
 
 def whole_batch_tokens_left(engine, states, alive) -> np.ndarray | None:

@@ -75,6 +75,8 @@ def mask_min_tokens(logits: torch.Tensor, cu_logits, sampling, states, eos_token
     Row j of request i decides output offset j, or ``row_offsets[i][j]`` (a tree: 0, then the
     depth of each node)."""
     rows, cols = [], []
+    if not any(states[i].params.min_tokens for i in sampling):
+        return logits  # (the common case, checked without a length per request)
     for i in sampling:
         st = states[i]
         need = st.params.min_tokens - len(st.output_token_ids)
@@ -270,6 +272,9 @@ def _tree_requests(sched, num_draft, n_rows) -> dict:
     parents = getattr(sched, "draft_parents", None)
     if parents is None or num_draft.sum() == 0:
         return {}
+    tree_mask = getattr(sched, "tree_mask", None)
+    if tree_mask is not None and len(tree_mask) == 0:
+        return {}  # the core packs tree masks iff the batch holds a tree run: chains only
     parents = np.asarray(parents, dtype=np.int64)
     cu = np.concatenate([[0], np.cumsum(num_draft, dtype=np.int64)])
     if parents.shape != (int(cu[-1]),):
