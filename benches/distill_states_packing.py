@@ -9,7 +9,7 @@ standard-library chunks). Run alone.
 """
 import time, torch, sys
 from specinfer.generator import Generator
-from specinfer.spec_decode.distill_data import training_prompts, continuations, target_states, packed_target_states
+from specinfer.training.distill_data import training_prompts, continuations, target_states, packed_target_states
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 64
 off = int(sys.argv[2]) if len(sys.argv) > 2 else 700
 g = Generator("smollm2-135m", max_num_seqs=64, dtype="bfloat16")

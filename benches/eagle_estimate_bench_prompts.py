@@ -20,9 +20,9 @@ import torch
 
 from specinfer.bench.prompting import prompt_encoder
 from specinfer.generator import Generator
-from specinfer.spec_decode import head_training
-from specinfer.spec_decode.distill_data import _bench_rows, build_sequences
-from specinfer.spec_decode.eagle_training import EagleTrainer, eagle_acceptance_estimate
+from specinfer.training import head_training
+from specinfer.training.distill_data import _bench_rows, build_sequences
+from specinfer.training.eagle_training import EagleTrainer, eagle_acceptance_estimate
 
 ap = argparse.ArgumentParser()
 ap.add_argument("heads", nargs="*")

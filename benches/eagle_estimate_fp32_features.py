@@ -9,9 +9,9 @@ import sys
 import torch
 from pathlib import Path
 from specinfer.generator import Generator
-from specinfer.spec_decode import head_training
-from specinfer.spec_decode.distill_data import DistillSequence, target_states
-from specinfer.spec_decode.eagle_training import EagleTrainer, eagle_acceptance_estimate
+from specinfer.training import head_training
+from specinfer.training.distill_data import DistillSequence, target_states
+from specinfer.training.eagle_training import EagleTrainer, eagle_acceptance_estimate
 torch.set_num_threads(2)
 gen = Generator("smollm2-135m", max_num_seqs=4)
 t = gen.engine.loaded

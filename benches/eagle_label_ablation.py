@@ -33,9 +33,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from specinfer.generator import Generator
-    from specinfer.spec_decode import eagle_training
-    from specinfer.spec_decode.distill_data import DistillSequence, LabelSoftmax
-    from specinfer.spec_decode.head_training import TrainConfig, train
+    from specinfer.training import eagle_training
+    from specinfer.training.distill_data import DistillSequence, LabelSoftmax
+    from specinfer.training.head_training import TrainConfig, train
 
     def greedy_loss(self, h, target_states):
         with torch.no_grad():

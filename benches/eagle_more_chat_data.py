@@ -17,9 +17,9 @@ import torch
 
 from specinfer.bench.prompting import prompt_encoder
 from specinfer.generator import Generator
-from specinfer.spec_decode import head_training
-from specinfer.spec_decode.distill_data import DistillSequence, build_sequences
-from specinfer.spec_decode.trained_heads import TRAINED_HEADS, heads_cache_dir, resolve_head
+from specinfer.training import head_training
+from specinfer.training.distill_data import DistillSequence, build_sequences
+from specinfer.training.trained_heads import TRAINED_HEADS, heads_cache_dir, resolve_head
 from specinfer.platform.cpu import bf16_matmul_is_native
 
 TEMPLATES = (

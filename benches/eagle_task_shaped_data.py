@@ -31,10 +31,10 @@ def main() -> None:
 
     from specinfer.bench.prompting import prompt_encoder
     from specinfer.generator import Generator
-    from specinfer.spec_decode import head_training
-    from specinfer.spec_decode.distill_data import (DistillSequence, build_sequences, cached_sequences,
+    from specinfer.training import head_training
+    from specinfer.training.distill_data import (DistillSequence, build_sequences, cached_sequences,
                                                    held_out_modules, task_shaped_texts)
-    from specinfer.spec_decode.trained_heads import TRAINED_HEADS
+    from specinfer.training.trained_heads import TRAINED_HEADS
 
     recipe = TRAINED_HEADS["smollm2-135m-eagle"]
     out = Path(args.out)

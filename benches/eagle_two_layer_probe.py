@@ -22,7 +22,7 @@ import torch
 
 
 def two_layer_trainer(base):
-    from specinfer.spec_decode.draft_layer_unroll import UnrolledDraftLayer, rms
+    from specinfer.training.draft_layer_unroll import UnrolledDraftLayer, rms
 
     class TwoLayerEagleTrainer(base):
         instance = None
@@ -97,8 +97,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from specinfer.generator import Generator
-    from specinfer.spec_decode import eagle_training, head_training
-    from specinfer.spec_decode.distill_data import DistillSequence
+    from specinfer.training import eagle_training, head_training
+    from specinfer.training.distill_data import DistillSequence
 
     cls = eagle_training.EagleTrainer if args.layers == 1 else two_layer_trainer(eagle_training.EagleTrainer)
     if args.layers == 1:  # keep the instance for the accuracy below

@@ -29,10 +29,10 @@ def main() -> None:
     from specinfer import Generator, SamplingParams
     from specinfer.bench.prompting import prompt_encoder
     from specinfer.bench.prompts import load_prompt_sets
-    from specinfer.spec_decode.distill_data import build_sequences
-    from specinfer.spec_decode.eagle_training import EagleTrainer, eagle_acceptance_estimate
-    from specinfer.spec_decode.head_training import _dense_lm_head
-    from specinfer.spec_decode.trained_heads import resolve_head
+    from specinfer.training.distill_data import build_sequences
+    from specinfer.training.eagle_training import EagleTrainer, eagle_acceptance_estimate
+    from specinfer.training.head_training import _dense_lm_head
+    from specinfer.training.trained_heads import resolve_head
 
     head = resolve_head(args.head, "eagle", args.model)
     gen = Generator(args.model, max_num_seqs=8)

@@ -48,8 +48,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from specinfer.generator import Generator
-    from specinfer.spec_decode import eagle_training, head_training
-    from specinfer.spec_decode.distill_data import DistillSequence
+    from specinfer.training import eagle_training, head_training
+    from specinfer.training.distill_data import DistillSequence
 
     if args.cls_weight is not None:
         eagle_training.CLS_WEIGHT = args.cls_weight
@@ -100,8 +100,8 @@ def _init_from_last_layer(cls, target) -> None:
 def _first_draft_accuracy(target, seqs, out: Path) -> float:
     """The reloaded head's argmax draft from each held-out pair (the target's own features: teacher
     forced) against the target's next token, over every continuation position."""
-    from specinfer.spec_decode import head_training
-    from specinfer.spec_decode.eagle_training import EagleTrainer
+    from specinfer.training import head_training
+    from specinfer.training.eagle_training import EagleTrainer
 
     every = head_training.HELD_OUT_EVERY
     held = [seqs[i] for i in range(every - 1, len(seqs), every)]

@@ -29,10 +29,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from specinfer.generator import Generator
-    from specinfer.spec_decode import head_training
-    from specinfer.spec_decode.distill_data import DistillSequence
-    from specinfer.spec_decode import eagle_training
-    from specinfer.spec_decode.eagle_training import EagleTrainer
+    from specinfer.training import head_training
+    from specinfer.training.distill_data import DistillSequence
+    from specinfer.training import eagle_training
+    from specinfer.training.eagle_training import EagleTrainer
 
     eagle_training.LABEL_ROWS, eagle_training.TOKEN_LOSS_STRIDE = args.label_rows, args.token_loss_stride
 

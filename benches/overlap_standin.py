@@ -5,7 +5,7 @@ result becomes readable a modeled device time D(T) = --device-ms + --per-token-u
 launch (T = tokens in the step), and only through an explicit wait, as a CUDA launch and its sync
 behave. The tiny model computes on the engine's forward thread in the overlapped loop (the
 engine's own thread in the serial one), well inside D.
-A draft model (the same tiny shape, another seed) stands in likewise: each of its forwards takes
+A draft model (the target's weights plus noise) stands in likewise: each of its forwards takes
 --draft-ms + --per-token-us * T of modeled device time, on the engine's thread (its drafts are
 needed before the next step can be scheduled, so that time is on the critical path either way).
 
@@ -129,7 +129,9 @@ def main(argv=None) -> int:
 
     models = Path(tempfile.mkdtemp())
     build_tiny_model(models / "target", "llama", scale=2.0, layers=1, hidden=32, heads=2, kv_heads=1)
-    build_tiny_model(models / "draft", "llama", scale=2.0, layers=1, hidden=32, heads=2, kv_heads=1, seed=1)
+    # the draft: the target's weights plus a little noise (it agrees with the target most of the time)
+    build_tiny_model(models / "draft", "llama", scale=2.0, layers=1, hidden=32, heads=2, kv_heads=1,
+                     base=models / "target", perturb=0.02)
     g = torch.Generator().manual_seed(0)
     prompts = []
     for _ in range(args.batch):  # a phrase of 8 repeated: prompt lookup always finds a match

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from specinfer.models.config import ModelConfig
-from specinfer.spec_decode.distill_data import DistillSequence
-from specinfer.spec_decode.draft_layer_unroll import chain_mask
-from specinfer.spec_decode.eagle3_training import Eagle3Trainer
-from specinfer.spec_decode.eagle_training import EagleTrainer
+from specinfer.training.distill_data import DistillSequence
+from specinfer.training.draft_layer_unroll import chain_mask
+from specinfer.training.eagle3_training import Eagle3Trainer
+from specinfer.training.eagle_training import EagleTrainer
 
 H, V, T = 32, 64, 12
 
@@ -149,6 +149,6 @@ def test_packed_sequences_equal_the_padded_batch_at_real_positions_and_the_loss_
         # pair i predicts f_{i+1}, for every pair but each sequence's last
         h = torch.cat([padded[b, :n - 1] for b, n in enumerate(lengths)])
         nxt = torch.cat([s.final[1:-1] for s in seqs])
-        from specinfer.spec_decode import eagle_training
+        from specinfer.training import eagle_training
         want = torch.nn.functional.smooth_l1_loss(h, nxt) + eagle_training.CLS_WEIGHT * tr.label_softmax.soft_loss(h, nxt)
         assert torch.allclose(tr.loss_on(seqs), want, rtol=1e-5, atol=1e-5)

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from specinfer import Generator, SamplingParams
-from specinfer.spec_decode.distill_data import DistillSequence, build_sequences
-from specinfer.spec_decode.head_training import WARMUP_STEPS, MLPSpeculatorTrainer, TrainConfig, learning_rate, train
+from specinfer.training.distill_data import DistillSequence, build_sequences
+from specinfer.training.head_training import WARMUP_STEPS, MLPSpeculatorTrainer, TrainConfig, learning_rate, train
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_eagle_training_writes_a_head_the_engine_runs(setup, tmp_path, draft_voc
 def test_eagle3_training_writes_a_head_the_engine_runs(tiny_dir, tmp_path):
     """EAGLE-3: aux-layer states, truncated draft vocabulary with d2t, unrolled steps; the export
     loads, the engine's greedy output with it equals the target's, and training lowers the loss."""
-    from specinfer.spec_decode.eagle3_training import training_aux_layers
+    from specinfer.training.eagle3_training import training_aux_layers
 
     target = tiny_dir("llama", False, layers=4)[0]
     gen = Generator(str(target), max_model_len=256)
@@ -156,7 +156,7 @@ def test_eagle3_training_writes_a_head_the_engine_runs(tiny_dir, tmp_path):
 def test_label_softmax_equals_full_softmax_restricted_to_the_labels(setup):
     """The training token loss: cross-entropy over the label vocabulary equals the full one after
     masking every other token's logit (computed independently), and -100 rows are ignored."""
-    from specinfer.spec_decode.distill_data import LabelSoftmax, label_vocabulary
+    from specinfer.training.distill_data import LabelSoftmax, label_vocabulary
 
     _, gen, _, seqs = setup
     lm = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
@@ -177,7 +177,7 @@ def test_label_softmax_soft_loss_is_cross_entropy_against_the_targets_distributi
     """EAGLE's token loss: cross-entropy against the target's own next-token distribution (read off
     its states) over the label vocabulary, computed independently with masked full logits; it is
     smallest when the head's states equal the target's."""
-    from specinfer.spec_decode.distill_data import LabelSoftmax, label_vocabulary
+    from specinfer.training.distill_data import LabelSoftmax, label_vocabulary
 
     _, gen, _, seqs = setup
     lm = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
@@ -205,7 +205,7 @@ def test_training_prompts_leave_out_what_the_bench_measures():
     import re
 
     from specinfer.bench.prompts import DATA_DIR
-    from specinfer.spec_decode.distill_data import EVAL_PROMPTS_PER_TASK, training_texts
+    from specinfer.training.distill_data import EVAL_PROMPTS_PER_TASK, training_texts
 
     texts = [t for t, _ in training_texts(10_000)]
     rows = [json.loads(x) for f in sorted(DATA_DIR.glob("*.jsonl")) for x in f.read_text().splitlines() if x]
@@ -233,7 +233,7 @@ def test_task_shaped_prompts_have_each_bench_shape_and_leave_out_the_bench_modul
     from pathlib import Path
 
     from specinfer.bench.build_prompts import _docstrings, _functions
-    from specinfer.spec_decode.distill_data import held_out_modules, training_texts
+    from specinfer.training.distill_data import held_out_modules, training_texts
 
     base = training_texts(1000)
     texts = training_texts(1000, task_shaped_per_task=40)
@@ -289,7 +289,7 @@ def test_bf16_training_lowers_the_loss_and_the_head_runs_greedy_exact(setup, tmp
 def test_distillation_data_with_aux_states_serves_a_head_that_reads_none(setup, tmp_path):
     """cached_sequences: data built for EAGLE-3 (aux states) is reused by EAGLE-1 / Medusa / MLP
     (aux dropped), never the other way round, and never for another model or prompt count."""
-    from specinfer.spec_decode.distill_data import cached_sequences
+    from specinfer.training.distill_data import cached_sequences
 
     _, _, _, seqs = setup
     with_aux = [DistillSequence(s.tokens, s.prompt_len, s.final, torch.zeros(len(s.tokens), 3)) for s in seqs[:3]]
@@ -313,7 +313,7 @@ def test_distillation_data_built_in_bf16_trains_a_head_for_the_float32_target(se
     equal to, the float32 build of the same prompts), the cache key names the dtype (float32 data is
     never reused for it, nor it for float32), and the head, trained for the float32 target, drives
     exact greedy speculation there; another dtype is refused."""
-    from specinfer.spec_decode.head_training import train_head
+    from specinfer.training.head_training import train_head
 
     target, gen, prompts, _ = setup
     cfg = TrainConfig("eagle", steps=3, save_every=3, draft_vocab_size=96)
@@ -342,8 +342,8 @@ def test_packed_target_states_equal_one_forward_per_sequence(tiny_dir):
     inputs of its aux layers)."""
     from transformers import AutoModelForCausalLM
 
-    from specinfer.spec_decode.distill_data import packed_target_states
-    from specinfer.spec_decode.eagle3_training import training_aux_layers
+    from specinfer.training.distill_data import packed_target_states
+    from specinfer.training.eagle3_training import training_aux_layers
 
     target = tiny_dir("llama", False, layers=4)[0]
     engine = Generator(str(target), max_model_len=256).engine
@@ -363,7 +363,7 @@ def test_packed_target_states_equal_one_forward_per_sequence(tiny_dir):
 def test_acceptance_estimate_walk_starts_chains_where_the_engine_does(right, starts):
     """walk=True: the first chain right after the prompt's bonus token, each next one past the last
     chain's accepted drafts and its bonus token (a drafter right `right` times, then wrong)."""
-    from specinfer.spec_decode.eagle_training import eagle_acceptance_estimate
+    from specinfer.training.eagle_training import eagle_acceptance_estimate
 
     seq = DistillSequence(torch.arange(20), 5, torch.zeros(20, 4), None)
     seen = []
@@ -383,8 +383,8 @@ def test_acceptance_estimate_walk_starts_chains_where_the_engine_does(right, sta
 def test_eagle_loss_knobs(setup, monkeypatch):
     """The ablation knobs of teacher-forced EAGLE training: prompt weighting at 1 - eps is the plain
     loss; a token-loss stride or input noise changes the loss, deterministically per batch."""
-    from specinfer.spec_decode import eagle_training
-    from specinfer.spec_decode.head_training import _dense_lm_head
+    from specinfer.training import eagle_training
+    from specinfer.training.head_training import _dense_lm_head
 
     target, gen, _, seqs = setup
     trainer = eagle_training.EagleTrainer(gen.engine.loaded, 4, 0, _dense_lm_head(gen.engine.loaded), seqs)
@@ -410,7 +410,7 @@ def test_self_instruct_questions_are_the_targets_own_user_messages(tmp_path):
 
     from tiny_models import build_tiny_model
 
-    from specinfer.spec_decode.distill_data import self_instruct_questions, user_turn_prefix
+    from specinfer.training.distill_data import self_instruct_questions, user_turn_prefix
 
     build_tiny_model(tmp_path, "llama", seed=4, vocab=16)
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())

@@ -4,8 +4,8 @@ head behind; a head for another method or target is refused."""
 import pytest
 
 from specinfer import Generator, SamplingParams
-from specinfer.spec_decode import head_training
-from specinfer.spec_decode import trained_heads as th
+from specinfer.training import head_training
+from specinfer.training import trained_heads as th
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@
 #      seeded sampling on the device, Triton vs torch_ref at realistic sizes, CUDA-graph replay
 #      == eager, the gpu_memory_utilization budget) and the Triton kernels' own CUDA test;
 #   2. benches/device/throughput.py: decode tokens/s vs HF transformers, CUDA graphs vs eager,
-#      speculative speedups, on a random Llama built on the device.
+#      speculative speedups, on a random Llama built on the device; per step the target's device
+#      time (CUDA events) and the bubble beside it, for the overlapped and the serial step loop.
 # Everything lands under $OUT: pip.log, nvidia-smi.txt, gpu_tests.log/.xml, triton_cuda.log,
 # throughput.log and throughput.json, summary.txt. A failing step is recorded and the next runs.
 set -uo pipefail
@@ -50,7 +51,7 @@ step "gpu tests (tests/test_gpu.py -m gpu)"
 # a per-test limit where pytest-timeout is installed (the device image has it): one hung kernel
 # compile must not eat the other tests' time
 per_test=$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=100)
-env -u TRITON_INTERPRET timeout 270 python3 -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -rA $per_test \
+env -u TRITON_INTERPRET timeout 150 python3 -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -rA $per_test \
     --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
 rc=$?; tail -n 15 "$OUT/gpu_tests.log" | tee -a "$OUT/summary.txt"; [ $rc -eq 0 ] || status=1
 
@@ -60,7 +61,7 @@ timeout 45 python3 -m pytest "tests/test_triton_attention.py::test_triton_backen
 rc=$?; tail -n 3 "$OUT/triton_cuda.log" | tee -a "$OUT/summary.txt"; [ $rc -eq 0 ] || status=1
 
 step "throughput (benches/device/throughput.py)"
-env -u TRITON_INTERPRET timeout 230 python3 benches/device/throughput.py --out "$OUT" > "$OUT/throughput.log" 2>&1
+env -u TRITON_INTERPRET timeout 330 python3 benches/device/throughput.py --out "$OUT" > "$OUT/throughput.log" 2>&1
 rc=$?; grep '^{"batch"' "$OUT/throughput.log" | tee -a "$OUT/summary.txt"
 [ $rc -eq 0 ] || { status=1; echo "throughput exit $rc:" | tee -a "$OUT/summary.txt"; tail -n 5 "$OUT/throughput.log" | tee -a "$OUT/summary.txt"; }
 

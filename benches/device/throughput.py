@@ -95,8 +95,38 @@ def hf_generate(path: Path, batch: list[list[int]], new_tokens: int, repeats: in
     return {"seconds": t, "tokens_per_s": len(batch) * new_tokens / t}
 
 
+class ForwardClock:
+    """The target forwards' device time: CUDA events around each launch (read once the next
+    launch comes, when the pair has surely completed), or the executor's own measure on CPU."""
+
+    def __init__(self, executor):
+        self.total_s = 0.0
+        self._open = []
+        self._launch = executor.launch_model
+        executor.launch_model = self
+
+    def __call__(self, batch):
+        if DEVICE != "cuda":
+            pending = self._launch(batch)
+            self.total_s += pending.device_s
+            return pending
+        self.flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pending = self._launch(batch)
+        end.record()
+        self._open.append((start, end))
+        return pending
+
+    def flush(self) -> None:
+        for start, end in self._open:
+            end.synchronize()
+            self.total_s += start.elapsed_time(end) * 1e-3
+        self._open = []
+
+
 def specinfer_generate(path: Path, batch: list[list[int]], new_tokens: int, repeats: int, *, spec=None,
-                       cuda_graphs: bool = True) -> dict:
+                       cuda_graphs: bool = True, overlap: bool = True) -> dict:
     from specinfer import Generator, SamplingParams
     from specinfer.platform import CpuPlatform, CudaPlatform
 
@@ -106,12 +136,14 @@ def specinfer_generate(path: Path, batch: list[list[int]], new_tokens: int, repe
     blocks = len(batch) * (-(-max_len // 16) + 1) + 64  # sized for the batch, not 90% of the GPU
     gen = Generator(str(path), device=platform, dtype=DTYPE, max_model_len=max_len, block_size=16,
                     num_kv_blocks=blocks, max_num_seqs=max(8, len(batch)), max_num_batched_tokens=max(2048, max_len),
-                    enable_prefix_caching=False, speculative=spec)
+                    enable_prefix_caching=False, speculative=spec, overlap_steps=overlap)
     build_s = time.perf_counter() - t_build
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     gen.generate(batch, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)  # warm
     gen.reset_metrics()
+    clock = ForwardClock(gen.engine.executor)
     t, outs = timed(lambda: gen.generate(batch, params, use_tqdm=False), repeats)
+    clock.flush()
     tokens = sum(len(o.token_ids) for o in outs)
     runner = gen.engine.runner
     row = {"seconds": t, "tokens_per_s": tokens / t, "engine_build_s": build_s,
@@ -122,8 +154,15 @@ def specinfer_generate(path: Path, batch: list[list[int]], new_tokens: int, repe
     m = gen.spec_metrics() if spec is not None else gen.engine.metrics.as_dict()
     steps = max(int(m.get("num_steps") or 0), 1)
     row["steps"] = m.get("num_steps")
-    row.update({f"{k[:-2]}_ms_per_step": 1e3 * m[k] / steps for k in ("score_s", "verify_s", "propose_s", "overhead_s")
-                if m.get(k) is not None})
+    row.update({f"{k[:-2]}_ms_per_step": 1e3 * m[k] / steps for k in ("score_s", "verify_s", "propose_s", "overhead_s",
+                                                                       "wait_s", "tail_s") if m.get(k) is not None})
+    # the bubble: wall time per step the target's device did not spend on its forwards (host work
+    # on the critical path, the draft's forwards, sampling); the steps of every timed repeat
+    wall_per_step = 1e3 * t * repeats / steps if steps else 0.0  # (timed() reports the median repeat)
+    row["device_ms_per_step"] = 1e3 * clock.total_s / steps
+    row["wall_ms_per_step"] = wall_per_step
+    row["bubble_ms_per_step"] = wall_per_step - row["device_ms_per_step"]
+    row["overlap_steps"] = overlap
     if spec is not None:
         row.update({k: m.get(k) for k in ("acceptance_rate", "mean_acceptance_length", "system_efficiency")})
     del gen
@@ -188,9 +227,14 @@ def main(argv=None) -> int:
         ngram = record("specinfer_ngram", B, lambda: specinfer_generate(
             model_dir, rep, args.new_tokens, args.repeats,
             spec={"method": "ngram", "num_speculative_tokens": args.k}))
-        record("specinfer_ngram_fixed", B, lambda: specinfer_generate(  # the goodput policy's part
+        fixed = record("specinfer_ngram_fixed", B, lambda: specinfer_generate(  # the goodput policy's part
             model_dir, rep, args.new_tokens, args.repeats,
             spec={"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}))
+        fixed_serial = record("specinfer_ngram_fixed_serial", B, lambda: specinfer_generate(  # the serial loop
+            model_dir, rep, args.new_tokens, args.repeats, overlap=False,
+            spec={"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}))
+        serial = record("specinfer_serial", B, lambda: specinfer_generate(model_dir, plain, args.new_tokens,
+                                                                          args.repeats, overlap=False))
         selfdraft = record("specinfer_self_draft", B, lambda: specinfer_generate(
             model_dir, plain, args.new_tokens, args.repeats,
             spec={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": args.k}))
@@ -206,6 +250,14 @@ def main(argv=None) -> int:
         if "tokens_per_s" in selfdraft and "tokens_per_s" in ours:
             summary["self_draft_speedup"] = selfdraft["tokens_per_s"] / ours["tokens_per_s"]
             summary["self_draft_theory_c1"] = theory(1.0, args.k, 1.0)
+        # the per-step split (ms): device time of the target's forwards and the bubble beside it
+        for name, row in (("plain", ours), ("plain_serial", serial), ("ngram_fixed", fixed),
+                          ("ngram_fixed_serial", fixed_serial), ("self_draft", selfdraft)):
+            if "bubble_ms_per_step" in row:
+                summary[f"{name}_device_ms"] = round(row["device_ms_per_step"], 3)
+                summary[f"{name}_bubble_ms"] = round(row["bubble_ms_per_step"], 3)
+        if "tokens_per_s" in fixed and "tokens_per_s" in base_rep:
+            summary["ngram_fixed_speedup"] = fixed["tokens_per_s"] / base_rep["tokens_per_s"]
         results.setdefault("summary", {})[f"batch_{B}"] = summary
         print(json.dumps({"batch": B, **summary}), flush=True)
     (out / "throughput.json").write_text(json.dumps(results, indent=1))

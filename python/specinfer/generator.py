@@ -9,6 +9,7 @@ re-raises; the other calls' requests go on (the step was cancelled, see LLMEngin
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections import deque
@@ -17,6 +18,22 @@ from collections.abc import Iterator, Sequence
 from specinfer.engine.llm_engine import LLMEngine
 from specinfer.outputs import RequestOutput
 from specinfer.sampling_params import SamplingParams
+
+
+def _resolve_named_head(speculative, model):
+    """A named head in speculative.model (trained once on this machine by a fixed recipe, then
+    cached: specinfer/training/trained_heads.py) becomes its checkpoint directory, training it
+    first where it is absent; anything else is returned as given."""
+    from specinfer.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_any(speculative)
+    if spec is None or not isinstance(spec.model, str):
+        return speculative
+    from specinfer.training.trained_heads import is_trained_head_name, resolve_head
+
+    if not is_trained_head_name(spec.model):
+        return speculative
+    return dataclasses.replace(spec, model=resolve_head(spec.model, spec.method, model))
 
 
 class Generator:
@@ -58,6 +75,7 @@ class Generator:
                  attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
                  tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False,
                  overlap_steps=True):
+        speculative = _resolve_named_head(speculative, model)
         self.engine = LLMEngine(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

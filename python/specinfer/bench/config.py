@@ -36,6 +36,7 @@ class MethodConfig:
     quantization: str | None = None  # specinfer only: "int8"
     gguf_type: str | None = None  # llama_cpp only; None: "f32"
     batch_invariant: bool = False  # specinfer only: Generator(batch_invariant=True)
+    overlap_steps: bool = True  # specinfer only: False runs the serial step loop
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -61,6 +62,8 @@ class MethodConfig:
                                  f"choose one of {QUANTIZATIONS}")
         if self.batch_invariant not in (False, True) or (self.batch_invariant and self.engine != "specinfer"):
             raise ValueError(f"method {self.name!r}: batch_invariant is a specinfer option, true or false")
+        if self.overlap_steps not in (False, True) or (not self.overlap_steps and self.engine != "specinfer"):
+            raise ValueError(f"method {self.name!r}: overlap_steps is a specinfer option, true or false")
         if self.gguf_type is not None:
             if self.engine != "llama_cpp":
                 raise ValueError(f"method {self.name!r}: gguf_type is a llama_cpp option (engine is {self.engine!r})")

@@ -114,7 +114,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int = 256)
 def check_model(name: str | None, what: str = "model") -> None:
     """Fail fast on a name that is neither a pack nor an existing path (before any load)."""
     from specinfer.packs import is_pack_name
-    from specinfer.spec_decode.trained_heads import TRAINED_HEADS, is_trained_head_name
+    from specinfer.training.trained_heads import TRAINED_HEADS, is_trained_head_name
 
     if name is None or is_pack_name(name) or is_trained_head_name(name) or Path(name).exists():
         return

@@ -15,7 +15,7 @@ The head is written to --out in its public layout (use it with --method M --head
 the same command resumes from --out/train_state.pt. Ends with a held-out acceptance estimate
 (also in --out/train_report.json). Named heads (speculative.model "smollm2-135m-eagle", "-medusa",
 "-mlp") run this pipeline by a fixed recipe on first use and are cached
-(spec_decode/trained_heads.py)."""
+(training/trained_heads.py)."""
 
 
 def add_arguments(p) -> None:
@@ -61,7 +61,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from specinfer.cli.options import check_model
     from specinfer.platform.cpu import bf16_matmul_is_native
-    from specinfer.spec_decode.head_training import TrainConfig, train_head
+    from specinfer.training.head_training import TrainConfig, train_head
 
     check_model(args.model, "target")
     native = "bfloat16" if bf16_matmul_is_native() else "float32"

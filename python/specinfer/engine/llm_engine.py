@@ -13,6 +13,7 @@ thread's at a time: step(), add_request() and abort() take one lock.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import warnings
@@ -40,7 +41,16 @@ from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.policy import GoodputPolicy
 from specinfer.spec_decode.ngram_first import NgramFirstProposer
 from specinfer.spec_decode.registry import proposer_class
-from specinfer.spec_decode.trained_heads import resolve_head
+
+
+def _head_checkpoint(path):
+    """A draft head's checkpoint directory, or a clear error (a named head is not one here)."""
+    if isinstance(path, (str, os.PathLike)) and not os.path.exists(path):
+        raise ValueError(f"speculative.model {str(path)!r} is not a checkpoint directory. A named head (trained once "
+                         "on this machine, e.g. 'smollm2-135m-eagle') is resolved by Generator and the CLI; to "
+                         "build an LLMEngine yourself, pass the directory that "
+                         "specinfer.training.trained_heads.resolve_head(name, method, target) returns")
+    return path
 
 
 @dataclass
@@ -125,7 +135,7 @@ class LLMEngine:
                                   lambda m, kv, be: self.executor.make_runner(m, kv, be, self._limits),
                                   self.executor.make_eager_runner,
                                   lambda method, path: self.executor.load_head(
-                                      method, resolve_head(path, method, model), self.loaded,
+                                      method, _head_checkpoint(path), self.loaded,
                                       dtype=self.loaded.model.norm.dtype, quantization=head_quant))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
             if self.spec.ngram_first:  # prompt lookup where the history repeats, the model elsewhere

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.models.rope import rope_table
-from specinfer.spec_decode.draft_layer_unroll import UnrolledDraftLayer, rms
+from specinfer.training.draft_layer_unroll import UnrolledDraftLayer, rms
 from specinfer.spec_decode.eagle3 import default_aux_layers
 from specinfer.spec_decode.head_checkpoint import write_checkpoint
 

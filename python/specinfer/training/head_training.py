@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specinfer.spec_decode.distill_data import DistillSequence, LabelSoftmax
+from specinfer.training.distill_data import DistillSequence, LabelSoftmax
 
 TRAINABLE = ("medusa", "mlp_speculator", "eagle", "eagle3")
 TRAIN_DTYPES = ("float32", "bfloat16")
@@ -105,7 +105,7 @@ class MedusaTrainer:
         self.softmax = LabelSoftmax(_dense_lm_head(target), seqs)  # the token loss over the labels' vocabulary
         self.draft_ids = None  # a truncated vocabulary: exported in vLLM's layout with token_map
         if draft_vocab_size is not None and draft_vocab_size < target.config.vocab_size:
-            from specinfer.spec_decode.eagle3_training import draft_vocabulary
+            from specinfer.training.eagle3_training import draft_vocabulary
 
             self.draft_ids = draft_vocabulary(seqs, target.config.vocab_size, draft_vocab_size)
             self.draft_rows = _dense_lm_head(target)[self.draft_ids]
@@ -258,12 +258,12 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     train_seqs = [s for i, s in enumerate(seqs) if i not in held_ids] or seqs
     if cfg.method in ("eagle", "eagle3"):
         if cfg.method == "eagle":
-            from specinfer.spec_decode.eagle_training import EagleTrainer
+            from specinfer.training.eagle_training import EagleTrainer
 
             trainer = EagleTrainer(target, cfg.num_heads, cfg.seed, _dense_lm_head(target), train_seqs,
                                    cfg.draft_vocab_size, ttt_steps=cfg.ttt_steps)
         else:
-            from specinfer.spec_decode.eagle3_training import Eagle3Trainer
+            from specinfer.training.eagle3_training import Eagle3Trainer
 
             if any(s.aux is None for s in train_seqs):
                 raise ValueError("eagle3 training needs the aux layers' states (build_sequences(..., aux_layers))")
@@ -327,13 +327,13 @@ def train(target, seqs: list[DistillSequence], out: Path, cfg: TrainConfig, *, p
     trainer.save(out, target)
     if cfg.method == "eagle":
         from specinfer.spec_decode.eagle import EagleDraft
-        from specinfer.spec_decode.eagle_training import eagle_acceptance_estimate
+        from specinfer.training.eagle_training import eagle_acceptance_estimate
 
         EagleDraft.load(out, target=target, dtype=torch.float32, device=torch.device("cpu"))  # the export loads
         held_out = eagle_acceptance_estimate(trainer, held, cfg.num_heads)
     elif cfg.method == "eagle3":
         from specinfer.spec_decode.eagle3 import Eagle3Draft
-        from specinfer.spec_decode.eagle_training import eagle_acceptance_estimate
+        from specinfer.training.eagle_training import eagle_acceptance_estimate
 
         Eagle3Draft.load(out, target=target, dtype=torch.float32, device=torch.device("cpu"))  # the export loads
         held_out = eagle_acceptance_estimate(trainer, held, cfg.num_heads, feature="aux")
@@ -359,7 +359,7 @@ def train_head(target_model: str, out: Path, cfg: TrainConfig, prompts: int, max
     import sys
 
     from specinfer.generator import Generator
-    from specinfer.spec_decode.distill_data import (build_sequences, cached_sequences, self_instruct_questions,
+    from specinfer.training.distill_data import (build_sequences, cached_sequences, self_instruct_questions,
                                                    training_prompts)
 
     if data_dtype not in TRAIN_DTYPES:
@@ -367,7 +367,7 @@ def train_head(target_model: str, out: Path, cfg: TrainConfig, prompts: int, max
     gen = Generator(target_model, max_num_seqs=64)
     aux = ()
     if cfg.method == "eagle3":  # the three target layers an EAGLE-3 head reads
-        from specinfer.spec_decode.eagle3_training import training_aux_layers
+        from specinfer.training.eagle3_training import training_aux_layers
 
         aux = training_aux_layers(gen.engine.loaded.config.num_layers)
 

@@ -116,7 +116,7 @@ def resolve_head(model: str, method: str, target: str, *, table: dict[str, HeadR
               f"{recipe.target}, {recipe.steps} steps; about {recipe.minutes:g} minutes on 2 cores); "
               f"cached in {final}", file=sys.stderr)
         work = root / f".{final.name}.partial"  # kept if interrupted: the next call resumes it exactly
-        from specinfer.spec_decode import head_training
+        from specinfer.training import head_training
 
         cfg = head_training.TrainConfig(recipe.method, num_heads=recipe.num_heads, steps=recipe.steps,
                                         seed=recipe.seed, draft_vocab_size=recipe.draft_vocab_size,

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.models.rope import rope_table
-from specinfer.spec_decode.distill_data import LabelSoftmax
-from specinfer.spec_decode.draft_layer_unroll import UnrolledDraftLayer
+from specinfer.training.distill_data import LabelSoftmax
+from specinfer.training.draft_layer_unroll import UnrolledDraftLayer
 from specinfer.spec_decode.head_checkpoint import write_checkpoint
 
 # the token loss's weight beside the feature regression: EAGLE's is 0.1; on SmolLM2-135M (800 wsd steps,
@@ -76,7 +76,7 @@ class EagleTrainer(UnrolledDraftLayer):
         # the draft vocabulary written into the checkpoint (d2t): the most frequent training tokens
         self.draft_ids = None
         if draft_vocab_size is not None and draft_vocab_size < c.vocab_size:
-            from specinfer.spec_decode.eagle3_training import draft_vocabulary
+            from specinfer.training.eagle3_training import draft_vocabulary
 
             self.draft_ids = draft_vocabulary(seqs, c.vocab_size, draft_vocab_size)
         # the token loss is a softmax over the training labels' vocabulary (distill_data.LabelSoftmax),
