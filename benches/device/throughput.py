@@ -106,11 +106,11 @@ class ForwardClock:
         executor.launch_model = self
 
     def __call__(self, batch):
+        self.flush()
         if DEVICE != "cuda":
             pending = self._launch(batch)
-            self.total_s += pending.device_s
+            self._open.append(pending)  # its device_s is known once it ran (before the next launch)
             return pending
-        self.flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         pending = self._launch(batch)
@@ -119,7 +119,11 @@ class ForwardClock:
         return pending
 
     def flush(self) -> None:
-        for start, end in self._open:
+        for item in self._open:
+            if DEVICE != "cuda":
+                self.total_s += item.device_s
+                continue
+            start, end = item
             end.synchronize()
             self.total_s += start.elapsed_time(end) * 1e-3
         self._open = []
