@@ -62,12 +62,13 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        # each value also in float32, the dtype the step computes in: 1e-300 is > 0 but 0 there
         t = self.temperature
-        if not _is_real(t) or math.isnan(t) or t < 0 or math.isinf(t):
-            raise bad("temperature", "must be a finite number >= 0")
+        if not _is_real(t) or math.isnan(t) or t < 0 or t > FLOAT32_MAX:
+            raise bad("temperature", "must be a finite number >= 0 (finite in float32)")
         p = self.top_p
-        if not _is_real(p) or math.isnan(p) or not 0.0 < p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]")
+        if not _is_real(p) or math.isnan(p) or not 0.0 < p <= 1.0 or not np.float32(p) > 0:
+            raise bad("top_p", "must be in (0, 1] (> 0 in float32)")
         if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             raise bad("top_k", "must be an integer in [-1, 2**31) (0 or -1 disables it; values above the "
                       "vocabulary size keep every token)")
@@ -87,6 +88,9 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def is_int(x) -> bool:

@@ -29,6 +29,7 @@ from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.engine.kv_cache import activation_bytes, budget_blocks, bytes_per_block, choose_num_blocks
 from specinfer.engine.propose_step import propose_next_step
+from specinfer.engine.request_error import RequestError
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
 from specinfer.executor import check_parallel_support, make_executor, shutdown_executor_on_error
@@ -408,7 +409,7 @@ class LLMEngine:
                     self._record_spec(states, emitted)
                     touched = self._commit_tokens(sched, states, emitted, upd)
                     self._release_stopped()  # requests a stop string ended while this step ran
-            except BaseException:
+            except BaseException as e:
                 if pending is not None:
                     pending.settle()  # no forward may still write KV once the step is undone
                 if not committed:
@@ -417,6 +418,8 @@ class LLMEngine:
                     self._release_stopped()
                 self._tail = tail  # output work that did not run yet runs next call
                 self._undelivered = outputs + self._undelivered
+                if isinstance(e, RequestError):  # the step is not at fault: only these requests
+                    self.last_failed_request_ids = self._end_with_error(e)
                 raise
             self.metrics.device_s += pending.device_s  # the forward, where it ran
             self.metrics.wait_s += t1 - t_tail  # blocked on the forward's result
@@ -432,9 +435,11 @@ class LLMEngine:
             if self.proposer is not None:
                 try:
                     self._propose(sched, states, emitted, hidden)
-                except BaseException:
+                except BaseException as e:
                     self._undelivered = outputs
                     self.proposer.forget([st.core_id for st in states])
+                    if isinstance(e, RequestError):
+                        self.last_failed_request_ids = self._end_with_error(e)
                     raise
             t4 = time.perf_counter()
             self._record_times(t0, t1, t2, t3, t4)
@@ -537,6 +542,26 @@ class LLMEngine:
                 else:
                     self._release(cid)
         return outputs, error
+
+    def _end_with_error(self, error: "RequestError") -> list[str]:
+        """End the requests a RequestError names (no step pending): finish_reason "error", their
+        outputs delivered with the next step() call. -> their request ids."""
+        names = []
+        for cid in error.core_ids:
+            st = self._requests.get(cid)
+            if st is None:
+                continue
+            try:
+                st.detokenize()
+            except Exception:  # noqa: BLE001 - it ends with an error either way
+                pass
+            st.finish("error", str(error))
+            self._undelivered.append(st.to_output())
+            self.core.abort_request(cid)
+            st.released_by_core = True
+            self._release(cid)
+            names.append(st.request_id)
+        return names
 
     def _release_stopped(self) -> None:
         """Requests finished by their output work while a step held them: out of the core now."""

@@ -31,6 +31,8 @@ from specinfer.sample.tree_layout import is_chain_request, node_depths
 from specinfer.sample.tree_typical_acceptance import tree_typical_acceptance_sample
 from specinfer.sample.tree_verify import tree_rejection_sample
 from specinfer.sample.typical_acceptance import typical_acceptance_sample
+from specinfer.engine.request_error import RequestError
+from specinfer.sample.metadata import RowParameterError
 from specinfer.spec_decode.proposer import DETERMINISTIC
 
 
@@ -54,9 +56,14 @@ def sampling_metadata(states, rows_per_request=None, device=None, positions=None
     if positions is None:
         positions = [len(s.output_token_ids) for s in states]
     streams = RandomStreams.build([s.seed for s in states], positions)
-    meta = SamplingMetadata.build(
-        [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p],
-        streams, device=device)
+    try:
+        meta = SamplingMetadata.build(
+            [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p],
+            streams, device=device)
+    except RowParameterError as e:  # one request's parameter, in the dtype the step uses: its failure
+        st = states[e.row]
+        raise RequestError([st.core_id], f"request {st.request_id!r}: SamplingParams.{e.field} fails in the "
+                                         f"step ({e})") from e
     if rows_per_request is not None and any(n != 1 for n in rows_per_request):
         meta = meta.expand(rows_per_request)
     return meta

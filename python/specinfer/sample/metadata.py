@@ -33,10 +33,19 @@ def _as_tensor(name: str, values, dtype: torch.dtype, num_rows: int | None,
     return t
 
 
+class RowParameterError(ValueError):
+    """A per-row sampling parameter out of its range: `row` says which (the caller maps it to a
+    request)."""
+
+    def __init__(self, name: str, row: int, message: str):
+        super().__init__(message)
+        self.field, self.row = name, row
+
+
 def _check(name: str, ok: torch.Tensor, t: torch.Tensor, rule: str) -> None:
     if not bool(ok.all()):
         i = int((~ok).nonzero()[0, 0])
-        raise ValueError(f"{name}[{i}] = {t[i].item()} must be {rule}")
+        raise RowParameterError(name, i, f"{name}[{i}] = {t[i].item()} must be {rule}")
 
 
 @dataclass(frozen=True)
