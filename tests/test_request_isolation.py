@@ -90,7 +90,7 @@ def test_one_poisoned_request_among_16_through_the_server(tiny_dir, monkeypatch)
         with cf.ThreadPoolExecutor(16) as pool:
             results = list(pool.map(lambda b: request(srv.port, "POST", "/v1/completions", b), bodies))
         bad_status, _, bad_raw = results.pop(7)
-        assert bad_status == 500 and "top_p" in json.loads(bad_raw)["error"]["message"]
+        assert bad_status == 400 and "top_p" in json.loads(bad_raw)["error"]["message"]  # its own value
         assert all(status == 200 for status, _, _ in results)
         assert [json.loads(raw)["choices"][0]["text"] for _, _, raw in results] == [o.text for o in expected]
         # the server's own validation: a top_p that is 0 in float32 is a 400 naming the field

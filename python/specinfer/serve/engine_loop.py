@@ -23,9 +23,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from specinfer.engine.request_error import RequestError
 from specinfer.outputs import RequestOutput
 from specinfer.sampling_params import SamplingParams
-from specinfer.serve.errors import ApiError, from_value_error
+from specinfer.serve.errors import ApiError, from_value_error, internal_error
 from specinfer.serve.metrics import EngineSnapshot, ServerMetrics
 
 log = logging.getLogger("specinfer.serve")
@@ -62,12 +63,13 @@ class _Tracked:
 
 
 class EngineLoop:
-    def __init__(self, engine, metrics: ServerMetrics, *, capacity: int):
+    def __init__(self, engine, metrics: ServerMetrics, *, capacity: int, max_backlog: int = 2048):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 (got {capacity})")
         self.engine = engine
         self.metrics = metrics
         self.capacity = capacity
+        self.max_backlog = max_backlog  # outputs waiting for one slow client before its request is ended
         self._cond = threading.Condition()
         self._inbox: deque[tuple[Submission, float]] = deque()
         self._aborts: list[str] = []
@@ -110,6 +112,10 @@ class EngineLoop:
                 self.metrics.requests_rejected.labels(reason="shutting_down").inc(len(subs))
                 raise ApiError(503, "the server is shutting down" if self._stopping or self._draining else
                                "the engine loop is not running", None, "unavailable")
+            if len(subs) > self.capacity:  # would wait forever: say so, not "retry later"
+                self.metrics.requests_rejected.labels(reason="invalid").inc(len(subs))
+                raise ApiError(400, f"the request asks for {len(subs)} completions; this server runs at most "
+                               f"{self.capacity} at once", "prompt", "too_many_prompts")
             if self._in_flight + len(subs) > self.capacity:
                 self.metrics.requests_rejected.labels(reason="queue_full").inc(len(subs))
                 raise ApiError(429, f"the server is at capacity ({self.capacity} requests in flight); retry later",
@@ -182,7 +188,7 @@ class EngineLoop:
                 self._stopping = True
                 pending = list(self._inbox)
                 self._inbox.clear()
-            err = ApiError(500, f"the engine loop crashed: {type(e).__name__}: {e}", None, "engine_loop_crashed")
+            err = internal_error("the engine loop crashed", "engine_loop_crashed", e)
             for sub, arrival in pending:
                 self._tracked[sub.request_id] = _Tracked(sub, arrival)
             self._fail_all(err, reason="error")
@@ -200,8 +206,8 @@ class EngineLoop:
         except Exception as e:
             self._release(1)
             log.exception("add_request failed")
-            self._post(sub, Event(sub.index, "failed", error=ApiError(500, f"add_request failed: {e}", None,
-                                                                      "internal_error")))
+            self._post(sub, Event(sub.index, "failed", error=internal_error("add_request failed", "internal_error",
+                                                                          e)))
             return
         self._tracked[sub.request_id] = _Tracked(sub, arrival)
         self.metrics.prompt_tokens.inc(len(sub.prompt_token_ids))
@@ -211,14 +217,18 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as e:
+            named = getattr(self.engine, "last_failed_request_ids", None)
+            if isinstance(e, RequestError) and named is not None:  # the requests' own values, not the step
+                err = ApiError(400, " ".join(str(e).split()), None, "invalid_value")
+                log.warning("requests %s failed in a step: %s", named, e)
+                for rid in list(named):
+                    self._fail(rid, err)
+                return
             self._consecutive_failures += 1
             self.metrics.step_failures.inc()
-            log.error("engine step failed: %s: %s", type(e).__name__, e, exc_info=True)
-            named = getattr(self.engine, "last_failed_request_ids", None)
             if named is None or self._consecutive_failures >= MAX_CONSECUTIVE_FAILURES:
                 named = list(self._tracked)
-            err = ApiError(500, f"the engine step running this request failed ({type(e).__name__}: {e})", None,
-                           "engine_step_failed")
+            err = internal_error("the engine step running this request failed", "engine_step_failed", e)
             for rid in list(named):
                 self._fail(rid, err)
             return
@@ -230,6 +240,10 @@ class EngineLoop:
     def _deliver(self, out: RequestOutput, now: float) -> None:
         t = self._tracked.get(out.request_id)
         if t is None:
+            return
+        if not out.finished and t.sub.sink.qsize() > self.max_backlog:  # a client that does not read
+            self._fail(out.request_id, ApiError(503, f"the client took none of the last {self.max_backlog} "
+                                                "outputs; the request was ended", None, "slow_client"))
             return
         if out.new_token_ids:
             self.metrics.generation_tokens.inc(len(out.new_token_ids))

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from specinfer.sampling_params import SamplingParams
 from specinfer.serve import sse
-from specinfer.serve.errors import ApiError, from_value_error, invalid
+from specinfer.serve.errors import ApiError, from_value_error, internal_error, invalid
 from specinfer.serve.generation import ClientGone, Generation
 from specinfer.serve.metrics import CONTENT_TYPE
 from specinfer.serve.protocol import ChatCompletionRequest, CompletionRequest, check_model_name, parse_body
@@ -38,20 +38,29 @@ def api(handler):
         except ApiError as e:
             if e.status == 400:
                 request.app.state.serve.metrics.requests_rejected.labels(reason="invalid").inc()
-            return JSONResponse(e.body(), status_code=e.status)
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
         except ClientGone:
             return Response(status_code=499)
         except Exception as e:
-            log.exception("internal error in %s", request.url.path)
-            return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}", None,
-                                         "internal_error").body(), status_code=500)
+            err = internal_error(f"internal error in {request.url.path}", "internal_error", e)
+            return JSONResponse(err.body(), status_code=500)
 
     return wrapped
 
 
-def _checked_ids(state, prompt, params: SamplingParams, prompt_param: str, max_param: str) -> list[int]:
+def _check_prompt_size(state, texts, param: str) -> None:
+    """Refuse prompt text past max_prompt_bytes before any tokenizing (a 50 MB prompt costs its
+    size in bytes here, not a minute of the tokenizer and gigabytes of ids)."""
+    size = sum(len(t.encode("utf-8", "surrogatepass")) if isinstance(t, str) else 0 for t in texts)
+    if size > state.max_prompt_bytes:
+        raise invalid(f"the prompt has {size} bytes of text; this server takes at most {state.max_prompt_bytes} "
+                      f"(about 64 per token of its {state.max_model_len}-token context)", param,
+                      "context_length_exceeded")
+
+
+async def _checked_ids(state, prompt, params: SamplingParams, prompt_param: str, max_param: str) -> list[int]:
     try:
-        ids = state.engine.validate(prompt, params)
+        ids = await state.off_loop(state.engine.validate, prompt, params)
     except ValueError as e:
         raise from_value_error(e, {}, prompt_param) from None
     limit = state.max_model_len
@@ -83,7 +92,11 @@ async def completions(request: Request, state) -> Response:
     params = body.to_sampling_params(body.max_tokens if body.max_tokens is not None
                                      else COMPLETIONS_DEFAULT_MAX_TOKENS)
     prompts = body.prompts()
-    ids = [_checked_ids(state, p, params, "prompt", "max_tokens") for p in prompts]
+    if len(prompts) > state.config.max_prompts_per_request:
+        raise invalid(f"prompt holds {len(prompts)} prompts; this server takes at most "
+                      f"{state.config.max_prompts_per_request} in one request", "prompt", "too_many_prompts")
+    _check_prompt_size(state, prompts, "prompt")
+    ids = [await _checked_ids(state, p, params, "prompt", "max_tokens") for p in prompts]
     gen = Generation(state.loop, "cmpl", prompts, ids, params)
     fmt = CompletionFormat(gen.id, state.model_name, state.engine.tokenizer, body.logprobs)
     return await _answer(request, gen, fmt, params, body)
@@ -94,14 +107,15 @@ async def chat_completions(request: Request, state) -> Response:
     body = parse_body(ChatCompletionRequest, await request.body())
     check_model_name(body.model, state.model_name)
     messages = body.template_messages()
+    _check_prompt_size(state, [m["content"] for m in messages], "messages")
     try:
-        ids = state.template.encode(state.engine.tokenizer, messages)
+        ids = await state.off_loop(state.template.encode, state.engine.tokenizer, messages)
     except ValueError as e:  # the template refused the conversation
         raise invalid(" ".join(str(e).split()), "messages") from None
     requested = body.requested_max_tokens
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.to_sampling_params(requested if requested is not None else max(1, state.max_model_len - len(ids)))
-    ids = _checked_ids(state, ids, params, "messages", max_param)
+    ids = await _checked_ids(state, ids, params, "messages", max_param)
     gen = Generation(state.loop, "chatcmpl", [ids], [ids], params)
     fmt = ChatFormat(gen.id, state.model_name, state.engine.tokenizer,
                      (body.top_logprobs or 0) if body.logprobs else None)
@@ -121,7 +135,8 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
     reason = ("the engine loop crashed" if loop.fatal is not None else
               "the server is shutting down" if loop.alive else "the engine loop is not running")
-    return JSONResponse(ApiError(503, reason, None, "unavailable").body(), status_code=503)
+    err = ApiError(503, reason, None, "unavailable")
+    return JSONResponse(err.body(), status_code=503, headers=err.headers)
 
 
 async def metrics(request: Request) -> Response:

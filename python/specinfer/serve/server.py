@@ -19,6 +19,8 @@ import time
 
 import uvicorn
 
+from specinfer.serve.connection import protocol_with_header_timeout
+
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log, so the lines interleave in order
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -67,6 +69,26 @@ class Server(uvicorn.Server):
 def make_server(app, *, host: str = "127.0.0.1", port: int = 8000, graceful_timeout_s: float = 30.0,
                 log_level: str = "info", access_log: bool = False) -> Server:
     """A uvicorn server for an app from `build_app`."""
+    serve = app.state.serve.config
+    _raise_open_files_limit()
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
+                            timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on",
+                            http=protocol_with_header_timeout(serve.header_timeout_s),
+                            timeout_keep_alive=serve.keep_alive_timeout_s,
+                            limit_concurrency=serve.max_connections,
+                            h11_max_incomplete_event_size=64 * 1024)  # a request head past 64 KiB: 400
     return Server(config, app.state.serve.loop, graceful_timeout_s)
+
+
+def _raise_open_files_limit() -> None:
+    """The soft limit on open files up to the hard one: connections beyond --max-connections are
+    answered 503, not lost to EMFILE in accept() (which uvicorn logs once per attempt)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536),
+                                                        hard))
+    except (ImportError, ValueError, OSError):
+        pass
