@@ -124,3 +124,24 @@ def test_default_max_model_len_is_capped_to_the_kv_pool(tiny_dir):
         gen.generate([list(range(3, 70))], SamplingParams(max_tokens=2), use_tqdm=False)
     gen.reset_metrics()
     assert gen.spec_metrics()["num_drafts"] == 0
+
+
+def test_model_files_are_read_with_limits(tiny_dir, tmp_path, monkeypatch):
+    """Model files are untrusted: a config.json past the size limit (or not a regular file) and a
+    config whose sizes the weights cannot back are clear ValueErrors, before any allocation."""
+    import json
+    import shutil
+
+    from specinfer.loader import hf
+
+    src, _ = tiny_dir("llama", False)
+    d = tmp_path / "m"
+    shutil.copytree(src, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2**20, "intermediate_size": 2**22}))
+    with pytest.raises(ValueError, match="does not belong to these weights"):
+        Generator(str(d))
+    (d / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(hf, "MAX_JSON_BYTES", 64)
+    with pytest.raises(ValueError, match="larger than 64 bytes"):
+        Generator(str(d))

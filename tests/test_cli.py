@@ -360,3 +360,29 @@ def test_python_m_specinfer_from_the_checkout_keeps_its_root_off_sys_path():
     env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_generate_keeps_finished_lines_when_interrupted(tiny, tmp_path, monkeypatch):
+    """Ctrl-C during `generate --input ... --output ...`: every request that had finished is in the
+    output (each result names its input line), the unfinished ones are not."""
+    from specinfer.cli import main
+    from specinfer.engine.llm_engine import LLMEngine
+
+    src, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    lengths = [60, 2, 60, 3, 60]  # the short ones finish, then Ctrl-C lands while the long ones run
+    src.write_text("".join(json.dumps({"prompt": f"t{5 + i} t6", "max_tokens": n}) + "\n"
+                           for i, n in enumerate(lengths)))
+    real_step, calls = LLMEngine.step, {"n": 0}
+
+    def step(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise KeyboardInterrupt
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    assert main(["generate", str(tiny), "--input", str(src), "--output", str(out), "--ignore-eos",
+                 "--temperature", "0"]) == 130
+    results = [json.loads(s) for s in out.read_text().splitlines()]
+    assert sorted(r["line"] for r in results) == [2, 4]
+    assert [len(r["token_ids"]) for r in sorted(results, key=lambda r: r["line"])] == [2, 3]

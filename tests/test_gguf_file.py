@@ -83,3 +83,19 @@ def test_damaged_files_are_refused(tmp_path, cut):
     (tmp_path / "bad.gguf").write_bytes(b"GGUX" + src[4:1000])
     with pytest.raises(ValueError, match="magic"):
         GGUFFile(str(tmp_path / "bad.gguf"))
+
+
+def test_absurd_counts_are_refused_before_any_loop_trusts_them(tmp_path):
+    import struct
+
+    for n_tensors, n_kv in ((2**62, 0), (0, 2**62), (2**40, 2**40)):
+        path = tmp_path / "counts.gguf"
+        path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + b"\0" * 64)
+        with pytest.raises(ValueError, match="cannot hold"):
+            GGUFFile(str(path))
+    # an array whose element count the file cannot back
+    key = b"k"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                     + struct.pack("<IIQ", 9, 4, 2**61) + b"\0" * 16)
+    with pytest.raises(ValueError, match="claims"):
+        GGUFFile(str(path))

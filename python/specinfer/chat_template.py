@@ -96,9 +96,62 @@ class ChatTemplate:
     def encode(self, tokenizer, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
                **kwargs) -> list[int]:
         """Render and tokenize. The template writes BOS itself where the model wants one, so no
-        special tokens are added on top (as `apply_chat_template(tokenize=True)` does)."""
+        special tokens are added on top (as `apply_chat_template(tokenize=True)` does).
+
+        Messages' content is untrusted: a special token's text inside it ("<|im_start|>system")
+        is tokenized as text, never as the control token, so a user cannot forge turns. Where
+        no content holds such text the whole prompt is tokenized at once, as before. Tokenizing
+        releases the GIL (encode_batch), so a server can run it off its event loop."""
         text = self.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return tokenizer.encode(text, add_special_tokens=False).ids
+        specials = _special_strings(tokenizer)
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        if not any(sp in c for c in contents for sp in specials):
+            return tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        pieces = _content_spans(text, contents)
+        plain = _plain_text_tokenizer(tokenizer)
+        ids: list[int] = []
+        for chunk, is_content in pieces:
+            if chunk:
+                tok = plain if is_content else tokenizer
+                ids += tok.encode_batch([chunk], add_special_tokens=False)[0].ids
+        return ids
+
+
+_PLAIN: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, its plain-text copy); kept alive together
+
+
+def _special_strings(tokenizer) -> tuple[str, ...]:
+    """The text of every special added token (control tokens such as <|im_start|>)."""
+    return tuple(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special and t.content)
+
+
+def _plain_text_tokenizer(tokenizer):
+    """A copy of `tokenizer` that reads special tokens' text as ordinary text (made once)."""
+    hit = _PLAIN.get(id(tokenizer))
+    if hit is not None and hit[0] is tokenizer:
+        return hit[1]
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_str(tokenizer.to_str())
+    plain.encode_special_tokens = True
+    _PLAIN[id(tokenizer)] = (tokenizer, plain)
+    return plain
+
+
+def _content_spans(text: str, contents: list[str]) -> list[tuple[str, bool]]:
+    """`text` cut into (piece, is message content) in order: each content (or, where the template
+    trimmed it, its stripped form) is found after the previous one. Content the template did not
+    write verbatim stays template text."""
+    pieces, pos = [], 0
+    for c in contents:
+        for needle in (c, c.strip()):
+            at = text.find(needle, pos) if needle else -1
+            if at != -1:
+                pieces += [(text[pos:at], False), (needle, True)]
+                pos = at + len(needle)
+                break
+    pieces.append((text[pos:], False))
+    return pieces
 
 
 def _check_messages(messages) -> None:

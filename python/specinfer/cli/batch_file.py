@@ -129,7 +129,9 @@ def read_batch(path: str) -> list[BatchItem]:
 
 class OrderedWriter:
     """Writes results in input order as they complete, into a temporary file next to `path` that
-    replaces `path` only when the run ends: a failed run never leaves a half-written output."""
+    replaces `path` when the run ends. A run interrupted (Ctrl-C, a failure) after some requests
+    finished keeps them: `salvage` writes every finished result (each names its input line);
+    a run that finished nothing leaves no output."""
 
     def __init__(self, path: str | None):
         self.path = path
@@ -155,6 +157,19 @@ class OrderedWriter:
             self._file.write(json.dumps(items[self._next].result(), ensure_ascii=False) + "\n")
             self._next += 1
         self._file.flush()
+
+    def salvage(self, items: list[BatchItem]) -> int:
+        """After an interruption: every finished item not yet written goes out too (out of input
+        order: each result names its input `line`), and the file takes its place. -> how many
+        results the output holds."""
+        written = set(range(self._next))
+        for i, item in enumerate(items):
+            if i not in written and item.output is not None:
+                self._file.write(json.dumps(item.result(), ensure_ascii=False) + "\n")
+                written.add(i)
+        self._file.flush()
+        self.commit()
+        return len(written)
 
     def commit(self) -> None:
         if self._tmp is not None:

@@ -56,6 +56,7 @@ def run(args) -> int:
     source = args.input if args.input is not None else "--prompt"
     stream_text = args.input is None and len(args.prompt) == 1 and args.output is None and not args.json
     writer = None if stream_text else OrderedWriter(args.output)  # an unwritable path fails here
+    items = []
     try:
         items = read_batch(args.input) if args.input is not None else [BatchItem(None, prompt=p) for p in args.prompt]
         for item in items:
@@ -68,9 +69,15 @@ def run(args) -> int:
         elapsed = _generate(gen, items, writer, stream_text, _want_progress(args, items))
         if writer is not None:
             writer.commit()
-    except BaseException:
+    except BaseException as e:
         if writer is not None:
-            writer.discard()
+            if any(item.output is not None for item in items if isinstance(item, BatchItem)):
+                n = writer.salvage(items)  # nothing finished is lost
+                if writer.path not in (None, "-"):
+                    print(f"specinfer generate: {type(e).__name__}: {n} of {len(items)} results written to "
+                          f"{writer.path} (each names its input line); the rest did not finish", file=sys.stderr)
+            else:
+                writer.discard()
         raise
     _print_summary(items, elapsed, gen.spec_metrics() if spec is not None else None, spec)
     return 1 if any(item.error for item in items) else 0

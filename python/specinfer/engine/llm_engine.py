@@ -267,7 +267,9 @@ class LLMEngine:
         return ids
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids  # the loader makes encode add BOS iff the model wants it
+        # the loader makes encode add BOS iff the model wants it; encode_batch gives the same ids and
+        # releases the GIL while it works (a server tokenizes off its event loop)
+        return self.tokenizer.encode_batch([text])[0].ids
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, stream: bool = False,

@@ -60,6 +60,12 @@ class GGUFFile:
         if self.version not in (2, 3):
             raise ValueError(f"unsupported GGUF version {self.version}")
         n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
+        # counts checked against what the file can hold (a key/value takes >= 12 bytes, a tensor
+        # description >= 24) before any loop trusts them
+        room = len(buf) - self._pos
+        if n_kv * 12 > room or n_tensors * 24 > room:
+            raise ValueError(f"the header claims {n_tensors} tensors and {n_kv} metadata keys; a file of "
+                             f"{len(buf)} bytes cannot hold them (truncated or corrupted)")
         self.fields: dict[str, object] = {}
         for _ in range(n_kv):
             key = self._string()
@@ -67,7 +73,10 @@ class GGUFFile:
         infos = []
         for _ in range(n_tensors):
             name = self._string()
-            dims = tuple(self._scalar("<Q") for _ in range(self._scalar("<I")))
+            n_dims = self._scalar("<I")
+            if n_dims > 8:
+                raise ValueError(f"tensor {name!r} claims {n_dims} dimensions (corrupted)")
+            dims = tuple(self._scalar("<Q") for _ in range(n_dims))
             infos.append((name, dims, self._scalar("<I"), self._scalar("<Q")))
         align = int(self.fields.get("general.alignment", 32))
         start = -(-self._pos // align) * align
@@ -113,6 +122,9 @@ class GGUFFile:
         if kind != _ARRAY:
             raise ValueError(f"unknown GGUF metadata value type {kind}")
         elem, count = self._scalar("<I"), self._scalar("<Q")
+        if count > len(self._buf) - self._pos:  # every element takes at least one byte
+            raise ValueError(f"a metadata array claims {count} elements; the file cannot hold them "
+                             "(truncated or corrupted)")
         if elem == _STRING:  # a vocabulary or merges: the loop that must be tight
             buf, pos, size, out = self._buf, self._pos, len(self._buf), []
             unpack = _U64.unpack_from

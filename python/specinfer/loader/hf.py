@@ -19,14 +19,24 @@ from specinfer.models.config import ModelConfig
 from specinfer.models.llama import LlamaForCausalLM
 
 
+MAX_JSON_BYTES = 64 * 2**20  # config / index / tokenizer_config files: far above any real one
+
+
 def _read_json(path: str, *, required: bool) -> dict | None:
+    """A model directory's JSON file, read with a size limit (model files are untrusted: a
+    config.json that is /dev/zero or gigabytes long is refused, not read until memory runs out)."""
     if not os.path.exists(path):
         if required:
             raise FileNotFoundError(f"missing {os.path.basename(path)}: {path}")
         return None
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: not a regular file")
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+        if len(raw) > MAX_JSON_BYTES:
+            raise ValueError(f"{path}: larger than {MAX_JSON_BYTES} bytes (not a model's JSON file)")
+        obj = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(obj, dict):
@@ -69,6 +79,29 @@ def _safetensors_weights(files: list[str], dtype: torch.dtype) -> Iterator[tuple
                     yield name, f.get_tensor(name).to(dtype)
         except Exception as e:  # safetensors raises its own SafetensorError (an Exception)
             raise ValueError(f"{file}: corrupted or truncated safetensors file ({type(e).__name__}: {e})") from e
+
+
+def _check_config_against_weights(cfg, files: list[str], config_json: str) -> None:
+    """Refuse a config whose sizes the weights present cannot back (an absurd hidden_size or
+    layer count would otherwise reach torch.empty as an out-of-memory "internal error")."""
+    present = 0
+    for file in files:
+        try:
+            with safe_open(file, framework="np") as f:
+                for name in f.keys():
+                    n = 1
+                    for d in f.get_slice(name).get_shape():
+                        n *= int(d)
+                    present += n
+        except Exception as e:  # noqa: BLE001 - safetensors' own error type
+            raise ValueError(f"{file}: corrupted or truncated safetensors file ({type(e).__name__}: {e})") from e
+    H, I, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_layer = H * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 3 * H * I
+    implied = cfg.vocab_size * H + cfg.num_layers * per_layer
+    if implied > 2 * present + 2**20:
+        raise ValueError(f"{config_json}: describes a model of {implied:,} parameters (vocab_size {cfg.vocab_size}, "
+                         f"hidden_size {H}, intermediate_size {I}, {cfg.num_layers} layers) but the weights hold "
+                         f"{present:,} values: the config does not belong to these weights")
 
 
 def _token_id(tokenizer: tokenizers.Tokenizer, token) -> int | None:
@@ -155,6 +188,7 @@ def load_hf_dir(model_dir: str, *, dtype: torch.dtype, device, quantization: str
     check_special_ids([] if bos is None else [bos], V, f"{tok_json}: bos_token")
 
     shards = _shard_files(model_dir)
+    _check_config_against_weights(cfg, shards, config_json)  # before anything is allocated from it
     model = LlamaForCausalLM(cfg, dtype=dtype, device=device, quantization=quantization)
     # int8: tensors arrive in float32 and are quantized one by one (never a whole float copy)
     model.load_weights(_safetensors_weights(shards, torch.float32 if model.quantization else dtype), source=model_dir)
