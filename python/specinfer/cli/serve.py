@@ -14,8 +14,10 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat tem
 Sampling fields: max_tokens, temperature, top_p, seed, stop, logprobs (chat: logprobs +
 top_logprobs), and as extensions top_k, min_p, ignore_eos, min_tokens, stop_token_ids. Every final
 response carries "usage", with this request's speculation counts under usage.speculative.
-More than --max-num-seqs + --max-waiting-requests requests in flight: 429. SIGINT / SIGTERM: stop
-accepting, let in-flight requests finish for --shutdown-timeout seconds, abort the rest, exit 0.
+More than --max-num-seqs + --max-waiting-requests requests in flight: 429 (with Retry-After).
+SIGINT / SIGTERM: stop accepting, let in-flight requests finish for --shutdown-timeout seconds,
+abort the rest, exit 0. Reachable by others? Set --api-key (or $SPECINFER_API_KEY) and
+--allowed-hosts; every client-controlled size and time has a bound below.
 
 Examples:
   specinfer serve smollm2-135m --method ngram -k 4 --port 8000
