@@ -3,7 +3,7 @@
 Builds greedy continuations of 640 more chat prompts (16 templates x 40 topics, none in the bench's
 prompts) with SmolLM2-135M, adds them to the named head's cached distillation data, trains an EAGLE
 head by the named head's recipe (its steps, schedule and draft vocabulary) into OUT, prints the training
-report. Bench it beside the named head with `speculative.model` = OUT (docs/benchmarks.md, "More
+report. Bench it beside the named head with `speculative.model` = OUT (docs/lab/2026-12-notebook.md, "More
 chat data for the EAGLE head").
 
     python benches/eagle_more_chat_data.py bench_out/eagle_chat

@@ -2,7 +2,7 @@
 Llama (its forward is ~0.1 ms), a batch of repetitive prompts, greedy, no EOS. What is left is
 what a GPU step pays on the host beside its (graph-replayed) forward: scheduling, batch packing,
 verification, proposing, the speculation policy, the update and detokenization. On the H200
-(docs/benchmarks.md, "Device check") a batch-32 decode step of a 0.85B model takes ~2.5 ms, so
+(docs/lab/2026-12-notebook.md, "Device check") a batch-32 decode step of a 0.85B model takes ~2.5 ms, so
 every 0.1 ms here is ~4 % there.
 
 Per method (no speculation, ngram k=4 with the goodput policy, ngram k=4 fixed): ms per engine

@@ -354,7 +354,7 @@ def test_probes_go_where_a_draft_is_cheap_and_wait_where_it_costs_a_token():
     """A compute-bound large batch (a draft costs what a decode token costs: 5 ms + 1 ms per
     token) gets no probes for its held requests, since even a draft accepted at the prior 0.6
     would lower goodput; the same held request alone in a step is probed. Probing every held
-    request every few steps cost 5 % of throughput at batch 64 (docs/benchmarks.md)."""
+    request every few steps cost 5 % of throughput at batch 64 (docs/lab/2026-12-notebook.md)."""
     def policy():
         pol = GoodputPolicy(k=4, probe_after=2, max_probe_after=2)
         for t in (1, 2, 5, 64, 65, 68, 128, 300):  # S(T) = 5 ms + 1 ms per token, no drafting cost

@@ -5,7 +5,7 @@
 #
 # The device machine has torch, triton, transformers and pytest but not specinfer: this installs
 # specinfer's abi3 wheel and gguf from the wheels carried in .whl/ (gitignored; build them as
-# docs/benchmarks.md "Device check" says), then runs
+# docs/lab/2026-12-notebook.md "Device check" says), then runs
 #   1. the gpu-marked tests (engine on CUDA vs the CPU reference for every proposer x scorer,
 #      seeded sampling on the device, Triton vs torch_ref at realistic sizes, CUDA-graph replay
 #      == eager, the gpu_memory_utilization budget) and the Triton kernels' own CUDA test;
@@ -28,7 +28,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 step "install specinfer + gguf from .whl/"
 if ! ls .whl/specinfer-*.whl > /dev/null 2>&1; then
-    echo "no .whl/specinfer-*.whl: build the wheels first (docs/benchmarks.md, Device check)" | tee -a "$OUT/summary.txt"
+    echo "no .whl/specinfer-*.whl: build the wheels first (docs/lab/2026-12-notebook.md, Device check)" | tee -a "$OUT/summary.txt"
     exit 2
 fi
 # --no-deps: the machine already has torch/numpy/safetensors/tokenizers/tqdm/jinja2 (via torch and

@@ -114,7 +114,7 @@ class BenchConfig:
     # to make the f32 / f16 GGUFs of llama_cpp methods; default $SPECINFER_BENCH_LLAMA_CPP_CONVERT
     llama_cpp_convert: str | None = None
     # llama.cpp's extra CPU buffer types (weight repacking, AMX); False = llama-cli's --no-repack. Keep
-    # True for measurements; False only to run a build whose AMX kernels trap (docs/benchmarks.md)
+    # True for measurements; False only to run a build whose AMX kernels trap (docs/lab/2026-12-notebook.md)
     llama_cpp_extra_buffers: bool = True
     notes: str = ""
 

@@ -110,5 +110,5 @@ def import_llama_cpp():
         import llama_cpp
     except Exception as e:  # noqa: BLE001 - any import failure means "not available here"
         raise PeerUnavailable(f"llama_cpp is not importable in this environment ({type(e).__name__}: {e}); "
-                              "install llama-cpp-python (docs/benchmarks.md, 'llama.cpp beside specinfer')") from None
+                              "install llama-cpp-python (docs/benchmarking.md, 'Set-up (once)')") from None
     return llama_cpp

@@ -1,4 +1,4 @@
-"""The printed summary table of a results dict (also used for docs/benchmarks.md)."""
+"""The printed summary table of a results dict (the tables of docs/benchmarks.md and docs/lab/)."""
 from __future__ import annotations
 
 

@@ -1,7 +1,7 @@
 """RMSNorm for the models: the one-pass Rust kernel (`specinfer._core.rms_norm`,
 rust/kernels/src/rms_norm.rs) for bfloat16 and float32 CPU tensors in inference, torch's
 `F.rms_norm` otherwise. On CPU torch's `rms_norm` makes several passes (upcast, square, mean,
-rsqrt, two multiplies, downcast: 14 % of a bf16 batch-16 run, docs/benchmarks.md; in float32
+rsqrt, two multiplies, downcast: 14 % of a bf16 batch-16 run, docs/lab/2026-12-notebook.md; in float32
 3.2 ms for a 2048 x 576 prefill chunk against 0.39 ms, 13 us for 16 rows against 2 us); the
 kernel computes the same f32 expression in one pass and rounds once, as torch does (float32:
 within a few ulps of torch, from the order of the sum). Anything that needs autograd, another

@@ -10,7 +10,7 @@ float32 scale per 32 inputs, the few-rows kernel) and runs them through `any_lin
 stay dense (rows are looked up, not streamed). One-way: a quantized head is not saved back.
 
 On CPU with a float32 target, heads are int8 by default ("auto", chosen by the engine): there int8
-halves EAGLE's c with the same acceptance (docs/benchmarks.md). "auto" quantizes a head whose every
+halves EAGLE's c with the same acceptance (docs/lab/2026-12-notebook.md). "auto" quantizes a head whose every
 GEMM takes a multiple of GROUP_SIZE inputs (every real model's) and leaves any other dense.
 """
 from __future__ import annotations

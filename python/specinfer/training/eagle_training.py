@@ -11,7 +11,7 @@ head's own features rather than only teacher-forced (HASS / EAGLE-3's training-t
 past the first run at every TTT_PAIR_STRIDE-th pair only (a chain step at a pair reads step 1's keys
 and its own chain's, nothing of the other pairs' chains, so this is exact for those pairs), since
 with every pair each step cost another pass and in a fixed CPU budget the fewer steps trained a
-weaker head (docs/benchmarks.md). With a draft
+weaker head (docs/lab/2026-12-notebook.md). With a draft
 vocabulary size below the target's, the export carries `d2t` (the most frequent training tokens;
 spec_decode/eagle.py). Dense attention over right-padded batches (padding never precedes a real
 position, so it is never attended). Initialisation: fc passes the feature through, o_proj and
@@ -32,13 +32,13 @@ from specinfer.spec_decode.head_checkpoint import write_checkpoint
 
 # the token loss's weight beside the feature regression: EAGLE's is 0.1; on SmolLM2-135M (800 wsd steps,
 # lr 2e-3) 0.1 / 0.03 / 0.01 gave held-out chain acceptance length 1.83 / 1.91 / 1.89 and first-draft
-# accuracy 0.510 / 0.510 / 0.492: the regression carries the chain's later drafts (docs/benchmarks.md)
+# accuracy 0.510 / 0.510 / 0.492: the regression carries the chain's later drafts (docs/lab/2026-12-notebook.md)
 CLS_WEIGHT = 0.03
 TTT_STEPS = 1  # unrolled steps per training pair by default (1: teacher-forced only, EAGLE-1's own recipe)
 STEP_WEIGHT = 0.8  # step s's losses weigh STEP_WEIGHT^(s-1) (EAGLE-3's)
 TTT_PAIR_STRIDE = 4  # steps past the first run at every 4th pair
 # FEATURE_NOISE, PROMPT_WEIGHT, TOKEN_LOSS_STRIDE, LABEL_ROWS: ablation knobs for teacher-forced training
-# (ttt_steps 1; benches/head_recipe_ablation.py), left at what measured best (docs/benchmarks.md).
+# (ttt_steps 1; benches/head_recipe_ablation.py), left at what measured best (docs/lab/2026-12-notebook.md).
 # Uniform noise U(-a, a) added to the input features f_i while training (EAGLE's data noise: the
 # chain's later drafts read the head's own, inexact features); 0: none
 FEATURE_NOISE = 0.0

@@ -36,7 +36,7 @@ EAGLE_SEQS_PER_BATCH = 4
 WARMUP_STEPS = 20
 DECAY_FROM = 200  # invsqrt: the rate decays from this step on
 # EAGLE on SmolLM2-135M, 800 wsd steps: 6e-3 / 3e-3 / 2e-3 / 1.2e-3 gave teacher-forced first-draft
-# accuracy 0.39 / 0.49 / 0.51 / 0.51 (benches/head_recipe_ablation.py; docs/benchmarks.md)
+# accuracy 0.39 / 0.49 / 0.51 / 0.51 (benches/head_recipe_ablation.py; docs/lab/2026-12-notebook.md)
 DEFAULT_LR = {"eagle": 2e-3}
 # wsd where it was measured to help: EAGLE (above); Medusa 6000 steps wsd / invsqrt held-out 1.54 / 1.56,
 # MLP speculator 1.52 / 1.48 (+-0.05: no difference), so they keep invsqrt
@@ -231,7 +231,7 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     - "wsd" (warm-up, stable, decay): constant until the last WSD_DECAY_FRACTION of cfg.steps, then
       linear to zero at cfg.steps. In a fixed budget of steps it trains the better head (EAGLE on
       SmolLM2-135M, 800 steps: teacher-forced first-draft accuracy 0.45 -> 0.49, held-out loss
-      0.658 -> 0.635; docs/benchmarks.md); the rate depends on cfg.steps, so a resumed run must
+      0.658 -> 0.635; docs/lab/2026-12-notebook.md); the rate depends on cfg.steps, so a resumed run must
       keep its --steps.
     - "invsqrt": constant to DECAY_FROM, then inverse-square-root decay: a function of the step
       alone, so a run can be resumed with more --steps and equals one that asked for them at once.
