@@ -225,3 +225,16 @@ def test_overlap_steps_is_validated_and_the_cli_can_turn_it_off(target_and_draft
     add_engine_arguments(p)
     assert engine_kwargs(p.parse_args([]))["overlap_steps"] is True
     assert engine_kwargs(p.parse_args(["--no-overlap-steps"]))["overlap_steps"] is False
+
+
+def test_engine_options_the_cli_lacked_now_reach_the_engine():
+    import argparse
+
+    from specinfer.cli.options import add_engine_arguments, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    kw = engine_kwargs(p.parse_args([]))
+    assert kw["enable_prefix_caching"] is True and kw["max_logprobs"] == 20
+    kw = engine_kwargs(p.parse_args(["--no-enable-prefix-caching", "--max-logprobs", "5"]))
+    assert kw["enable_prefix_caching"] is False and kw["max_logprobs"] == 5

@@ -389,3 +389,27 @@ def test_cli_bad_input_is_one_line_exit_2(tiny, tmp_path, case):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("specinfer generate: error: ") and fragment in lines[0], lines
+
+
+@pytest.mark.parametrize("spec, method", [
+    ({"model": "qwen2.5-coder-0.5b"}, "draft_model"),  # vLLM infers the method from the model
+    ({"model": "smollm2-135m-eagle"}, "eagle"),
+    ({"model": "heads/EAGLE3-LLaMA3.1-Instruct-8B"}, "eagle3"),
+    ({"model": "smollm2-135m-medusa"}, "medusa"),
+    ({"model": "ibm-ai-platform/llama3-8b-accelerator-mlp_speculator"}, "mlp_speculator"),
+    ({"exit_layer": 3}, "layer_skip"),
+    ({"num_speculative_tokens": 3}, "ngram"),
+    ({"method": "ngram"}, "ngram"),
+])
+def test_speculative_method_is_inferred_when_omitted(spec, method):
+    from specinfer.spec_decode.config import SpeculativeConfig
+
+    assert SpeculativeConfig.from_any(spec).method == method
+
+
+def test_a_draft_model_given_without_a_method_drafts(target_and_draft):
+    target, draft = target_and_draft
+    gen = Generator(str(target), speculative={"model": str(draft), "num_speculative_tokens": 3, "policy": "fixed"})
+    assert gen.engine.spec.method == "draft_model"
+    gen.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    assert gen.spec_metrics()["num_draft_tokens"] > 0

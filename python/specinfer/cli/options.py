@@ -54,6 +54,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "torchrun, one rank per process: see docs/tensor_parallel.md)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
                    help="token budget of one step (prefill chunks + decode + verification)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks of prompt prefixes seen before (default: on)")
+    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="the most logprobs a request may ask for (default: 20, as vLLM)")
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -229,6 +233,8 @@ def engine_kwargs(args) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 batch_invariant=bool(getattr(args, "batch_invariant", False)),
+                enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", True)),
+                max_logprobs=getattr(args, "max_logprobs", 20),
                 overlap_steps=bool(getattr(args, "overlap_steps", True)))
 
 

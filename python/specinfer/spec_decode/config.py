@@ -14,7 +14,9 @@ MAX_SPECULATIVE_TOKENS = 16
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str = "ngram"  # a registered proposer: "draft_model", "ngram", "layer_skip", "mlp_speculator", ...
+    # a registered proposer: "draft_model", "ngram", "layer_skip", "mlp_speculator", ...; None: inferred
+    # as vLLM does (infer_method): from `model` when given, layer_skip with exit_layer, else ngram
+    method: str | None = None
     num_speculative_tokens: int = 4  # k, 1..16 (heads: at most what the head predicts)
     # draft_model: the draft (HF directory, .gguf file or pack name); heads (mlp_speculator, medusa,
     # eagle, eagle3): the head's checkpoint directory
@@ -55,6 +57,8 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):
+        if self.method is None:
+            object.__setattr__(self, "method", infer_method(self.model, self.exit_layer))
         if self.method not in proposer_names():
             raise ValueError(f"speculative.method {self.method!r} is unknown; choose one of {proposer_names()}")
         k = self.num_speculative_tokens
@@ -142,3 +146,17 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative has unknown keys {unknown}; known: {sorted(known)}")
             return cls(**value)
         raise ValueError(f"speculative must be a SpeculativeConfig, a dict or None (got {type(value).__name__})")
+
+
+def infer_method(model, exit_layer) -> str:
+    """speculative.method when omitted, as vLLM infers it: from the draft's name (a head's kind
+    is in its checkpoint's name: eagle3 / eagle / medusa / mlp_speculator), draft_model for any
+    other model; layer_skip with exit_layer; ngram with neither."""
+    if model is None:
+        return "layer_skip" if exit_layer is not None else "ngram"
+    name = str(model).lower().replace("-", "_")
+    for key, method in (("eagle3", "eagle3"), ("eagle", "eagle"), ("medusa", "medusa"),
+                        ("mlp_speculator", "mlp_speculator"), ("_mlp", "mlp_speculator")):
+        if key in name:
+            return method
+    return "draft_model"
