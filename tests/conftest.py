@@ -58,3 +58,20 @@ def ref(target):
     from spec_cases import reference
 
     return reference(target)
+
+
+@pytest.fixture(scope="session")
+def law_models(tmp_path_factory):
+    """The distribution tests' tiny-vocabulary target and perturbed draft (tests/engine_law.py):
+    (target_dir, draft_dir, target transformers model), built once per session."""
+    from engine_law import build_law_models
+
+    return build_law_models(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def exact_law(law_models):
+    """P(t0, t1, t2 | PROMPT) of the law target at temperature 1, float64 (transformers)."""
+    from engine_law import exact_law_of
+
+    return exact_law_of(law_models[2])

@@ -9,8 +9,9 @@ import head_checkpoints as hc
 from eagle_reference import Eagle3Reference, EagleReference
 from specinfer import Generator, SamplingParams
 from spec_cases import prompts
-from test_engine_distribution import ALPHA, NUM, PROMPT, _counts, chi_square_pvalue, exact_law, models  # noqa: F401
 from test_tree_eagle import PathLogits
+from engine_law import NUM, sample_counts as _counts  # noqa: E402
+from stats import ALPHA, chi_square_pvalue  # noqa: E402
 
 
 def _record_q(gen):
@@ -71,8 +72,8 @@ def test_sampled_eagle_drafts_carry_the_heads_q(tiny_dir, tmp_path, method):
 
 
 @pytest.mark.slow  # ~30 s; the q test above holds the draft side exactly in the default suite
-def test_sampled_eagle_keeps_the_target_distribution(models, exact_law, tmp_path):  # noqa: F811
-    target, _, _ = models
+def test_sampled_eagle_keeps_the_target_distribution(law_models, exact_law, tmp_path):  # noqa: F811
+    target, _, _ = law_models
     path = hc.eagle1(tmp_path / "eagle", target)
     counts, m = _counts(target, {"method": "eagle", "model": str(path), "num_speculative_tokens": 2})
     assert m["num_draft_tokens"] > NUM // 4 and 0.05 < m["acceptance_rate"] < 0.97, m

@@ -322,7 +322,8 @@ def test_missing_gguf_is_named(tmp_path):
 def test_truncated_gguf_is_named(tmp_path):
     path = str(tmp_path / "tiny.gguf")
     write_synthetic_gguf(path, "llama")
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     for cut in (len(data) - 1000, len(data) // 2, 40):
         bad = str(tmp_path / f"cut{cut}.gguf")
         with open(bad, "wb") as f:

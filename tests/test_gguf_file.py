@@ -75,7 +75,8 @@ def test_the_smollm2_pack_reads_the_same():
 def test_damaged_files_are_refused(tmp_path, cut):
     from specinfer.packs import resolve_pack
 
-    src = open(resolve_pack("smollm2-135m"), "rb").read(4_000_000)
+    with open(resolve_pack("smollm2-135m"), "rb") as f:
+        src = f.read(4_000_000)
     path = tmp_path / "cut.gguf"
     path.write_bytes(src[:cut] if cut > 0 else src[:cut])  # header cut, or tensor data missing
     with pytest.raises(ValueError, match="truncated|magic|past the end"):

@@ -29,7 +29,7 @@ from specinfer.spec_decode.head_proposer import HiddenStateHeadProposer
 from specinfer.spec_decode.medusa import MedusaConfig, MedusaHeads
 from specinfer.spec_decode.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from specinfer.spec_decode.proposer import ProposalInput, TargetHidden
-from test_rejection_sampler import chi_square_pvalue
+from stats import chi_square_pvalue
 
 ALPHA = 1e-3
 NUM = 20_000

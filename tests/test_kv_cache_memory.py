@@ -13,9 +13,10 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 
 
 def rss_bytes() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
 
 
@@ -34,7 +35,8 @@ import json, sys
 import torch
 from specinfer.engine.kv_cache import lazy_zeros
 def rss():
-    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) * 1024
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024
 size = 512 << 20
 before = rss()
 t = lazy_zeros((size // 4,), torch.float32)

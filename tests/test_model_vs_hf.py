@@ -277,7 +277,8 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_truncated_safetensors_is_named(tmp_path):
     d = save_hf(build_hf("llama"), tmp_path / "m")
     path = os.path.join(d, "model.safetensors")
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     with open(path, "wb") as f:
         f.write(data[: len(data) // 2])
     with pytest.raises(ValueError, match="model.safetensors"):

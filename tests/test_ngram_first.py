@@ -17,7 +17,8 @@ from spec_cases import check_greedy_exact, prompts
 from specinfer import Generator, SamplingParams
 from specinfer.spec_decode.config import SpeculativeConfig
 from specinfer.spec_decode.ngram_first import NgramFirstProposer
-from test_engine_distribution import ALPHA, NUM, _counts, chi_square_pvalue, exact_law, models  # noqa: F401
+from engine_law import NUM, sample_counts as _counts  # noqa: E402
+from stats import ALPHA, chi_square_pvalue  # noqa: E402
 
 LOOKUP = {"ngram_first": True, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 TREE = [[0], [1], [0, 0], [0, 0, 0]]
@@ -116,12 +117,12 @@ def test_lookup_where_the_history_repeats_and_the_head_elsewhere(target, tmp_pat
             assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
 
 
-def test_sampling_keeps_the_target_distribution(models, exact_law, tmp_path, lookup_proposers):
+def test_sampling_keeps_the_target_distribution(law_models, exact_law, tmp_path, lookup_proposers):
     """V = 8 target (test_engine_distribution.py's harness): lookup drafts (q one-hot) and the MLP
     speculator's sampled drafts (its q) in the same batches keep the exact law of three tokens."""
-    spec = {"method": "mlp_speculator", "model": str(hc.mlp_speculator(tmp_path / "mlp", models[0], n_predict=2)),
+    spec = {"method": "mlp_speculator", "model": str(hc.mlp_speculator(tmp_path / "mlp", law_models[0], n_predict=2)),
             "num_speculative_tokens": 2, "ngram_first": True, "prompt_lookup_min": 1}
-    counts, m = _counts(models[0], spec)
+    counts, m = _counts(law_models[0], spec)
     assert m["num_draft_tokens"] > NUM // 4 and 0.05 < m["acceptance_rate"] < 0.97, m
     assert lookup_proposers[0].num_lookup_proposals > 0 and lookup_proposers[0].num_model_proposals > 0
     assert chi_square_pvalue(counts, exact_law) > ALPHA

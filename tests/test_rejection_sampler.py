@@ -25,27 +25,9 @@ import torch
 from specinfer.sample import RandomStreams, SamplingMetadata, probs_from_logits, rejection_sample
 from specinfer.sample import rejection_sampler as rs
 from specinfer.sample.random_streams import ACCEPT
+from stats import ALPHA, chi_square_pvalue  # noqa: E402
 
-ALPHA = 1e-3
 NUM_SAMPLES = 120_000
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of ``counts`` [C] against ``probs`` [C] (sums to 1)."""
-    counts, probs = counts.double(), probs.double()
-    n = counts.sum()
-    expected = probs * n
-    impossible = expected <= 0
-    if counts[impossible].sum() > 0:
-        return 0.0  # a target-impossible outcome was produced
-    small = (expected < 5) & ~impossible
-    obs = torch.cat([counts[~impossible & ~small], counts[small].sum().reshape(1)])
-    exp = torch.cat([expected[~impossible & ~small], expected[small].sum().reshape(1)])
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = torch.tensor(float(obs.numel() - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
 def product_law(p: torch.Tensor, n_check: int) -> torch.Tensor:  # [T, V] -> [V ** n_check]

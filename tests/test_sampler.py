@@ -9,22 +9,10 @@ import torch
 
 from specinfer.sample import (RandomStreams, Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p,
                               probs_from_logits, process_logits)
+from stats import ALPHA, chi_square_pvalue
 
-ALPHA = 1e-3
 NUM_SAMPLES = 120_000
 NEG_INF = float("-inf")
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value; any count in a zero-probability cell gives 0."""
-    counts, probs = counts.double(), probs.double()
-    expected = probs * counts.sum()
-    if counts[expected == 0].sum() > 0:
-        return 0.0
-    keep = expected > 0
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    df = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
 def kept(logits: torch.Tensor) -> list[list[int]]:  # [L, V] -> surviving token ids per row

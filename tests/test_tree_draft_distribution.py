@@ -5,7 +5,8 @@ one-hot variant (accept x w.p. p(x), else zero p(x), renormalise, next sibling) 
 import pytest
 
 import head_checkpoints as hc
-from test_engine_distribution import ALPHA, NUM, _counts, chi_square_pvalue, exact_law, models  # noqa: F401
+from engine_law import NUM, sample_counts as _counts  # noqa: E402
+from stats import ALPHA, chi_square_pvalue  # noqa: E402
 
 
 @pytest.mark.slow  # ~30 s each (24k requests)
@@ -13,8 +14,8 @@ from test_engine_distribution import ALPHA, NUM, _counts, chi_square_pvalue, exa
     ("draft_model", [[0], [1], [0, 0]]),
     ("eagle", {"dynamic": True, "num_nodes": 4, "top_k": 2, "depth": 2}),
 ])
-def test_tree_sampling_keeps_the_target_distribution(models, exact_law, tmp_path, method, tree):  # noqa: F811
-    target, draft, _ = models
+def test_tree_sampling_keeps_the_target_distribution(law_models, exact_law, tmp_path, method, tree):  # noqa: F811
+    target, draft, _ = law_models
     path = draft if method == "draft_model" else hc.eagle1(tmp_path / "eagle", target)
     counts, m = _counts(target, {"method": method, "model": str(path), "num_speculative_tokens": 2,
                                  "token_tree": tree})

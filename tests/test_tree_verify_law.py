@@ -17,7 +17,7 @@ import torch
 
 from specinfer.sample import tree_verify as tv
 from specinfer.sample.random_streams import ACCEPT
-from test_rejection_sampler import chi_square_pvalue
+from stats import chi_square_pvalue
 from tree_harness import decode_with_trees, markov_chains, markov_law
 
 ALPHA = 1e-3

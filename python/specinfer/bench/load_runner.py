@@ -57,7 +57,8 @@ class ServerProcess:
                     ready.set()
             ready.set()
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
         if not ready.wait(cfg.startup_timeout_s) or self.port is None:
             self.proc.kill()
             raise RuntimeError("the server did not start:\n" + "".join(self.log[-20:]))
@@ -89,10 +90,15 @@ class ServerProcess:
     def stop(self, timeout_s: float = 120.0) -> int:
         self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout_s)
+            code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait()
+            code = self.proc.wait()
+        self._pump.join(10)  # it reads to EOF, then the pipe can close
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        return code
 
 
 def _prompts(cfg: LoadConfig) -> list[str]:
