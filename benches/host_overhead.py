@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from host_bench_setup import build_tiny_llama, repetitive_prompts  # noqa: E402
 from specinfer import Generator, SamplingParams  # noqa: E402
 
 METHODS = {
@@ -44,15 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from tiny_models import build_tiny_model
-
     tmp = Path(tempfile.mkdtemp())
-    build_tiny_model(tmp / "m", "llama", scale=2.0, layers=1, hidden=32, heads=2, kv_heads=1)
-    g = torch.Generator().manual_seed(0)
-    prompts = []
-    for _ in range(args.batch):  # a phrase of 8 repeated: prompt lookup always finds a match
-        phrase = torch.randint(3, 256, (8,), generator=g).tolist()
-        prompts.append((phrase * (args.prompt_len // 8 + 1))[:args.prompt_len])
+    build_tiny_llama(tmp / "m")
+    prompts = repetitive_prompts(args.batch, args.prompt_len)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     gens = {name: Generator(str(tmp / "m"), speculative=spec, max_model_len=args.prompt_len + args.new_tokens + 8,
                             num_kv_blocks=args.batch * 16 + 64, enable_prefix_caching=False)

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from host_bench_setup import build_tiny_llama, repetitive_prompts  # noqa: E402
 from specinfer import Generator, SamplingParams  # noqa: E402
 
 
@@ -125,18 +126,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the medians here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from tiny_models import build_tiny_model
-
     models = Path(tempfile.mkdtemp())
-    build_tiny_model(models / "target", "llama", scale=2.0, layers=1, hidden=32, heads=2, kv_heads=1)
+    build_tiny_llama(models / "target")
     # the draft: the target's weights plus a little noise (it agrees with the target most of the time)
-    build_tiny_model(models / "draft", "llama", scale=2.0, layers=1, hidden=32, heads=2, kv_heads=1,
-                     base=models / "target", perturb=0.02)
-    g = torch.Generator().manual_seed(0)
-    prompts = []
-    for _ in range(args.batch):  # a phrase of 8 repeated: prompt lookup always finds a match
-        phrase = torch.randint(3, 256, (8,), generator=g).tolist()
-        prompts.append((phrase * (args.prompt_len // 8 + 1))[:args.prompt_len])
+    build_tiny_llama(models / "draft", base=models / "target", perturb=0.02)
+    prompts = repetitive_prompts(args.batch, args.prompt_len)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     methods = args.methods.split(",")
     rows = {(m, loop): [] for m in methods for loop in ("serial", "overlap")}
