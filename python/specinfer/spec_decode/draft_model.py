@@ -135,6 +135,11 @@ class DraftModelProposer:
         return tree_proposal(np.asarray([inp.requests[r].core_id for r in rows], np.uint64), trees)
 
     def _draft(self, inp, rows, next_pos, logits) -> Proposal:
+        """Chains of up to max_drafts per drafting request. Every draft step's rows, positions
+        and attention metadata are known before the first runs (request j drafts output
+        positions len(output) .. + limit[j] - 1 and feeds its drafts at KV positions next_pos[j]
+        ..), so they are built at once, the forwards go back to back, and the drafted tokens stay
+        device tensors until one copy at the end (no host round trip per draft position)."""
         states = [inp.requests[r] for r in rows]
         limit = inp.max_drafts[rows]
         # draft i decides output position len(output) + i of its request
@@ -142,25 +147,34 @@ class DraftModelProposer:
         meta = sampling_metadata(states, device=self.device, positions=first_out)
         want_probs = not meta.all_greedy
         steps = int(limit.max())
-        drafted = np.zeros((len(rows), steps), dtype=np.int64)
-        probs_out = []
-        active = np.arange(len(rows))
+        actives = [np.flatnonzero(limit > i) for i in range(steps)]  # requests drafting token i
+        feeds = []  # per step i < steps - 1: (which of actives[i] feed draft i, positions, metadata)
+        for i in range(steps - 1):
+            nxt = actives[i + 1]
+            positions = next_pos[nxt] + i
+            attn, _ = attention_metadata_for_runs(inp.block_rows[rows[nxt]], positions, np.ones(len(nxt), np.int64),
+                                                  self.block_size, self.device)
+            keep = None if len(nxt) == len(actives[i]) else torch.from_numpy(
+                np.searchsorted(actives[i], nxt)).to(self.device)
+            feeds.append((keep, torch.from_numpy(positions).to(self.device), attn))
+        for j in np.flatnonzero(limit > 1):  # the draft KV these forwards write
+            self.records.will_write(inp.block_rows[rows[j]], int(next_pos[j]), int(next_pos[j] + limit[j] - 1))
+        tokens, probs_out = [], []
         for i in range(steps):
-            tok, probs = sample_drafts(logits, meta, active, i, want_probs)
-            drafted[active, i] = tok.cpu().numpy()
-            probs_out.append((active, probs))
-            active = active[limit[active] > i + 1]
-            if i + 1 == steps or len(active) == 0:
+            tok, probs = sample_drafts(logits, meta, actives[i], i, want_probs)
+            tokens.append(tok)
+            probs_out.append((actives[i], probs))
+            if i + 1 == steps:
                 break
-            positions = next_pos[active] + i
-            for j in active:
-                self.records.will_write(inp.block_rows[rows[j]], int(next_pos[j] + i), int(next_pos[j] + i + 1))
-            attn, _ = attention_metadata_for_runs(inp.block_rows[rows[active]], positions,
-                                                  np.ones(len(active), np.int64), self.block_size, self.device)
-            pos_t = torch.from_numpy(positions).to(self.device)
-            tok_t = torch.from_numpy(drafted[active, i]).to(self.device)
-            hidden, _ = self.runner.forward(tok_t, pos_t, attn)
+            keep, pos_t, attn = feeds[i]
+            hidden, _ = self.runner.forward(tok if keep is None else tok[keep], pos_t, attn)
             logits = self.runner.logits(hidden)
+        drafted = np.zeros((len(rows), steps), dtype=np.int64)
+        flat_steps = torch.cat(tokens).cpu().numpy()  # the one copy back
+        off = 0
+        for i, active in enumerate(actives):
+            drafted[active, i] = flat_steps[off:off + len(active)]
+            off += len(active)
         counts = limit.astype(np.int32)
         cu = np.zeros(len(rows) + 1, np.int32)
         np.cumsum(counts, out=cu[1:])
