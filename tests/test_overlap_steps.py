@@ -238,3 +238,44 @@ def test_engine_options_the_cli_lacked_now_reach_the_engine():
     assert kw["enable_prefix_caching"] is True and kw["max_logprobs"] == 20
     kw = engine_kwargs(p.parse_args(["--no-enable-prefix-caching", "--max-logprobs", "5"]))
     assert kw["enable_prefix_caching"] is False and kw["max_logprobs"] == 5
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+def test_ctrl_c_held_through_the_commit_loses_no_output(target_and_draft, overlap):
+    """A SIGINT that arrives while a step commits is raised right after the commit: the step's
+    output work still runs (next call), so every request finishes and is delivered."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.fail("signals reach the main thread only")
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    prompts = _prompts(4, seed=21)
+    want = [o.token_ids for o in _generator(target_and_draft, "ngram", overlap=False).generate(
+        prompts, params, use_tqdm=False)]
+    gen = _generator(target_and_draft, "ngram", overlap=overlap)
+    eng = gen.engine
+    real = eng._record_spec
+    calls = {"n": 0}
+
+    def record(*a):
+        calls["n"] += 1
+        if calls["n"] in (3, 6):
+            signal.raise_signal(signal.SIGINT)  # held by the commit's deferred_keyboard_interrupt
+        return real(*a)
+
+    eng._record_spec = record
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    done, interrupts = {}, 0
+    for _ in range(200):
+        if not eng.has_unfinished_requests():
+            break
+        try:
+            outs = eng.step(final_only=True)
+        except KeyboardInterrupt:
+            interrupts += 1
+            continue
+        for o in outs:
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert interrupts == 2 and not eng.has_unfinished_requests()
+    assert [done[f"r{i}"] for i in range(4)] == want
+    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()

@@ -389,6 +389,7 @@ class LLMEngine:
             states = [self._requests[i] for i in sched.req_ids.tolist()]
             committed = False
             pending = None
+            touched = None
             error = None  # one request's failure in its output work: raised once the step is whole
             try:
                 pending = self._launch(sched, states)
@@ -418,7 +419,9 @@ class LLMEngine:
                     self.core.cancel_step()
                     self.last_failed_request_ids = [st.request_id for st in states]
                     self._release_stopped()
-                self._tail = tail  # output work that did not run yet runs next call
+                # output work that did not run yet runs next call: the previous step's, or this
+                # committed step's (a Ctrl-C held back through the commit lands after it)
+                self._tail = touched if committed and touched is not None else tail
                 self._undelivered = outputs + self._undelivered
                 if isinstance(e, RequestError):  # the step is not at fault: only these requests
                     self.last_failed_request_ids = self._end_with_error(e)
