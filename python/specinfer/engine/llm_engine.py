@@ -161,12 +161,11 @@ class LLMEngine:
                                                   attention_backend, limits)
         # aux_layers: the proposer reads these target layers' inputs (EAGLE-3): an eager runner keeps them
         self.runner = self.executor.make_runner(self.loaded.model, caches[0], backend, limits,
-                                                tuple(getattr(self.proposer, "aux_layers", ())))
+                                                tuple(self.proposer.aux_layers if self.proposer else ()))
         lookahead = 0
         if self.proposer is not None:
             self.proposer.bind_kv_caches(caches[1:], backend)
-            if hasattr(self.proposer, "bind_target_kv_caches"):  # shares the target's KV (layer_skip)
-                self.proposer.bind_target_kv_caches(caches[0])
+            self.proposer.bind_target_kv_caches(caches[0])  # a proposer sharing the target's KV (layer_skip)
             lookahead = self.proposer.num_lookahead_tokens
         self.core = SchedulerCore(
             self.num_kv_blocks, self.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
@@ -176,7 +175,7 @@ class LLMEngine:
         if token_buckets is not None:  # static shapes: the packer pads every batch to a bucket
             self.core.set_token_padding(list(token_buckets), self.num_kv_blocks)
         self.platform.warmup()  # every runner it made: compile / capture the planned shapes
-        if hasattr(self.proposer, "bind_core"):
+        if self.proposer is not None:
             self.proposer.bind_core(self.core)
         self.step_sampler = StepSampler(self.spec, self.loaded.eos_token_ids)
         self.metrics = SpecMetrics(self.spec.num_speculative_tokens if self.spec else 0)

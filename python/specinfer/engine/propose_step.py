@@ -68,7 +68,7 @@ def propose_next_step(engine, sched, states, emitted, hidden) -> None:
     wants = np.array([st.params.speculate and (not disabled or st.params.seed is not None)
                       for st in states], dtype=bool)
     # EAGLE's draft KV takes in every step's target states (they exist only now), drafting or not
-    sees_every_step = getattr(engine.proposer, "sees_every_step", False)
+    sees_every_step = engine.proposer.sees_every_step
     if not wants.any() and not sees_every_step:
         return
     max_drafts = draft_budgets(engine, states)

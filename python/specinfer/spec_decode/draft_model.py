@@ -31,11 +31,11 @@ from specinfer.engine.model_runner import ModelRunner
 from specinfer.engine.step_sampler import sampling_metadata
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.draft_kv_records import DraftKvRecords
-from specinfer.spec_decode.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
 from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tree_proposal
 
 
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     aux_layers = ()
 
     def __init__(self, spec, ctx):

@@ -49,12 +49,12 @@ from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS, PairRecor
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.eagle import EagleDraft
 from specinfer.spec_decode.eagle3 import Eagle3Draft
-from specinfer.spec_decode.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
 from specinfer.spec_decode.token_tree import DynamicTree
 from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tree_proposal
 
 
-class EagleProposer:
+class EagleProposer(Proposer):
     sees_every_step = True  # confirmed target states exist only in the step that computed them
     draft_class = EagleDraft
     method = "eagle"

@@ -29,7 +29,7 @@ from specinfer.engine.step_sampler import sampling_metadata
 from specinfer.sample import probs_from_logits
 from specinfer.sample.random_streams import DRAFT, sample_from_weights
 from specinfer.spec_decode.head_tree import check_tree, draft_tree
-from specinfer.spec_decode.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
 from specinfer.spec_decode.token_tree import StaticTree, is_chain
 
 
@@ -64,7 +64,7 @@ def draft_chain(head: DraftHead, hidden: torch.Tensor, tokens: torch.Tensor, ste
     return torch.stack(out, dim=1)
 
 
-class HiddenStateHeadProposer:
+class HiddenStateHeadProposer(Proposer):
     kv_models: list = []
     aux_layers = ()
     num_lookahead_tokens = 0

@@ -20,10 +20,10 @@ import torch
 
 from specinfer.engine.batch import attention_metadata_for_runs
 from specinfer.engine.model_runner import ModelRunner
-from specinfer.spec_decode.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
 
 
-class LayerSkipProposer:
+class LayerSkipProposer(Proposer):
     kv_models: list = []  # shares the target's cache: no KV of its own
     aux_layers = ()
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from specinfer.spec_decode.proposer import Proposal, ProposalInput
+from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     kv_models: list = []
     num_lookahead_tokens = 0
     aux_layers = ()

@@ -20,10 +20,10 @@ import dataclasses
 
 import numpy as np
 
-from specinfer.spec_decode.proposer import DETERMINISTIC, Proposal, ProposalInput
+from specinfer.spec_decode.proposer import DETERMINISTIC, Proposal, ProposalInput, Proposer
 
 
-class NgramFirstProposer:
+class NgramFirstProposer(Proposer):
     def __init__(self, inner, spec):
         self.inner = inner
         self.k = spec.num_speculative_tokens
@@ -47,19 +47,17 @@ class NgramFirstProposer:
 
     @property
     def sees_every_step(self) -> bool:
-        return getattr(self.inner, "sees_every_step", False)
+        return self.inner.sees_every_step
 
     def bind_kv_caches(self, kv_caches_per_model, backend) -> None:
         self.inner.bind_kv_caches(kv_caches_per_model, backend)
 
     def bind_target_kv_caches(self, caches) -> None:
-        if hasattr(self.inner, "bind_target_kv_caches"):
-            self.inner.bind_target_kv_caches(caches)
+        self.inner.bind_target_kv_caches(caches)
 
     def bind_core(self, core) -> None:
         self.core = core
-        if hasattr(self.inner, "bind_core"):
-            self.inner.bind_core(core)
+        self.inner.bind_core(core)
 
     def forget(self, core_ids) -> None:
         self.inner.forget(core_ids)

@@ -12,7 +12,6 @@ then known (a prompt token, an accepted draft, or the token emitted this step).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -126,14 +125,26 @@ class Proposal:
         return cls(np.asarray(core_ids, np.uint64), cu, drafts[keep].astype(np.int64), None)
 
 
-class Proposer(Protocol):
-    num_lookahead_tokens: int  # KV slots past the last query token the core must reserve
-    kv_models: list  # models that keep a KV cache over the shared block tables
-    aux_layers: tuple  # target layers whose inputs the proposer reads (TargetHidden.aux); () for none
+class Proposer:
+    """What every proposer is, declared rather than probed: the engine reads these attributes
+    and calls these methods on any proposer; a subclass overrides what it uses."""
 
-    def bind_kv_caches(self, kv_caches_per_model: list, backend) -> None: ...
+    num_lookahead_tokens: int = 0  # KV slots past the last query token the core must reserve
+    kv_models: list = []  # models that keep a KV cache over the shared block tables (never mutated here)
+    aux_layers: tuple = ()  # target layers whose inputs the proposer reads (TargetHidden.aux)
+    sees_every_step: bool = False  # takes in every step's target states, drafting or not (EAGLE's draft KV)
 
-    def propose(self, inp: ProposalInput) -> Proposal: ...
+    def bind_kv_caches(self, kv_caches_per_model: list, backend) -> None:
+        """The KV caches of `kv_models`, once allocated."""
+
+    def bind_target_kv_caches(self, target_kv_caches: list) -> None:
+        """The target's own KV caches, for a proposer that shares them (layer_skip)."""
+
+    def bind_core(self, core) -> None:
+        """The Rust core, for a proposer that proposes there (n-gram lookup)."""
+
+    def propose(self, inp: ProposalInput) -> Proposal:
+        raise NotImplementedError
 
     def forget(self, core_ids) -> None:
         """Requests preempted or finished: drop whatever the proposer keeps for them."""

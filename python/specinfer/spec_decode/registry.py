@@ -32,6 +32,8 @@ POLICIES = ("auto", "fixed", "goodput")
 
 
 def register_proposer(name: str, target: str) -> None:
+    """`target` is "module:Class", a subclass of specinfer.spec_decode.proposer.Proposer (its
+    capabilities are declared attributes the engine reads, never probed)."""
     _PROPOSERS[name] = target
 
 
