@@ -28,7 +28,7 @@ from specinfer.engine.batch import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.engine.kv_cache import activation_bytes, budget_blocks, bytes_per_block, choose_num_blocks
-from specinfer.engine.propose_step import propose_next_step
+from specinfer.engine.propose_step import StepProposing
 from specinfer.engine.request_error import RequestError
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_sampler import StepSampler
@@ -179,13 +179,17 @@ class LLMEngine:
             self.proposer.bind_core(self.core)
         self.step_sampler = StepSampler(self.spec, self.loaded.eos_token_ids)
         self.metrics = SpecMetrics(self.spec.num_speculative_tokens if self.spec else 0)
-        self.policy = (GoodputPolicy(self.spec.num_speculative_tokens)
-                       if self.spec is not None and self.spec.uses_goodput_policy else None)
-        self._num_drafted = 0  # draft tokens proposed in the current step (for the step-cost fit)
+        # the proposing side of each step: proposer, policy, pending proposals' q (engine/propose_step.py)
+        self.proposing = None
+        if self.proposer is not None:
+            policy = GoodputPolicy(self.spec.num_speculative_tokens) if self.spec.uses_goodput_policy else None
+            self.proposing = StepProposing(self.spec, self.proposer, policy, get_core=lambda: self.core,
+                                           platform=self.platform, max_model_len=self.max_model_len,
+                                           target_runner=self.runner)
+        self._no_drafts: dict = {}  # the verifier's draft probabilities without speculation
         self.num_mixed_steps = 0  # steps where prefill chunks and verification runs shared a forward
         self._requests: dict[int, RequestState] = {}
         self._by_name: dict[str, int] = {}
-        self._draft_probs: dict[int, torch.Tensor] = {}  # core id -> q of its pending proposal
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one thread at a time: step, add_request, abort
         self._undelivered: list[RequestOutput] = []  # outputs of a committed step that then failed
@@ -435,10 +439,9 @@ class LLMEngine:
                 outputs += done
                 error = error or serial_error
             t3 = time.perf_counter()
-            self._num_drafted = 0
-            if self.proposer is not None:
+            if self.proposing is not None:
                 try:
-                    self._propose(sched, states, emitted, hidden)
+                    self.proposing.propose(sched, states, emitted, hidden)
                 except BaseException as e:
                     self._undelivered = outputs
                     self.proposer.forget([st.core_id for st in states])
@@ -447,8 +450,8 @@ class LLMEngine:
                     raise
             t4 = time.perf_counter()
             self._record_times(t0, t1, t2, t3, t4)
-            if self.policy is not None:
-                self.policy.observe_step(int(sched.total_num_scheduled_tokens), t3 - t0, self._num_drafted, t4 - t3)
+            if self.proposing is not None:
+                self.proposing.observe_step(int(sched.total_num_scheduled_tokens), t3 - t0, t4 - t3)
             if error is not None:
                 self._undelivered = outputs
                 raise error
@@ -461,17 +464,6 @@ class LLMEngine:
         batch = model_batch_from_schedule(sched, self.block_size, self.device)
         return self.executor.launch_model(batch)
 
-    def _score_and_verify(self, sched, states):
-        """The target forward over the mixed batch, then sampling / verification (no state
-        changes: a failure here leaves nothing to undo but the core's pending step)."""
-        for st, cached in zip(states, sched.num_cached_tokens.tolist()):
-            st.num_cached_tokens = max(st.num_cached_tokens, cached)
-        batch = model_batch_from_schedule(sched, self.block_size, self.device)
-        hidden, logits = self.executor.execute_model(batch)
-        t1 = time.perf_counter()
-        emitted = self.step_sampler(logits, sched, states, self._draft_probs)
-        return hidden, emitted, t1, time.perf_counter()
-
     def _record_times(self, t0, t1, t2, t3, t4) -> None:
         m = self.metrics
         m.score_s += t1 - t0
@@ -483,9 +475,7 @@ class LLMEngine:
     def _record_spec(self, states, emitted) -> None:
         if not emitted.num_draft_tokens.any():
             return
-        if self.policy is not None:
-            self.policy.observe_verification([st.core_id for st in states], emitted.num_draft_tokens,
-                                             emitted.num_accepted)
+        self.proposing.observe_verification(states, emitted)
         self.metrics.record(emitted.num_draft_tokens, emitted.num_accepted,
                             np.diff(emitted.cu_num_emitted), emitted.num_rows)
         d, a = emitted.num_draft_tokens.tolist(), emitted.num_accepted.tolist()
@@ -584,14 +574,17 @@ class LLMEngine:
 
     def _forget(self, core_ids) -> None:
         """Requests that finished or were aborted: drop their proposal state."""
-        for cid in core_ids:
-            self._draft_probs.pop(cid, None)
-        if self.policy is not None:
-            self.policy.forget(core_ids)
-        if self.proposer is not None:
-            self.proposer.forget(core_ids)
+        if self.proposing is not None:
+            self.proposing.forget(core_ids)
 
-    def _propose(self, sched, states, emitted, hidden) -> None:
-        propose_next_step(self, sched, states, emitted, hidden)
+    @property
+    def _draft_probs(self) -> dict:
+        """core id -> q of its pending proposal (what the verifier reads)."""
+        return self.proposing.draft_probs if self.proposing is not None else self._no_drafts
+
+    @property
+    def policy(self):
+        """The speculation policy (GoodputPolicy), or None (fixed k, or no speculation)."""
+        return self.proposing.policy if self.proposing is not None else None
 
 
