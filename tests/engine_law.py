@@ -25,12 +25,16 @@ def build_law_models(tmp_path_factory):
     return target_dir, draft_dir, target
 
 
-def exact_law_of(model) -> torch.Tensor:
-    """P(t0, t1, t2 | PROMPT) at temperature 1 from the transformers model, float64 [V ** 3]."""
+def exact_law_of(model, adjust=None) -> torch.Tensor:
+    """P(t0, t1, t2 | PROMPT) at temperature 1 from the transformers model, float64 [V ** 3].
+    `adjust(logits [V], prompt, output) -> logits` rewrites each row first (penalties by hand)."""
     model = model.double()
     with torch.no_grad():
         def next_probs(prefix):  # [B, len] -> [B, V]
-            return torch.softmax(model(torch.tensor(prefix)).logits[:, -1], -1)
+            logits = model(torch.tensor(prefix)).logits[:, -1]
+            if adjust is not None:
+                logits = torch.stack([adjust(row, PROMPT, p[len(PROMPT):]) for row, p in zip(logits, prefix)])
+            return torch.softmax(logits, -1)
 
         p0 = next_probs([PROMPT])[0]
         p1 = next_probs([PROMPT + [a] for a in range(VOCAB)])  # [V, V]
@@ -38,11 +42,12 @@ def exact_law_of(model) -> torch.Tensor:
     return (p0[:, None, None] * p1[:, :, None] * p2).reshape(-1)
 
 
-def sample_counts(target, spec) -> tuple[torch.Tensor, dict]:
-    """Counts of the (t0, t1, t2) outcomes over NUM sampled requests, and the speculation metrics."""
+def sample_counts(target, spec, **params) -> tuple[torch.Tensor, dict]:
+    """Counts of the (t0, t1, t2) outcomes over NUM sampled requests, and the speculation metrics.
+    `params`: extra SamplingParams fields (penalties, logit_bias, ...)."""
     gen = Generator(str(target), block_size=4, max_num_seqs=1024, max_num_batched_tokens=8192,
                     max_model_len=32, speculative=spec, seed=7)
-    params = SamplingParams(max_tokens=N_CHECK + 1, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=N_CHECK + 1, temperature=1.0, ignore_eos=True, **params)
     outs = gen.generate([PROMPT] * NUM, params, use_tqdm=False)
     codes = torch.tensor([(o.token_ids[0] * VOCAB + o.token_ids[1]) * VOCAB + o.token_ids[2] for o in outs])
     return torch.bincount(codes, minlength=VOCAB ** N_CHECK), gen.spec_metrics()

@@ -28,6 +28,13 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top logprobs per emitted token (plus the chosen one); <= engine max_logprobs
     speculate: bool = True  # False: this request decodes normally inside a speculative batch
+    # vLLM's / OpenAI's penalties (sample/penalties.py): presence and frequency over the output so
+    # far, repetition over prompt and output (1 = off); logit_bias {token id: bias in [-100, 100]}
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict | None = field(default=None, hash=False)
+    n: int = 1  # parallel samples of the prompt (Generator / server fan them out; seeds seed + i)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,8 +54,9 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.stop_token_ids must hold integer token ids >= 0 (got {bad!r} "
                                  f"in {list(ids)!r})")
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        self._normalize_logit_bias()
         self._validate()
-        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs"):  # numpy ints -> int
+        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n"):  # numpy ints -> int
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -84,6 +92,46 @@ class SamplingParams:
         for name in ("ignore_eos", "speculate"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise bad(name, "must be True or False")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or math.isnan(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        r = self.repetition_penalty
+        if not _is_real(r) or math.isnan(r) or not 0.0 < r <= 2.0 or not np.float32(r) > 0:
+            raise bad("repetition_penalty", "must be in (0, 2] (1 = off)")
+        if not is_int(self.n) or not 1 <= self.n <= 128:
+            raise bad("n", "must be an integer in [1, 128]")
+
+    def _normalize_logit_bias(self) -> None:
+        """{token id (int, or its decimal string as JSON sends it): bias} -> {int: float}, biases
+        clamped to [-100, 100] (OpenAI's range, vLLM's clamp); cached as arrays for the step."""
+        lb = self.logit_bias
+        ids, vals = np.zeros(0, np.int64), np.zeros(0, np.float64)
+        if lb is not None:
+            if not isinstance(lb, dict):
+                raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}} (got {lb!r})")
+            norm = {}
+            for k, v in lb.items():
+                key = int(k) if isinstance(k, str) and k.strip().isdigit() else k
+                if not is_int(key) or key < 0:
+                    raise ValueError(f"SamplingParams.logit_bias keys must be token ids >= 0 (got {k!r})")
+                if not _is_real(v) or math.isnan(v):
+                    raise ValueError(f"SamplingParams.logit_bias[{k!r}] must be a number (got {v!r})")
+                norm[int(key)] = min(100.0, max(-100.0, float(v)))
+            object.__setattr__(self, "logit_bias", norm)
+            ids = np.fromiter(norm.keys(), np.int64, len(norm))
+            vals = np.fromiter(norm.values(), np.float64, len(norm))
+        object.__setattr__(self, "_bias_arrays", (ids, vals))
+
+    def logit_bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids int64[B], biases float64[B]) of logit_bias."""
+        return self._bias_arrays
+
+    @property
+    def penalized(self) -> bool:
+        """Any of logit_bias and the three penalties is on: the step rewrites this request's logits."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

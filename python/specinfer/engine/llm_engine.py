@@ -240,6 +240,10 @@ class LLMEngine:
             bad = next(t for t in params.stop_token_ids if t >= self.vocab_size)
             raise ValueError(f"SamplingParams.stop_token_ids holds {bad}, outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        ids, _ = params.logit_bias_arrays()
+        if len(ids) and int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"SamplingParams.logit_bias holds token id {int(ids.max())}, outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         if params.logprobs is not None and params.logprobs > min(self.max_logprobs, self.vocab_size):
             raise ValueError(f"SamplingParams.logprobs={params.logprobs} exceeds the engine's max_logprobs="
                              f"{self.max_logprobs}" + (f" (vocabulary size {self.vocab_size})"

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.outputs import RequestOutput
 from specinfer.sampling_params import SamplingParams
@@ -33,6 +35,13 @@ class RequestState:
     num_text_sent: int = 0  # characters of text already handed out in outputs
     num_detokenized: int = 0  # output tokens already pushed through the detokenizer
     released_by_core: bool = False  # the core finished it (EOS, stop token, length) and freed its blocks
+    _prompt_distinct: np.ndarray | None = field(default=None, repr=False)
+
+    def prompt_distinct(self) -> np.ndarray:
+        """The prompt's distinct token ids (int64, sorted), computed once (the repetition penalty)."""
+        if self._prompt_distinct is None:
+            self._prompt_distinct = np.unique(np.asarray(self.prompt_token_ids, dtype=np.int64))
+        return self._prompt_distinct
 
     @property
     def num_tokens(self) -> int:

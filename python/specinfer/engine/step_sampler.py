@@ -32,6 +32,8 @@ from specinfer.sample.tree_typical_acceptance import tree_typical_acceptance_sam
 from specinfer.sample.tree_verify import tree_rejection_sample
 from specinfer.sample.typical_acceptance import typical_acceptance_sample
 from specinfer.engine.request_error import RequestError
+from specinfer.engine.step_penalties import penalty_rows
+from specinfer.sample.penalties import apply_penalties
 from specinfer.sample.metadata import RowParameterError
 from specinfer.spec_decode.proposer import DETERMINISTIC
 
@@ -133,6 +135,9 @@ class StepSampler:
         trees = _tree_requests(sched, num_draft, n_rows)  # scheduled index -> its parents
         offsets = {i: np.concatenate([[0], node_depths(par)]) for i, par in trees.items()}
         logits = mask_min_tokens(logits, cu_logits, sampling, states, self.eos_token_ids, offsets)
+        penalized = penalty_rows(sched, states, sampling, cu_logits, num_draft, trees)
+        if penalized:  # logit_bias, then the penalties, each row as of its own position (vLLM's order)
+            logits = apply_penalties(logits, penalized)
         tree_paths = {}
         if num_draft.sum() == 0:
             if all(st.params.temperature == 0.0 for st in s_states):
