@@ -104,7 +104,8 @@ class Generator:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def _add_all(self, prompts, sampling_params, stream: bool) -> list[str]:
+    def _add_all(self, prompts, sampling_params, stream: bool) -> list[list[str]]:
+        """Queue every prompt's samples; -> the engine request names of each prompt (n of them)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -117,21 +118,25 @@ class Generator:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         # validate everything before any work starts: one bad prompt refuses the whole call
-        token_ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]
-        names = []
+        token_ids = [self.engine.validate(p, sp if sp.n == 1 else sp.sample_params(0)) for p, sp in zip(prompts, params)]
+        groups, names = [], []
         with self.engine.lock:
             try:
                 for p, sp, ids in zip(prompts, params, token_ids):
-                    name = f"req-{self._counter}"
+                    base = f"req-{self._counter}"
                     self._counter += 1
-                    with self._mail_lock:
-                        self._mailboxes[name] = deque()
-                    names.append(name)
-                    self.engine.add_request(name, p, sp, prompt_token_ids=ids, stream=stream, whole_batch=not stream)
+                    group = [base] if sp.n == 1 else [f"{base}-{j}" for j in range(sp.n)]
+                    groups.append(group)
+                    for j, name in enumerate(group):
+                        with self._mail_lock:
+                            self._mailboxes[name] = deque()
+                        names.append(name)
+                        self.engine.add_request(name, p, sp if sp.n == 1 else sp.sample_params(j),
+                                                prompt_token_ids=ids, stream=stream, whole_batch=not stream)
             except BaseException:
                 self._abort(names)
                 raise
-        return names
+        return groups
 
     def _abort(self, names) -> None:
         for n in names:
@@ -170,8 +175,10 @@ class Generator:
 
     def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in input order."""
-        names = self._add_all(prompts, sampling_params, stream=False)
+        """Run every prompt to completion; outputs in input order, one per prompt (with n > 1, its
+        `outputs` holds the n samples)."""
+        groups = self._add_all(prompts, sampling_params, stream=False)
+        names = [n for g in groups for n in g]
         order = {n: i for i, n in enumerate(names)}
         results: list[RequestOutput | None] = [None] * len(names)
         pending = set(names)
@@ -197,11 +204,19 @@ class Generator:
                     self._mailboxes.pop(n, None)
             if bar is not None:
                 bar.close()
-        return results
+        out, k = [], 0
+        for g in groups:
+            first = results[k]
+            if len(g) > 1:
+                first = dataclasses.replace(first, samples=results[k:k + len(g)])
+            out.append(first)
+            k += len(g)
+        return out
 
     def stream(self, prompts: str | Sequence, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yield incremental outputs (new_token_ids / new_text set) as steps complete."""
-        names = self._add_all(prompts, sampling_params, stream=True)
+        """Yield incremental outputs (new_token_ids / new_text set) as steps complete (with n > 1,
+        each sample's under its own request_id, `<name>-<j>`)."""
+        names = [n for g in self._add_all(prompts, sampling_params, stream=True) for n in g]
         pending = set(names)
         try:
             while pending:

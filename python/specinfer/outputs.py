@@ -25,6 +25,14 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.n > 1 through Generator.generate: the n samples of this prompt (this output's
+    # own fields are sample 0's); use `outputs`, which is [self] when n = 1
+    samples: list["RequestOutput"] = field(default_factory=list, repr=False)
+
+    @property
+    def outputs(self) -> list["RequestOutput"]:
+        """The prompt's samples (vLLM's `RequestOutput.outputs`): n of them, or [self]."""
+        return self.samples or [self]
 
     @property
     def acceptance_rate(self) -> float:

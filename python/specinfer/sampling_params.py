@@ -1,6 +1,7 @@
 """Per-request sampling parameters, validated at construction (errors name the field)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -132,6 +133,12 @@ class SamplingParams:
         """Any of logit_bias and the three penalties is on: the step rewrites this request's logits."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
             or self.repetition_penalty != 1.0
+
+    def sample_params(self, j: int) -> "SamplingParams":
+        """The parameters of parallel sample j of n (vLLM's rule): n = 1, and seed + j when seeded,
+        so the n samples differ yet a seeded request repeats."""
+        seed = None if self.seed is None else (self.seed + j) % SEED_LIMIT
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -236,6 +236,9 @@ class LLMEngine:
     def _check_params(self, params) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams (got {type(params).__name__})")
+        if params.n != 1:
+            raise ValueError(f"SamplingParams.n={params.n}: an engine request is one sample; add the n samples as "
+                             "requests with params.sample_params(j) (Generator and the server do)")
         if params.stop_token_ids and any(t >= self.vocab_size for t in params.stop_token_ids):
             bad = next(t for t in params.stop_token_ids if t >= self.vocab_size)
             raise ValueError(f"SamplingParams.stop_token_ids holds {bad}, outside the vocabulary "

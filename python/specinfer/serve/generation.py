@@ -20,13 +20,18 @@ class ClientGone(Exception):
 class Generation:
     def __init__(self, loop: EngineLoop, prefix: str, prompts: list, prompt_ids: list[list[int]],
                  params: SamplingParams):
+        """One choice per (prompt, sample): choice index = prompt index * n + sample index (OpenAI's
+        order); sample j runs with params.sample_params(j) (seed + j when seeded)."""
         self.loop = loop
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.sink: asyncio.Queue[Event] = asyncio.Queue()
-        n = len(prompt_ids)
+        self.n = params.n
+        choices = [(p, ids, params if params.n == 1 else params.sample_params(j))
+                   for p, ids in zip(prompts, prompt_ids) for j in range(params.n)]
+        n = len(choices)
         self.request_ids = [self.id if n == 1 else f"{self.id}-{i}" for i in range(n)]
-        self.subs = [Submission(rid, p, ids, params, self.sink, i)
-                     for i, (rid, p, ids) in enumerate(zip(self.request_ids, prompts, prompt_ids))]
+        self.subs = [Submission(rid, p, ids, sp, self.sink, i)
+                     for i, (rid, (p, ids, sp)) in enumerate(zip(self.request_ids, choices))]
         self.finals: list[RequestOutput | None] = [None] * n
         self._open = set(range(n))  # choices not yet finished or failed
         self._early: list[Event] = []  # outputs that arrived while start() waited for admissions

@@ -1,10 +1,10 @@
 """The request bodies of the OpenAI API that the server accepts (pydantic, strict JSON types), and
 their translation into SamplingParams. Every refusal is an ApiError(400) naming the field.
 
-Beyond OpenAI's fields, as vLLM does: `top_k`, `min_p`, `ignore_eos`, `min_tokens`,
-`stop_token_ids` (pass them with the openai client's `extra_body`). Fields the engine does not
-implement (penalties, logit_bias, n > 1, best_of, echo, suffix, tools) are refused when set to
-anything but their neutral value, never silently ignored; unknown fields are ignored.
+Beyond OpenAI's fields, as vLLM does: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
+`min_tokens`, `stop_token_ids` (pass them with the openai client's `extra_body`). Fields the engine
+does not implement (best_of, echo, suffix, tools) are refused when set to anything but their
+neutral value, and unknown fields are refused (400 naming the field): never silently ignored.
 """
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from specinfer.sampling_params import SamplingParams
 from specinfer.serve.errors import ApiError, from_value_error, invalid
 
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16  # samples per prompt (n); prompts x n choices are bounded by the server's max_prompts_per_request
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Body):
@@ -43,17 +44,13 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def _refuse_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise invalid(f"n={self.n} is not supported (only n=1)", "n", "unsupported_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise invalid(f"{name} is not supported (only 0)", name, "unsupported_value")
-        if self.logit_bias:
-            raise invalid("logit_bias is not supported", "logit_bias", "unsupported_value")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise invalid(f"n must be in [1, {MAX_N}] (got {self.n})", "n")
         if self.stream_options is not None and not self.stream:
             raise invalid("stream_options is only allowed with stream: true", "stream_options")
 
@@ -68,7 +65,10 @@ class _Sampling(_Body):
                       top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                       min_p=self.min_p or 0.0, seed=self.seed, stop=stop,
                       stop_token_ids=tuple(self.stop_token_ids) if self.stop_token_ids else None,
-                      ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs)
+                      ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=logprobs,
+                      presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                      repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                      logit_bias=self.logit_bias or None, n=self.n or 1)
         try:
             return SamplingParams(**fields)
         except ValueError as e:

@@ -13,8 +13,9 @@ from specinfer.outputs import RequestOutput
 MIN_LOGPROB = -9999.0
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+def usage(outputs: list[RequestOutput], n: int = 1) -> dict:
+    """OpenAI's usage: a prompt counts once however many samples (n) it has."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs[::n])
     completion = sum(len(o.token_ids) for o in outputs)
     drafts = sum(o.num_drafts for o in outputs)
     draft_tokens = sum(o.num_draft_tokens for o in outputs)
@@ -45,6 +46,7 @@ class _Format:
         self.created = int(time.time())
         self.tokenizer = tokenizer
         self.num_top = num_top_logprobs  # None: no logprobs asked for
+        self.n = 1  # samples per prompt: choices come n by n (usage counts each prompt once)
         self._token_text: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str:
@@ -60,7 +62,7 @@ class _Format:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
-        return {**self._head(self.chunk_object), "choices": [], "usage": usage(outputs)}
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage(outputs, self.n)}
 
 
 class CompletionFormat(_Format):
@@ -89,7 +91,7 @@ class CompletionFormat(_Format):
         choices = [{"index": i, "text": o.text, "logprobs": self.logprobs(i, o.token_ids, o.logprobs),
                     "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
                    for i, o in enumerate(outputs)]
-        return {**self._head("text_completion"), "choices": choices, "usage": usage(outputs)}
+        return {**self._head("text_completion"), "choices": choices, "usage": usage(outputs, self.n)}
 
     def chunk(self, index: int, text: str, out: RequestOutput, usage_of: list[RequestOutput] | None) -> dict:
         """The chunk for one step's delta of choice `index`: `text` (the new text the stream may
@@ -127,7 +129,7 @@ class ChatFormat(_Format):
                     "logprobs": self.logprobs(o.token_ids, o.logprobs), "finish_reason": o.finish_reason,
                     "stop_reason": o.stop_reason}
                    for i, o in enumerate(outputs)]
-        return {**self._head("chat.completion"), "choices": choices, "usage": usage(outputs)}
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage(outputs, self.n)}
 
     def role_chunk(self, index: int) -> dict:
         return {**self._head(self.chunk_object),

@@ -92,13 +92,17 @@ async def completions(request: Request, state) -> Response:
     params = body.to_sampling_params(body.max_tokens if body.max_tokens is not None
                                      else COMPLETIONS_DEFAULT_MAX_TOKENS)
     prompts = body.prompts()
-    if len(prompts) > state.config.max_prompts_per_request:
-        raise invalid(f"prompt holds {len(prompts)} prompts; this server takes at most "
-                      f"{state.config.max_prompts_per_request} in one request", "prompt", "too_many_prompts")
+    if len(prompts) * params.n > state.config.max_prompts_per_request:
+        what = f"{len(prompts)} prompts x n={params.n}" if params.n > 1 else f"{len(prompts)} prompts"
+        raise invalid(f"prompt holds {what}; this server takes at most "
+                      f"{state.config.max_prompts_per_request} choices in one request",
+                      "n" if len(prompts) == 1 else "prompt", "too_many_prompts")
     _check_prompt_size(state, prompts, "prompt")
-    ids = [await _checked_ids(state, p, params, "prompt", "max_tokens") for p in prompts]
+    one = params.sample_params(0)  # what each choice runs with, but for its seed
+    ids = [await _checked_ids(state, p, one, "prompt", "max_tokens") for p in prompts]
     gen = Generation(state.loop, "cmpl", prompts, ids, params)
     fmt = CompletionFormat(gen.id, state.model_name, state.engine.tokenizer, body.logprobs)
+    fmt.n = params.n
     return await _answer(request, gen, fmt, params, body)
 
 
@@ -115,10 +119,14 @@ async def chat_completions(request: Request, state) -> Response:
     requested = body.requested_max_tokens
     max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     params = body.to_sampling_params(requested if requested is not None else max(1, state.max_model_len - len(ids)))
-    ids = await _checked_ids(state, ids, params, "messages", max_param)
+    if params.n > state.config.max_prompts_per_request:
+        raise invalid(f"n={params.n}; this server takes at most {state.config.max_prompts_per_request} choices "
+                      "in one request", "n", "too_many_prompts")
+    ids = await _checked_ids(state, ids, params.sample_params(0), "messages", max_param)
     gen = Generation(state.loop, "chatcmpl", [ids], [ids], params)
     fmt = ChatFormat(gen.id, state.model_name, state.engine.tokenizer,
                      (body.top_logprobs or 0) if body.logprobs else None)
+    fmt.n = params.n
     return await _answer(request, gen, fmt, params, body)
 
 
