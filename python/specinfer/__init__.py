@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Generator": "specinfer.generator",
     "SamplingParams": "specinfer.sampling_params",
+    "StructuredOutputsParams": "specinfer.structured.params",
     "RequestOutput": "specinfer.outputs",
     "SpeculativeConfig": "specinfer.spec_decode.config",
     "LLMEngine": "specinfer.engine.llm_engine",

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specinfer.structured.params import StructuredOutputsParams
+
 
 SEED_LIMIT = 2**64  # seeds are unsigned 64-bit: [0, 2**64)
 
@@ -35,6 +37,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict | None = field(default=None, hash=False)
+    # the output must match a JSON schema / regex / choice / grammar (specinfer.structured)
+    structured_outputs: StructuredOutputsParams | None = field(default=None, hash=False)
     n: int = 1  # parallel samples of the prompt (Generator / server fan them out; seeds seed + i)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -100,6 +104,12 @@ class SamplingParams:
         r = self.repetition_penalty
         if not _is_real(r) or math.isnan(r) or not 0.0 < r <= 2.0 or not np.float32(r) > 0:
             raise bad("repetition_penalty", "must be in (0, 2] (1 = off)")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            if isinstance(so, dict):  # {"json": schema} and the like
+                object.__setattr__(self, "structured_outputs", StructuredOutputsParams(**so))
+            else:
+                raise bad("structured_outputs", "must be a StructuredOutputsParams (or a dict of its fields)")
         if not is_int(self.n) or not 1 <= self.n <= 128:
             raise bad("n", "must be an integer in [1, 128]")
 

@@ -31,7 +31,9 @@ from specinfer.engine.kv_cache import activation_bytes, budget_blocks, bytes_per
 from specinfer.engine.propose_step import StepProposing
 from specinfer.engine.request_error import RequestError
 from specinfer.engine.request_state import RequestState
-from specinfer.engine.step_sampler import StepSampler
+from specinfer.engine.step_grammar import StepGrammar
+from specinfer.engine.step_sampler import StepSampler, tree_requests
+from specinfer.structured.grammar import GrammarCompiler
 from specinfer.executor import check_parallel_support, make_executor, shutdown_executor_on_error
 from specinfer.models.int8_linear import check_quantization
 from specinfer.outputs import RequestOutput
@@ -178,6 +180,9 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.bind_core(self.core)
         self.step_sampler = StepSampler(self.spec, self.loaded.eos_token_ids)
+        # structured outputs: grammars checked per constraint, masks built while the forward runs
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.loaded.eos_token_ids)
+        self.step_grammar = StepGrammar(self.vocab_size)
         self.metrics = SpecMetrics(self.spec.num_speculative_tokens if self.spec else 0)
         # the proposing side of each step: proposer, policy, pending proposals' q (engine/propose_step.py)
         self.proposing = None
@@ -243,6 +248,8 @@ class LLMEngine:
             bad = next(t for t in params.stop_token_ids if t >= self.vocab_size)
             raise ValueError(f"SamplingParams.stop_token_ids holds {bad}, outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # ValueError naming the field
         ids, _ = params.logit_bias_arrays()
         if len(ids) and int(ids.max()) >= self.vocab_size:
             raise ValueError(f"SamplingParams.logit_bias holds token id {int(ids.max())}, outside the vocabulary "
@@ -311,6 +318,8 @@ class LLMEngine:
                               IncrementalDetokenizer(self.tokenizer, params.stop), seed,
                               logprobs=[] if params.logprobs is not None else None, stream=stream,
                               whole_batch=whole_batch)
+            if params.structured_outputs is not None:
+                st.grammar = self.grammars.matcher(params.structured_outputs)
             self._requests[core_id] = st
             self._by_name[request_id] = core_id
             eos = list(self.loaded.eos_token_ids)
@@ -408,10 +417,12 @@ class LLMEngine:
                     done, error = self._finish_tail(tail, final_only, step_pending=True)
                     tail = None
                     outputs += done
+                # while the forward runs: the grammar masks of its logits rows
+                masks = self.step_grammar.masks(sched, states, tree_requests(sched))
                 t_tail = time.perf_counter()
                 hidden, logits = pending.wait()
                 t1 = time.perf_counter()
-                emitted = self.step_sampler(logits, sched, states, self._draft_probs)
+                emitted = self.step_sampler(logits, sched, states, self._draft_probs, masks)
                 t2 = time.perf_counter()
                 with deferred_keyboard_interrupt():
                     upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
@@ -507,8 +518,11 @@ class LLMEngine:
             st = self._requests.get(cid)
             if st is None or st.finished:
                 continue
-            st.append_tokens(new[cu[j]:cu[j + 1]], None if row_of is None else lp[row_of[cid]])
+            tokens = new[cu[j]:cu[j + 1]]
+            st.append_tokens(tokens, None if row_of is None else lp[row_of[cid]])
             touched.append(cid)
+            if st.grammar is not None:
+                self._advance_grammar(st, tokens)
         for cid, reason, tok in zip(upd.finished_req_ids.tolist(), upd.finish_reasons, upd.stop_token.tolist()):
             st = self._requests.get(cid)
             if st is None or st.finished:
@@ -518,6 +532,16 @@ class LLMEngine:
             if cid not in touched:
                 touched.append(cid)
         return touched
+
+    def _advance_grammar(self, st, tokens) -> None:
+        """The matcher follows the committed tokens. A token it refuses (masks make that impossible
+        unless the grammar library fails) ends the request with finish_reason "error"; EOS taken
+        once the grammar is complete ends it (also under ignore_eos: nothing may follow)."""
+        g = st.grammar
+        if not g.consume(tokens):
+            st.finish("error", f"structured output: {g.error}")
+        elif g.stopped and any(t in g.eos for t in tokens):
+            st.finish("stop", next(t for t in tokens if t in g.eos))
 
     def _finish_tail(self, touched, final_only: bool, step_pending: bool) -> tuple[list[RequestOutput], Exception | None]:
         """A committed step's output work: detokenize and match stop strings, build the

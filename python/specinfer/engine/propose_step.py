@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+
 from specinfer.engine.tree_steps import chain_rows, reorder_rows
+from specinfer.spec_decode.ngram_first import merge
 from specinfer.spec_decode.proposer import DETERMINISTIC, ProposalInput, TargetHidden
 
 
@@ -70,6 +72,8 @@ class StepProposing:
         self.target_runner = target_runner  # its last_aux: the aux-layer states of the forward that ran
         self.draft_probs: dict = {}  # core id -> q of its pending proposal (DETERMINISTIC: one-hot)
         self.num_drafted = 0
+        self.forced_ids: set = set()  # core ids whose pending proposal is grammar-forced tokens
+        self.num_forced_drafts = 0  # grammar-forced tokens proposed, in all
 
     def speculation_paused(self) -> bool:
         """disable_by_batch_size: no drafts for unseeded requests while this many run."""
@@ -78,8 +82,10 @@ class StepProposing:
 
     def observe_verification(self, states, emitted) -> None:
         if self.policy is not None:
-            self.policy.observe_verification([st.core_id for st in states], emitted.num_draft_tokens,
-                                             emitted.num_accepted)
+            d = emitted.num_draft_tokens
+            if self.forced_ids:  # forced drafts say nothing of the proposer's acceptance
+                d = d * np.array([st.core_id not in self.forced_ids for st in states], dtype=d.dtype)
+            self.policy.observe_verification([st.core_id for st in states], d, emitted.num_accepted)
 
     def observe_step(self, num_tokens: int, step_s: float, propose_s: float) -> None:
         if self.policy is not None:
@@ -111,6 +117,14 @@ class StepProposing:
             return
         max_drafts = draft_budgets(self.spec, self.proposer, self.platform, self.max_model_len, states)
         speculate = sampled & wants & ~kept & (max_drafts > 0)
+        # grammar-forced tokens are the drafts of a constrained request wherever there are some:
+        # certain to be accepted, whatever the policy would give the proposer
+        forced = forced_drafts(states, np.where(speculate, max_drafts, 0))
+        self.forced_ids = {states[r].core_id for r in forced}
+        self.num_forced_drafts += sum(len(t) for t in forced.values())
+        if forced:
+            max_drafts[list(forced)] = 0
+            speculate &= max_drafts > 0
         if self.policy is not None:  # unseeded requests: drafts chosen for goodput (seeded keep k)
             free = np.flatnonzero(speculate & np.array([st.params.seed is None for st in states], dtype=bool))
             left = whole_batch_tokens_left(self.get_core(), self.max_model_len, states, alive)
@@ -136,6 +150,8 @@ class StepProposing:
             num_rows, sampled, np.where(speculate, max_drafts, 0),
             alive if sees_every_step else wants & alive, request_block_rows(sched), target)
         prop = self.proposer.propose(inp)
+        if forced:
+            prop = merge(inp, forced, prop)
         self.num_drafted = len(prop.draft_token_ids)
         if len(prop.core_ids) == 0:
             return
@@ -153,6 +169,19 @@ class StepProposing:
             for j, cid in enumerate(prop.core_ids.tolist()):
                 if prop.draft_probs is None or prop.draft_probs[j] is None:
                     self.draft_probs[cid] = DETERMINISTIC
+
+
+def forced_drafts(states, budget: np.ndarray) -> dict:
+    """Batch row -> the tokens its grammar forces next (at most its budget), for the constrained
+    requests that have some."""
+    out = {}
+    for r, st in enumerate(states):
+        g = st.grammar
+        if g is not None and budget[r] > 0 and not st.finished:
+            toks = g.forced(int(budget[r]))
+            if toks:
+                out[r] = np.asarray(toks, dtype=np.int64)
+    return out
 
 
 def request_block_rows(sched) -> np.ndarray:

@@ -36,6 +36,7 @@ class RequestState:
     num_detokenized: int = 0  # output tokens already pushed through the detokenizer
     released_by_core: bool = False  # the core finished it (EOS, stop token, length) and freed its blocks
     _prompt_distinct: np.ndarray | None = field(default=None, repr=False)
+    grammar: object | None = field(default=None, repr=False)  # structured outputs: its RequestGrammar
 
     def prompt_distinct(self) -> np.ndarray:
         """The prompt's distinct token ids (int64, sorted), computed once (the repetition penalty)."""

@@ -118,7 +118,8 @@ class StepSampler:
             self.verify = partial(typical_acceptance_sample, **typical)
             self.verify_tree = partial(tree_typical_acceptance_sample, **typical)
 
-    def __call__(self, logits: torch.Tensor, sched, states, draft_probs: dict) -> Emitted:
+    def __call__(self, logits: torch.Tensor, sched, states, draft_probs: dict, masks=None) -> Emitted:
+        """`masks`: the grammar masks of constrained rows (engine.step_grammar.StepMasks) or None."""
         cu_logits = sched.cu_num_logits
         n_rows = np.diff(cu_logits)  # [R]
         num_draft = np.asarray(sched.num_draft_tokens, dtype=np.int32)
@@ -131,10 +132,18 @@ class StepSampler:
         if len(sampling) == 0:
             return Emitted(np.zeros(0, np.int64), cu, num_draft, accepted, rows_i32, logprobs)
         s_states = [states[i] for i in sampling]
-        raw_logits = logits  # logprobs are reported from the model's raw distribution
+        if masks is not None:  # grammars first: what follows only ever sees allowed tokens
+            logits = masks.apply(logits)
+        # logprobs are reported from the model's raw distribution (constrained: the masked one)
+        raw_logits = logits
         trees = _tree_requests(sched, num_draft, n_rows)  # scheduled index -> its parents
         offsets = {i: np.concatenate([[0], node_depths(par)]) for i, par in trees.items()}
         logits = mask_min_tokens(logits, cu_logits, sampling, states, self.eos_token_ids, offsets)
+        if masks is not None and logits is not raw_logits:  # min_tokens refused all the grammar allows
+            dead = torch.isneginf(logits[torch.from_numpy(masks.rows).to(logits.device)]).all(dim=1)
+            if bool(dead.any()):  # (a complete grammar allows only EOS): the grammar wins
+                r = torch.from_numpy(masks.rows).to(logits.device)[dead]
+                logits[r] = raw_logits[r]
         penalized = penalty_rows(sched, states, sampling, cu_logits, num_draft, trees)
         if penalized:  # logit_bias, then the penalties, each row as of its own position (vLLM's order)
             logits = apply_penalties(logits, penalized)
@@ -276,6 +285,12 @@ class StepSampler:
             part = LogprobsTensors(lp.token_ids[start:start + n], lp.logprobs[start:start + n],
                                    lp.sampled_token_ranks[start:start + n])
             logprobs[i] = part.entries(states[i].params.logprobs)
+
+
+def tree_requests(sched) -> dict:
+    """Scheduled request index -> draft parents of the requests verifying a tree this step."""
+    return _tree_requests(sched, np.asarray(sched.num_draft_tokens, dtype=np.int32),
+                          np.diff(np.asarray(sched.cu_num_logits)))
 
 
 def _tree_requests(sched, num_draft, n_rows) -> dict:
