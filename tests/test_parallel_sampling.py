@@ -91,3 +91,41 @@ def test_server_penalties_equal_engine(server, gen):
     plain = gen.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
                          use_tqdm=False)[0]
     assert r.choices[0].text == want.text != plain.text
+
+
+def test_samples_share_the_prompt_blocks(tiny_dir):
+    """Samples 1..n-1 enter the core once sample 0's prompt is computed: they find its full blocks
+    in the prefix cache (7 x 10 blocks of a 41-token prompt, 4-token blocks), with the same tokens
+    as without sharing."""
+    path, _ = tiny_dir("llama", False)
+    prompt = list(range(3, 44))
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=9, n=8, ignore_eos=True)
+    gen = Generator(str(path), block_size=4, max_model_len=128)
+    out = gen.generate([prompt], params, use_tqdm=False)[0]
+    stats = gen.engine.core.stats()
+    assert stats["prefix_cache_hits"] >= 7 * 10, stats
+    assert [o.num_cached_tokens for o in out.outputs] == [0] + [40] * 7
+    off = Generator(str(path), block_size=4, max_model_len=128, enable_prefix_caching=False)
+    want = off.generate([prompt], params, use_tqdm=False)[0]
+    assert [o.token_ids for o in out.outputs] == [o.token_ids for o in want.outputs]
+    assert gen.engine.core.num_free_blocks() == gen.engine.core.num_total_blocks()
+
+
+def test_aborting_a_held_sample_or_its_leader(tiny_dir):
+    path, _ = tiny_dir("llama", False)
+    gen = Generator(str(path), block_size=4, max_model_len=128)
+    eng = gen.engine
+    p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", list(range(3, 30)), p)
+    eng.add_request("b", list(range(3, 30)), p, share_prompt_with="a")
+    eng.add_request("c", list(range(3, 30)), p, share_prompt_with="a")
+    assert eng.core.num_waiting() == 1  # b and c wait outside the core
+    assert eng.abort("b").finish_reason == "abort"
+    eng.abort("a")  # c enters on its own
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert set(done) == {"c"} and len(done["c"].token_ids) == 5
+    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()

@@ -132,7 +132,8 @@ class Generator:
                             self._mailboxes[name] = deque()
                         names.append(name)
                         self.engine.add_request(name, p, sp if sp.n == 1 else sp.sample_params(j),
-                                                prompt_token_ids=ids, stream=stream, whole_batch=not stream)
+                                                prompt_token_ids=ids, stream=stream, whole_batch=not stream,
+                                                share_prompt_with=group[0] if j else None)
             except BaseException:
                 self._abort(names)
                 raise

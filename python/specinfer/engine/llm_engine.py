@@ -87,7 +87,7 @@ class LLMEngine:
         if not is_int(max_logprobs) or max_logprobs < 0:
             raise ValueError(f"max_logprobs must be an integer >= 0 (got {max_logprobs!r})")
         self.max_logprobs = int(max_logprobs)  # SamplingParams.logprobs above this is refused (vLLM: 20)
-        cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+        self.cache_config = cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                                 enable_prefix_caching=enable_prefix_caching,
                                 gpu_memory_utilization=gpu_memory_utilization)
         sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -192,6 +192,8 @@ class LLMEngine:
                                            platform=self.platform, max_model_len=self.max_model_len,
                                            target_runner=self.runner)
         self._no_drafts: dict = {}  # the verifier's draft probabilities without speculation
+        # leader core id -> core.add_request arguments of the samples waiting for its prompt's KV
+        self._held: dict[int, list[tuple]] = {}
         self.num_mixed_steps = 0  # steps where prefill chunks and verification runs shared a forward
         self._requests: dict[int, RequestState] = {}
         self._by_name: dict[str, int] = {}
@@ -290,14 +292,17 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, stream: bool = False,
-                    whole_batch: bool = False) -> None:
+                    whole_batch: bool = False, share_prompt_with: str | None = None) -> None:
         """Validate and queue one request. `prompt_token_ids`, when given, is what runs (`prompt` is
         then only echoed back); it is validated like a token-id prompt. Raises ValueError naming the
         field; on any error nothing of the request is left behind. With stream=True,
         step(final_only=True) still returns its intermediate outputs (deltas since its last one).
         whole_batch=True says the caller waits for all its requests together (Generator.generate):
         while every running request says so and none waits, the speculation policy drafts only
-        where drafts can shorten the run (spec_decode/policy.py)."""
+        where drafts can shorten the run (spec_decode/policy.py).
+        share_prompt_with: the name of a request with the same prompt (sample 0 of n): while its
+        prompt is not yet computed, this one waits outside the core, then enters and finds the
+        prompt's full blocks in the prefix cache instead of computing them again."""
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str (got {type(request_id).__name__})")
@@ -330,9 +335,16 @@ class LLMEngine:
             # ("length") when prompt + output reach max_model_len
             max_tokens = min(params.max_tokens, self.max_model_len)
             min_tokens = min(params.min_tokens, max_tokens)
+            args = (core_id, np.asarray(ids, dtype=np.int64), max_tokens, min_tokens,
+                    eos[0] if eos and not params.ignore_eos else -1, params.ignore_eos, stop_ids)
+            leader = self._by_name.get(share_prompt_with) if share_prompt_with is not None else None
+            lead = self._requests.get(leader) if leader is not None else None
+            if (lead is not None and self.cache_config.enable_prefix_caching and not lead.finished
+                    and not lead.output_token_ids and lead.prompt_token_ids == ids):
+                self._held.setdefault(leader, []).append(args)  # enters once the leader's prompt is in
+                return
             try:
-                self.core.add_request(core_id, np.asarray(ids, dtype=np.int64), max_tokens, min_tokens,
-                                      eos[0] if eos and not params.ignore_eos else -1, params.ignore_eos, stop_ids)
+                self.core.add_request(*args)
             except BaseException:
                 del self._requests[core_id]
                 del self._by_name[request_id]
@@ -343,7 +355,9 @@ class LLMEngine:
             core_id = self._by_name.pop(request_id, None)
             if core_id is None:
                 return None
-            self.core.abort_request(core_id)
+            if not self._drop_held(core_id):
+                self.core.abort_request(core_id)
+            self._admit_held(core_id)  # its followers go on without it
             st = self._requests.pop(core_id)
             try:
                 st.detokenize()  # tokens of a committed step whose output work was still due
@@ -388,6 +402,8 @@ class LLMEngine:
         with self._lock:
             outputs, self._undelivered = self._undelivered, []
             tail, self._tail = self._tail, None  # the previous step's output work, if deferred
+            if self._held:  # samples whose leader's prompt is now in the cache (or who lost their leader)
+                self._admit_held()
             t0 = time.perf_counter()
             try:
                 sched = self.core.schedule()
@@ -532,6 +548,26 @@ class LLMEngine:
             if cid not in touched:
                 touched.append(cid)
         return touched
+
+    def _admit_held(self, leader: int | None = None) -> None:
+        """Requests held for a leader's prompt enter the core: the given leader's now, else every
+        leader's whose prompt is computed (it has output) or that is gone."""
+        for cid in [leader] if leader is not None else list(self._held):
+            lead = self._requests.get(cid)
+            if cid in self._held and (leader is not None or lead is None or lead.finished or lead.output_token_ids):
+                for args in self._held.pop(cid):
+                    self.core.add_request(*args)
+
+    def _drop_held(self, core_id: int) -> bool:
+        """Remove a held request (aborted before it entered the core); True if it was held."""
+        for cid, group in self._held.items():
+            for k, args in enumerate(group):
+                if args[0] == core_id:
+                    del group[k]
+                    if not group:
+                        del self._held[cid]
+                    return True
+        return False
 
     def _advance_grammar(self, st, tokens) -> None:
         """The matcher follows the committed tokens. A token it refuses (masks make that impossible

@@ -53,6 +53,7 @@ class Submission:
     params: SamplingParams
     sink: asyncio.Queue  # of Event, read on the event loop
     index: int = 0
+    share_prompt_with: str | None = None  # sample j > 0 of n: the request id of sample 0 (its prompt KV)
 
 
 @dataclass
@@ -198,7 +199,8 @@ class EngineLoop:
 
     def _add(self, sub: Submission, arrival: float) -> None:
         try:
-            self.engine.add_request(sub.request_id, sub.prompt, sub.params, prompt_token_ids=sub.prompt_token_ids)
+            self.engine.add_request(sub.request_id, sub.prompt, sub.params, prompt_token_ids=sub.prompt_token_ids,
+                                    share_prompt_with=sub.share_prompt_with)
         except ValueError as e:
             self._release(1)  # counted as rejected by the handler that gets the 400
             self._post(sub, Event(sub.index, "failed", error=from_value_error(e, {}, "prompt")))

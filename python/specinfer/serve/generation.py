@@ -30,7 +30,8 @@ class Generation:
                    for p, ids in zip(prompts, prompt_ids) for j in range(params.n)]
         n = len(choices)
         self.request_ids = [self.id if n == 1 else f"{self.id}-{i}" for i in range(n)]
-        self.subs = [Submission(rid, p, ids, sp, self.sink, i)
+        k = params.n
+        self.subs = [Submission(rid, p, ids, sp, self.sink, i, self.request_ids[i - i % k] if i % k else None)
                      for i, (rid, (p, ids, sp)) in enumerate(zip(self.request_ids, choices))]
         self.finals: list[RequestOutput | None] = [None] * n
         self._open = set(range(n))  # choices not yet finished or failed

@@ -2,7 +2,10 @@
 their translation into SamplingParams. Every refusal is an ApiError(400) naming the field.
 
 Beyond OpenAI's fields, as vLLM does: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
-`min_tokens`, `stop_token_ids` (pass them with the openai client's `extra_body`). Fields the engine
+`min_tokens`, `stop_token_ids` (pass them with the openai client's `extra_body`). Structured
+outputs: OpenAI's `response_format` (`json_object`, `json_schema` with `strict`), vLLM's
+`structured_outputs` object and its older `guided_json` / `guided_regex` / `guided_choice` /
+`guided_grammar` fields; at most one of them per request. Fields the engine
 does not implement (best_of, echo, suffix, tools) are refused when set to anything but their
 neutral value, and unknown fields are refused (400 naming the field): never silently ignored.
 """
@@ -13,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from specinfer.sampling_params import SamplingParams
+from specinfer.structured.params import StructuredOutputsParams
 from specinfer.serve.errors import ApiError, from_value_error, invalid
 
 MAX_TOP_LOGPROBS = 20
@@ -47,6 +51,49 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the field that set it (None, None: unconstrained)."""
+        given = [(name, getattr(self, name)) for name in ("structured_outputs", "guided_json", "guided_regex",
+                                                            "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None]
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind not in ("text", "json_object", "json_schema"):
+                raise invalid(f"response_format.type must be text, json_object or json_schema (got {kind!r})",
+                              "response_format")
+            if kind != "text":
+                given.insert(0, ("response_format", rf))
+        if not given:
+            return None, None
+        if len(given) > 1:
+            names = ", ".join(n for n, _ in given)
+            raise invalid(f"only one output constraint per request (got {names})", given[1][0])
+        name, value = given[0]
+        try:
+            if name == "response_format":
+                if value["type"] == "json_object":
+                    return StructuredOutputsParams(json_object=True), name
+                spec = value.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise invalid("response_format json_schema needs json_schema.schema, a JSON schema object",
+                                  "response_format.json_schema")
+                return StructuredOutputsParams(json=spec["schema"],
+                                               disable_additional_properties=spec.get("strict") is True), name
+            if name == "structured_outputs":
+                return StructuredOutputsParams(**value), name
+            kind = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                    "guided_grammar": "grammar"}[name]
+            return StructuredOutputsParams(**{kind: value}), name
+        except (TypeError, ValueError) as e:
+            raise invalid(f"{name}: " + " ".join(str(e).split()), name) from None
 
     def _refuse_unsupported(self) -> None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
@@ -69,6 +116,10 @@ class _Sampling(_Body):
                       presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                       repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                       logit_bias=self.logit_bias or None, n=self.n or 1)
+        structured, field = self.structured()
+        if structured is not None:
+            fields["structured_outputs"] = structured
+            renames = {**renames, "structured_outputs": field}
         try:
             return SamplingParams(**fields)
         except ValueError as e:
@@ -135,7 +186,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
 
     def check(self) -> None:
         self._refuse_unsupported()
@@ -145,9 +195,6 @@ class ChatCompletionRequest(_Sampling):
             raise invalid("tools are not supported", "tools", "unsupported_value")
         if self.tool_choice not in (None, "none", "auto"):
             raise invalid("tool_choice is not supported", "tool_choice", "unsupported_value")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid("response_format other than text is not supported", "response_format",
-                          "unsupported_value")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise invalid("top_logprobs needs logprobs: true", "top_logprobs")

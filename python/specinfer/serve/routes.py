@@ -58,11 +58,14 @@ def _check_prompt_size(state, texts, param: str) -> None:
                       "context_length_exceeded")
 
 
-async def _checked_ids(state, prompt, params: SamplingParams, prompt_param: str, max_param: str) -> list[int]:
+async def _checked_ids(state, prompt, params: SamplingParams, prompt_param: str, max_param: str,
+                       constraint_field: str | None = None) -> list[int]:
+    """Validate on the thread pool (tokenizing; compiling a schema or grammar, then cached)."""
     try:
         ids = await state.off_loop(state.engine.validate, prompt, params)
     except ValueError as e:
-        raise from_value_error(e, {}, prompt_param) from None
+        renames = {"structured_outputs": constraint_field} if constraint_field else {}
+        raise from_value_error(e, renames, prompt_param) from None
     limit = state.max_model_len
     if len(ids) + params.max_tokens > limit:
         raise invalid(f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} and "
@@ -99,7 +102,8 @@ async def completions(request: Request, state) -> Response:
                       "n" if len(prompts) == 1 else "prompt", "too_many_prompts")
     _check_prompt_size(state, prompts, "prompt")
     one = params.sample_params(0)  # what each choice runs with, but for its seed
-    ids = [await _checked_ids(state, p, one, "prompt", "max_tokens") for p in prompts]
+    field = body.structured()[1]
+    ids = [await _checked_ids(state, p, one, "prompt", "max_tokens", field) for p in prompts]
     gen = Generation(state.loop, "cmpl", prompts, ids, params)
     fmt = CompletionFormat(gen.id, state.model_name, state.engine.tokenizer, body.logprobs)
     fmt.n = params.n
@@ -122,7 +126,7 @@ async def chat_completions(request: Request, state) -> Response:
     if params.n > state.config.max_prompts_per_request:
         raise invalid(f"n={params.n}; this server takes at most {state.config.max_prompts_per_request} choices "
                       "in one request", "n", "too_many_prompts")
-    ids = await _checked_ids(state, ids, params.sample_params(0), "messages", max_param)
+    ids = await _checked_ids(state, ids, params.sample_params(0), "messages", max_param, body.structured()[1])
     gen = Generation(state.loop, "chatcmpl", [ids], [ids], params)
     fmt = ChatFormat(gen.id, state.model_name, state.engine.tokenizer,
                      (body.top_logprobs or 0) if body.logprobs else None)

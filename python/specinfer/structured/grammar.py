@@ -21,6 +21,9 @@ from specinfer.structured.params import StructuredOutputsParams
 from specinfer.structured.tokenizer import build_ll_tokenizer
 
 
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,40}"  # enough for pretty-printed JSON 18 levels deep
+
+
 def _strict(schema):
     """OpenAI's strict mode: no properties beyond those declared, in every object of the schema."""
     if isinstance(schema, dict):
@@ -45,7 +48,10 @@ def grammar_text(so: StructuredOutputsParams) -> str:
                 raise ValueError(f"SamplingParams.structured_outputs.json is not valid JSON: {e}") from None
         if so.disable_additional_properties:
             schema = _strict(schema)
-        overrides = {"whitespace_flexible": False} if so.disable_any_whitespace else None
+        # whitespace between JSON tokens: none, or at most JSON_WHITESPACE (an unbounded run is how a
+        # small model loops forever inside a valid document; llama.cpp's JSON grammars bound it too)
+        overrides = ({"whitespace_flexible": False} if so.disable_any_whitespace else
+                     {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE})
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
         except (ValueError, RuntimeError, TypeError) as e:
