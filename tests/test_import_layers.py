@@ -12,7 +12,7 @@ import pytest
 import specinfer
 
 ROOT = Path(specinfer.__file__).parent
-RUNTIME = ("engine", "spec_decode", "executor", "sample", "models", "attention", "platform", "loader")
+RUNTIME = ("engine", "spec_decode", "executor", "sample", "models", "attention", "platform", "loader", "structured")
 ABOVE = ("specinfer.training", "specinfer.bench", "specinfer.cli", "specinfer.serve", "specinfer.generator")
 
 
