@@ -156,7 +156,7 @@ class LLMEngine:
         self._limits = limits = EngineLimits(sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
                                              self.max_model_len, self.block_size, k,
                                              self.spec.scorer if self.spec else "mqa",
-                                             bool(self.spec and self.spec.token_tree is not None))
+                                             bool(self.spec and self.spec.drafts_trees))
         backend = self.platform.make_attention_backend(attention_backend, limits)
         num_cache_blocks = self.num_kv_blocks + self.platform.num_null_blocks  # null block: padded rows' K/V
         caches = self.executor.allocate_kv_caches(kv_models, num_cache_blocks, self.block_size, self.dtype,

@@ -199,8 +199,9 @@ class EngineLoop:
 
     def _add(self, sub: Submission, arrival: float) -> None:
         try:
+            share = {"share_prompt_with": sub.share_prompt_with} if sub.share_prompt_with else {}
             self.engine.add_request(sub.request_id, sub.prompt, sub.params, prompt_token_ids=sub.prompt_token_ids,
-                                    share_prompt_with=sub.share_prompt_with)
+                                    **share)
         except ValueError as e:
             self._release(1)  # counted as rejected by the handler that gets the 400
             self._post(sub, Event(sub.index, "failed", error=from_value_error(e, {}, "prompt")))

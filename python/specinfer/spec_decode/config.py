@@ -10,6 +10,7 @@ STATIC_TREE_METHODS = ("draft_model", "mlp_speculator", "medusa", "eagle", "eagl
 DYNAMIC_TREE_METHODS = ("draft_model", "eagle", "eagle3")
 
 MAX_SPECULATIVE_TOKENS = 16
+MAX_SUFFIX_TREE_NODES = 63  # suffix decoding: k is its largest tree, up to a tree's node limit
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,14 @@ class SpeculativeConfig:
     # draft_model under tensor parallelism: the draft is sharded over ranks 0 .. this - 1 (a divisor
     # of tensor_parallel_size, checked by the engine); None: as many ranks as the target
     draft_tensor_parallel_size: int | None = None
+    # method "suffix" (SuffixDecoding, vLLM's key names; spec_decode/suffix.py): the tries' depth (the
+    # longest match and deepest draft), how far a tree may grow per matched token
+    # (num nodes <= factor * match length), the least cumulative probability of a drafted node, and
+    # how many ended requests' outputs the global trie keeps (0: each request's own history only)
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_max_cached_requests: int = 10000
 
     def __post_init__(self):
         if self.method is None:
@@ -62,9 +71,11 @@ class SpeculativeConfig:
         if self.method not in proposer_names():
             raise ValueError(f"speculative.method {self.method!r} is unknown; choose one of {proposer_names()}")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        k_max = MAX_SUFFIX_TREE_NODES if self.method == "suffix" else MAX_SPECULATIVE_TOKENS
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= k_max:
             raise ValueError(
-                f"speculative.num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} (got {k!r})")
+                f"speculative.num_speculative_tokens must be an integer in 1..{k_max} (got {k!r})")
+        self._check_suffix()
         if self.acceptance_method not in ACCEPTANCE_METHODS:
             raise ValueError(f"speculative.acceptance_method {self.acceptance_method!r} is unknown; "
                              f"choose one of {sorted(ACCEPTANCE_METHODS)}")
@@ -124,6 +135,25 @@ class SpeculativeConfig:
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"speculative.disable_by_batch_size must be an integer >= 1 or None (got {d!r})")
+
+    def _check_suffix(self) -> None:
+        d = self.suffix_decoding_max_tree_depth
+        if not isinstance(d, int) or isinstance(d, bool) or not 2 <= d <= 64:
+            raise ValueError(f"speculative.suffix_decoding_max_tree_depth must be an integer in 2..64 (got {d!r})")
+        f = self.suffix_decoding_max_spec_factor
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not f > 0:
+            raise ValueError(f"speculative.suffix_decoding_max_spec_factor must be > 0 (got {f!r})")
+        p = self.suffix_decoding_min_token_prob
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"speculative.suffix_decoding_min_token_prob must be in [0, 1] (got {p!r})")
+        c = self.suffix_decoding_max_cached_requests
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            raise ValueError(f"speculative.suffix_decoding_max_cached_requests must be an integer >= 0 (got {c!r})")
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Proposals may branch: a token_tree, or suffix decoding's speculation trees."""
+        return self.token_tree is not None or self.method == "suffix"
 
     @property
     def uses_goodput_policy(self) -> bool:
