@@ -64,6 +64,14 @@ fn token_ids(field: &str, arr: &PyArrayLike1<'_, i64, AllowTypeChange>) -> PyRes
 
 /// (cu_num_draft int32[R + 1], draft_token_ids int64[N]).
 type Proposals<'py> = (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<i64>>);
+type SuffixProposals<'py> = (
+    Bound<'py, PyArray1<i32>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<i32>>,
+    Bound<'py, PyArray1<i64>>,
+    Bound<'py, PyArray1<f64>>,
+    Bound<'py, PyArray1<bool>>,
+);
 
 /// Block-table buffers given back by numpy arrays that died, for the next steps.
 type BufferPool = Arc<Mutex<Vec<Vec<i32>>>>;
@@ -294,6 +302,57 @@ impl SchedulerCore {
         Ok((cu.into_pyarray(py), drafts.into_pyarray(py)))
     }
 
+    /// Turns on suffix decoding (per-request tries and a global one over the outputs of the
+    /// last `max_cached_requests` ended requests; 0 = per-request only).
+    fn enable_suffix(&mut self, max_depth: i64, max_cached_requests: i64) -> PyResult<()> {
+        let d = non_negative("max_depth", max_depth)?;
+        let c = non_negative("max_cached_requests", max_cached_requests)?;
+        self.inner.enable_suffix(d, c).map_err(to_py)
+    }
+
+    /// Suffix-decoding speculation trees: (cu_num_draft int32[R + 1], draft token ids int64,
+    /// draft parents int32 (-1 = root), match length int64[R], score float64[R], from the
+    /// global trie bool[R]).
+    fn propose_suffix<'py>(
+        &mut self,
+        py: Python<'py>,
+        req_ids: PyArrayLike1<'py, u64, AllowTypeChange>,
+        budgets: PyArrayLike1<'py, i64, AllowTypeChange>,
+        max_spec_factor: f64,
+        min_token_prob: f64,
+    ) -> PyResult<SuffixProposals<'py>> {
+        let ids = req_ids.as_array().to_vec();
+        let budgets = budgets
+            .as_array()
+            .iter()
+            .map(|&b| non_negative("budgets", b))
+            .collect::<PyResult<Vec<usize>>>()?;
+        let inner = &mut self.inner;
+        let props = py
+            .detach(|| inner.propose_suffix(&ids, &budgets, max_spec_factor, min_token_prob))
+            .map_err(to_py)?;
+        let mut cu = Vec::with_capacity(props.len() + 1);
+        cu.push(0i32);
+        let (mut toks, mut parents) = (Vec::new(), Vec::new());
+        let (mut lens, mut scores, mut global) = (Vec::new(), Vec::new(), Vec::new());
+        for p in &props {
+            toks.extend(p.tokens.iter().map(|&t| t as i64));
+            parents.extend_from_slice(&p.parents);
+            cu.push(toks.len() as i32);
+            lens.push(p.match_len as i64);
+            scores.push(p.score);
+            global.push(p.global);
+        }
+        Ok((
+            cu.into_pyarray(py),
+            toks.into_pyarray(py),
+            parents.into_pyarray(py),
+            lens.into_pyarray(py),
+            scores.into_pyarray(py),
+            global.into_pyarray(py),
+        ))
+    }
+
     fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
         let buf = self
             .spare_block_tables
@@ -381,6 +440,11 @@ impl SchedulerCore {
         d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
         d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
         d.set_item("num_steps", s.num_steps)?;
+        if let Some(sc) = self.inner.suffix_cache() {
+            d.set_item("suffix_nodes", sc.num_nodes())?;
+            d.set_item("suffix_bytes", sc.bytes())?;
+            d.set_item("suffix_cached_requests", sc.num_cached_requests())?;
+        }
         Ok(d)
     }
 

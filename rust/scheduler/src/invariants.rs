@@ -140,6 +140,20 @@ impl Scheduler {
                 pool.num_total()
             ));
         }
+        if let Some(sc) = self.suffix.as_ref() {
+            for (id, len) in sc.local_lengths() {
+                match self.request(id) {
+                    None => return broken(format!("suffix trie kept for ended request {id}")),
+                    Some(r) if r.token_ids.len() != len => {
+                        return broken(format!(
+                            "suffix trie of request {id} holds {len} tokens, the request {}",
+                            r.token_ids.len()
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+        }
         Ok(())
     }
 }

@@ -1,7 +1,7 @@
 //! specinfer's scheduling core: request state, the paged-KV block pool with prefix
 //! caching, the token-budget scheduler (continuous batching, chunked prefill,
 //! speculative lookahead, preemption by recompute), batch packing into flat arrays,
-//! and the n-gram (prompt lookup) proposer. Pure Rust; `rust/bindings` exposes it
+//! the n-gram (prompt lookup) proposer and suffix decoding's tries. Pure Rust; `rust/bindings` exposes it
 //! to Python as `specinfer._core` (see `docs/core_api.md`).
 
 pub mod batch;
@@ -15,6 +15,7 @@ pub mod ngram;
 pub mod padding;
 pub mod request;
 pub mod scheduler;
+pub mod suffix;
 pub mod tree;
 pub mod update;
 

@@ -33,6 +33,7 @@ use crate::hash::FxBuildHasher;
 use crate::kv_cache_manager::{CachedPrefix, KvCacheManager};
 use crate::ngram::{propose_with, NgramScratch};
 use crate::request::{Request, RequestId, RequestStatus, StopParams};
+use crate::suffix::{SuffixCache, SuffixProposal};
 use crate::tree::{is_chain, validate_draft_parents};
 use crate::update::validate_cu;
 
@@ -63,6 +64,8 @@ pub struct Scheduler {
     pub(crate) stats: SchedulerStats,
     prefix_scratch: CachedPrefix,
     ngram_scratch: NgramScratch,
+    /// Suffix decoding's tries (`enable_suffix`); None unless that method runs.
+    pub(crate) suffix: Option<SuffixCache>,
 }
 
 impl Scheduler {
@@ -85,6 +88,7 @@ impl Scheduler {
             stats: SchedulerStats::default(),
             prefix_scratch: CachedPrefix::default(),
             ngram_scratch: NgramScratch::default(),
+            suffix: None,
         })
     }
 
@@ -169,6 +173,9 @@ impl Scheduler {
         }
         self.kv.free(&mut req);
         self.free_slots.push(slot);
+        if let Some(sc) = self.suffix.as_mut() {
+            sc.finish(id, &req.token_ids[req.num_prompt_tokens..]);
+        }
         true
     }
 
@@ -265,6 +272,68 @@ impl Scheduler {
             cu.push(out.len() as i32);
         }
         Ok((cu, out))
+    }
+
+    /// Turns on suffix decoding: tries of depth `max_depth` (2..=64) per request, and a global
+    /// one over the outputs of the last `max_cached_requests` ended requests (0: none).
+    pub fn enable_suffix(&mut self, max_depth: usize, max_cached_requests: usize) -> Result<()> {
+        if !(2..=64).contains(&max_depth) {
+            return Err(CoreError::invalid(
+                "max_depth",
+                format!("must be in 2..=64 (got {max_depth})"),
+            ));
+        }
+        self.suffix = Some(SuffixCache::new(max_depth, max_cached_requests));
+        Ok(())
+    }
+
+    pub fn suffix_cache(&self) -> Option<&SuffixCache> {
+        self.suffix.as_ref()
+    }
+
+    /// Suffix-decoding proposals (speculation trees), one per request (empty for unknown
+    /// ids or a zero budget): per request its tokens, parents, match length and score.
+    pub fn propose_suffix(
+        &mut self,
+        req_ids: &[RequestId],
+        budgets: &[usize],
+        max_spec_factor: f64,
+        min_token_prob: f64,
+    ) -> Result<Vec<SuffixProposal>> {
+        let Some(sc) = self.suffix.as_mut() else {
+            return Err(CoreError::InvalidCallOrder(
+                "propose_suffix() before enable_suffix()",
+            ));
+        };
+        if budgets.len() != req_ids.len() {
+            return Err(CoreError::invalid(
+                "budgets",
+                format!("{} budgets for {} requests", budgets.len(), req_ids.len()),
+            ));
+        }
+        if max_spec_factor.is_nan()
+            || max_spec_factor < 0.0
+            || !(0.0..=1.0).contains(&min_token_prob)
+        {
+            return Err(CoreError::invalid(
+                "max_spec_factor",
+                "max_spec_factor must be >= 0 and min_token_prob in [0, 1]",
+            ));
+        }
+        let mut out = Vec::with_capacity(req_ids.len());
+        for (id, &b) in req_ids.iter().zip(budgets) {
+            match self
+                .index
+                .get(id)
+                .and_then(|&s| self.requests[s as usize].as_ref())
+            {
+                Some(req) => {
+                    out.push(sc.propose(*id, &req.token_ids, b, max_spec_factor, min_token_prob))
+                }
+                None => out.push(SuffixProposal::default()),
+            }
+        }
+        Ok(out)
     }
 
     /// Decides the next step and packs it. See the module doc for the algorithm.

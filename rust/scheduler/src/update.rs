@@ -165,6 +165,9 @@ impl Scheduler {
             }
             if num_new > 0 {
                 out.push_tokens(req.id, &tokens[..num_new]);
+                if let Some(sc) = self.suffix.as_mut() {
+                    sc.extend(req.id, &req.token_ids, num_new);
+                }
             }
             // Before caching (a cached block must hold its tokens' KV) and freeing:
             // copies into a finished request's freed blocks are harmless, and needed
@@ -181,6 +184,9 @@ impl Scheduler {
             self.kv.cache_confirmed_blocks(req);
             if let Some((reason, t)) = finish {
                 self.kv.free(req);
+                if let Some(sc) = self.suffix.as_mut() {
+                    sc.finish(req.id, &req.token_ids[req.num_prompt_tokens..]);
+                }
                 let stop_token = if reason == FinishReason::Stop {
                     t as i64
                 } else {
