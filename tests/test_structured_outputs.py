@@ -284,3 +284,28 @@ def test_law_test_catches_a_mask_on_the_first_row_only(char_models, monkeypatch)
     except AssertionError:
         return  # the mutant broke the grammar outright: caught
     assert chi_square_pvalue(counts, _masked_law(hf)) < ALPHA
+
+
+def test_refused_drafts_are_cut_only_where_that_keeps_the_law(gen):
+    """Chains are cut before the first draft the grammar refuses for greedy requests and one-hot
+    drafts; drafts sampled from a q are never cut (the law test above fails if they are)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from specinfer.engine.propose_step import grammar_valid_prefixes
+    from specinfer.spec_decode.proposer import Proposal
+
+    tok = gen.tokenizer
+    ids = [tok.token_to_id(c) for c in "abXab"]  # "ab" valid under (ab|ba)[0-9]..., then "X" is not
+    def state(cid, temperature):
+        return SimpleNamespace(core_id=cid, grammar=gen.engine.grammars.matcher(S(regex=REGEX)),
+                               params=SamplingParams(temperature=temperature))
+    states = {0: state(0, 0.0), 1: state(1, 1.0), 2: state(2, 1.0)}
+    q = torch.full((5, tok.get_vocab_size()), 1.0 / tok.get_vocab_size())
+    prop = Proposal(np.array([0, 1, 2], np.uint64), np.array([0, 5, 10, 15], np.int32),
+                    np.array(ids * 3, np.int64), [None, None, q])
+    out = grammar_valid_prefixes(prop, states)
+    assert out.cu_num_draft.tolist() == [0, 2, 4, 9]  # greedy cut, one-hot cut, sampled q kept whole
+    assert out.draft_token_ids.tolist() == ids[:2] * 2 + ids
+    assert torch.equal(out.draft_probs[2], q)

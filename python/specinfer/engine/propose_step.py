@@ -91,6 +91,10 @@ class StepProposing:
         if self.policy is not None:
             self.policy.observe_step(num_tokens, step_s, self.num_drafted, propose_s)
 
+    @staticmethod
+    def _state_of(states) -> dict:
+        return {st.core_id: st for st in states}
+
     def forget(self, core_ids) -> None:
         """Requests that finished or were aborted: drop their proposal state."""
         for cid in core_ids:
@@ -150,6 +154,8 @@ class StepProposing:
             num_rows, sampled, np.where(speculate, max_drafts, 0),
             alive if sees_every_step else wants & alive, request_block_rows(sched), target)
         prop = self.proposer.propose(inp)
+        if any(st.grammar is not None for st in states):
+            prop = grammar_valid_prefixes(prop, self._state_of(states))
         if forced:
             prop = merge(inp, forced, prop)
         self.num_drafted = len(prop.draft_token_ids)
@@ -182,6 +188,38 @@ def forced_drafts(states, budget: np.ndarray) -> dict:
             if toks:
                 out[r] = np.asarray(toks, dtype=np.int64)
     return out
+
+
+def grammar_valid_prefixes(prop, state_of: dict):
+    """A constrained request's chain is cut before its first draft the grammar refuses (that
+    draft would be rejected for certain, and the rows after it verify nothing), where that keeps
+    the law: greedy requests, and deterministic drafts (q one-hot: the rejection's residual is
+    then the masked target itself, what the cut's bonus row samples). Drafts sampled from a q
+    are never cut: whether a row is verified may not depend on the drafted value (the residual
+    max(0, p - q) is not p). Trees are kept (their refused nodes are rejected by the masks)."""
+    if prop.draft_parents is not None or len(prop.core_ids) == 0:
+        return prop
+    cu = prop.cu_num_draft
+    keep = np.ones(len(prop.draft_token_ids), dtype=bool)
+    for j, cid in enumerate(prop.core_ids.tolist()):
+        st = state_of.get(cid)
+        a, b = int(cu[j]), int(cu[j + 1])
+        if st is None or st.grammar is None or b == a or st.grammar.error is not None:
+            continue
+        q = prop.draft_probs[j] if prop.draft_probs is not None else None
+        if q is not None and hasattr(q, "shape") and st.params.temperature != 0.0:
+            continue
+        n = st.grammar.matcher.validate_tokens(prop.draft_token_ids[a:b].tolist())
+        keep[a + n:b] = False
+    if keep.all():
+        return prop
+    counts = np.array([int(keep[cu[j]:cu[j + 1]].sum()) for j in range(len(cu) - 1)], dtype=np.int32)
+    new_cu = np.zeros(len(cu), np.int32)
+    np.cumsum(counts, out=new_cu[1:])
+    probs = None
+    if prop.draft_probs is not None:
+        probs = [q if q is None or not hasattr(q, "shape") else q[:int(c)] for q, c in zip(prop.draft_probs, counts)]
+    return type(prop)(prop.core_ids, new_cu, prop.draft_token_ids[keep], probs, None)
 
 
 def request_block_rows(sched) -> np.ndarray:
