@@ -8,7 +8,7 @@ are medians over `--repeats` alternating runs of both configurations on the same
 Mask cost: the time spent building the step's masks (StepGrammar.masks) and applying them
 (StepMasks.apply), over the step's wall time.
 
-    python benches/structured_json.py --models smollm2-135m qwen2.5-coder-0.5b --repeats 3
+    python benches/structured_json.py --models smollm2-135m qwen2.5-coder-0.5b --repeats 3 [--compact]
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ class MaskClock:
         step_grammar.StepGrammar.masks, step_grammar.StepMasks.apply = masks, apply
 
 
-def run(gen: Generator, texts: list[str], batch: int, clock: MaskClock) -> dict:
-    so = StructuredOutputsParams(json=SCHEMA)
+def run(gen: Generator, texts: list[str], batch: int, clock: MaskClock, compact: bool = False) -> dict:
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=compact)
     params = SamplingParams(max_tokens=96, temperature=0.0, structured_outputs=so)
     gen.reset_metrics()
     proposing = gen.engine.proposing
@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--compact", action="store_true", help="disable_any_whitespace: compact JSON, more forced spans")
+    ap.add_argument("--batch1-prompts", type=int, default=8, help="prompts run one at a time at batch 1")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(torch.get_num_threads()))
     clock = MaskClock()
@@ -123,15 +125,17 @@ def main(argv=None) -> int:
         spec = Generator(model, max_model_len=512,
                          speculative={"method": "ngram", "num_speculative_tokens": args.k})
         for batch in args.batches:
-            run(plain, texts[:batch], batch, clock), run(spec, texts[:batch], batch, clock)  # warm up
+            batch_texts = texts[:args.batch1_prompts] if batch == 1 else texts
+            run(plain, texts[:batch], batch, clock, args.compact)  # warm up
+            run(spec, texts[:batch], batch, clock, args.compact)
             ratios, rows = [], []
             for _ in range(args.repeats):
-                a = run(plain, texts, batch, clock)
-                b = run(spec, texts, batch, clock)
+                a = run(plain, batch_texts, batch, clock, args.compact)
+                b = run(spec, batch_texts, batch, clock, args.compact)
                 ratios.append(b["tok_s"] / a["tok_s"])
                 rows.append((a, b))
             a, b = rows[len(rows) // 2]
-            print(json.dumps({"model": model, "batch": batch, "speedup": round(statistics.median(ratios), 3),
+            print(json.dumps({"model": model, "batch": batch, "compact": args.compact, "speedup": round(statistics.median(ratios), 3),
                               "ratios": [round(r, 3) for r in ratios],
                               "plain": {k: round(v, 4) if isinstance(v, float) else v for k, v in a.items()},
                               "spec": {k: round(v, 4) if isinstance(v, float) else v for k, v in b.items()}}),

@@ -2,18 +2,18 @@
 speculation on one model, batch 1, greedy unless noted.
 
 Workloads (prompts through the model's chat template):
-- repeat: 8 code-editing prompts answered, then the same 8 again; the second round is measured
+- repeat: N code-editing prompts answered, then the same N again; the second round is measured
   (an agent re-running a step; suffix drafts round 1's answers from its global trie);
-- edits: 6 turns editing one code file, each turn's prompt holding the file as the last answer
-  left it (a coding session rewriting the same file);
-- samples: 8 samples of one prompt at temperature 0.7, seeds 0..7 (RL rollouts);
-- open: 8 chat prompts, each once (no repetition: the policy must keep suffix at no loss).
+- edits: N + 1 turns editing one code file, each turn's prompt holding the file as the last
+  answer left it (a coding session rewriting the same file); the last turn is measured;
+- samples: 2N samples of one prompt at temperature 0.7, seeds 0.. (RL rollouts);
+- open: 2N chat prompts, each once (no repetition: the policy must keep suffix at no loss).
 Each (workload, method) runs on a fresh engine (the global trie starts empty) after a warm-up on
 other prompts; tokens/s ratios against no speculation are medians over --repeats alternating runs.
 Reported: speedup, mean acceptance length (tokens per verification step), drafts per step and the
 suffix proposal time per request per step (core.propose_suffix, wall).
 
-    python benches/suffix_workloads.py --model smollm2-135m --repeats 3
+    python benches/suffix_workloads.py --model smollm2-135m --repeats 2 --num 4 --max-tokens 96
 """
 from __future__ import annotations
 
@@ -48,19 +48,20 @@ EDITS = ["Add a docstring to this function.", "Rename the variable `f` to `handl
          "Make keys lowercase.", "Return an empty dict when the file does not exist."]
 
 
-def workloads(encode) -> dict[str, list]:
+def workloads(encode, n: int) -> dict[str, list]:
     """name -> list of rounds; a round is a list of (prompt ids, params); only the last round of
     each workload is timed (earlier rounds are the history it may draft from)."""
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     edit = load_prompt_set("code_editing").prompts
     chat = load_prompt_set("chat").prompts
-    repeat = [(encode(p), greedy) for p in edit[:8]]
-    samples = [(encode(chat[0]), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=s)) for s in range(8)]
+    repeat = [(encode(p), greedy) for p in edit[:n]]
+    samples = [(encode(chat[0]), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7, seed=s))
+               for s in range(2 * n)]
     return {
         "repeat": [repeat, repeat],
         "edits": "edits",  # built turn by turn from the model's answers (run_edits)
         "samples": [samples],
-        "open": [[(encode(p), greedy) for p in chat[8:16]]],
+        "open": [[(encode(p), greedy) for p in chat[8:8 + 2 * n]]],
     }
 
 
@@ -71,11 +72,12 @@ def run_rounds(gen: Generator, rounds) -> dict:
     return timed(gen, rounds[-1])
 
 
-def run_edits(gen: Generator, encode) -> dict:
+def run_edits(gen: Generator, encode, n: int) -> dict:
     text, turns = FILE, []
-    for instr in EDITS:
+    edits = EDITS[:n + 1]
+    for instr in edits:
         turns.append(encode(f"{instr} Reply with the whole file.\n\n```python\n{text}```"))
-        if len(turns) < len(EDITS):  # the last turn is timed below
+        if len(turns) < len(edits):  # the last turn is timed below
             out = gen.generate([turns[-1]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)[0]
             body = out.text.split("```python")[-1].split("```")[0].strip("\n")
             text = (body or text) + "\n"
@@ -125,10 +127,14 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workloads", nargs="+", default=["repeat", "edits", "samples", "open"])
+    ap.add_argument("--num", type=int, default=4, help="N: prompts per round (see above)")
+    ap.add_argument("--max-tokens", type=int, default=96)
     args = ap.parse_args(argv)
+    global MAX_TOKENS
+    MAX_TOKENS = args.max_tokens
     base = Generator(args.model, max_model_len=2048)
     encode = prompt_encoder(base.engine.loaded, True)
-    loads = workloads(encode)
+    loads = workloads(encode, args.num)
     warm = [(encode(p), SamplingParams(max_tokens=32, temperature=0.0))
             for p in load_prompt_set("qa").prompts[:2]]
     for name in args.workloads:
@@ -139,7 +145,7 @@ def main(argv=None) -> int:
                 timed(gen, warm)
                 clock = ProposeClock()
                 clock.wrap(gen)
-                r = run_edits(gen, encode) if loads[name] == "edits" else run_rounds(gen, loads[name])
+                r = run_edits(gen, encode, args.num) if loads[name] == "edits" else run_rounds(gen, loads[name])
                 if clock.requests:
                     r["propose_us_per_request_step"] = 1e6 * clock.s / clock.requests
                 results[method].append(r)

@@ -23,16 +23,23 @@ class StepMasks:
     bitmask: torch.Tensor  # int32[K, ceil(V / 32)]: bit t of row k = token t allowed
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """A float copy of logits [L, V] with the masked rows' refused tokens at -inf."""
-        V = logits.shape[1]
-        bits = self.bitmask.to(logits.device)
-        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-        allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(bits.shape[0], -1)[:, :V].bool()
-        dtype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-        out = logits.to(dtype, copy=True)
-        rows = torch.from_numpy(self.rows).to(logits.device)
-        out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
-        return out
+        """logits [L, V] with the masked rows' refused tokens at -inf: in place for float32/64
+        logits (the step's own tensor), else in a float32 copy. The bits are unpacked by numpy on
+        the host (4x torch's shifts there) or by torch on the logits' device."""
+        out = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        V, K = out.shape[1], len(self.rows)
+        if out.device.type == "cpu":  # int32 words little-endian: bit t of word w is token 32 w + t
+            allowed = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :V]
+            refused = torch.from_numpy(~allowed.view(bool))
+        else:
+            bits = self.bitmask.to(out.device, non_blocking=True)
+            shifts = torch.arange(32, device=out.device, dtype=torch.int32)
+            refused = (((bits.unsqueeze(-1) >> shifts) & 1) == 0).reshape(K, -1)[:, :V]
+        if K == out.shape[0] and bool((self.rows == np.arange(K)).all()):
+            return out.masked_fill_(refused, float("-inf"))
+        rows = torch.from_numpy(self.rows).to(out.device)
+        sub = out.index_select(0, rows).masked_fill_(refused, float("-inf"))
+        return out.index_copy_(0, rows, sub)
 
 
 class StepGrammar:
