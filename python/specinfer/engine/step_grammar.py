@@ -35,11 +35,12 @@ class StepMasks:
             bits = self.bitmask.to(out.device, non_blocking=True)
             shifts = torch.arange(32, device=out.device, dtype=torch.int32)
             refused = (((bits.unsqueeze(-1) >> shifts) & 1) == 0).reshape(K, -1)[:, :V]
-        if K == out.shape[0] and bool((self.rows == np.arange(K)).all()):
-            return out.masked_fill_(refused, float("-inf"))
-        rows = torch.from_numpy(self.rows).to(out.device)
-        sub = out.index_select(0, rows).masked_fill_(refused, float("-inf"))
-        return out.index_copy_(0, rows, sub)
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            if K == out.shape[0] and bool((self.rows == np.arange(K)).all()):
+                return out.masked_fill_(refused, float("-inf"))
+            rows = torch.from_numpy(self.rows).to(out.device)
+            sub = out.index_select(0, rows).masked_fill_(refused, float("-inf"))
+            return out.index_copy_(0, rows, sub)
 
 
 class StepGrammar:
