@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from specinfer import Generator, SamplingParams
+from core_spy import BranchSpy
 from spec_cases import GREEDY, check_greedy_exact, check_prefix_hits
 from stats import ALPHA, chi_square_pvalue
 
@@ -40,23 +41,6 @@ def test_prefix_cache_hits_and_a_repeated_round(target, ref):
     assert stats["suffix_cached_requests"] == 24 and stats["suffix_bytes"] > 0, stats
 
 
-class _TreeSpy:
-    def __init__(self, core):
-        self._core, self.branching = core, 0
-
-    def __getattr__(self, name):
-        return getattr(self._core, name)
-
-    def schedule(self, *a, **kw):
-        out = self._core.schedule(*a, **kw)
-        parents, n = np.asarray(out.draft_parents), np.asarray(out.num_draft_tokens)
-        cu = np.concatenate([[0], np.cumsum(n)])
-        for i in range(len(n)):
-            p = parents[cu[i]:cu[i + 1]]
-            self.branching += int(len(p) > 0 and not np.array_equal(p, np.arange(-1, len(p) - 1)))
-        return out
-
-
 def test_trees_branch_where_the_history_does(target):
     """"a b" followed by c and by d earlier: the tree holds both continuations; output exact."""
     g = np.random.default_rng(3)
@@ -67,7 +51,7 @@ def test_trees_branch_where_the_history_does(target):
         prompts.append(sum(([a, b] + t for t in tails), []) + [a, b])
     want = Generator(str(target), max_model_len=128).generate(prompts, GREEDY, use_tqdm=False)
     gen = Generator(str(target), max_model_len=128, block_size=4, speculative={**SUFFIX, "policy": "fixed"})
-    spy = gen.engine.core = _TreeSpy(gen.engine.core)
+    spy = gen.engine.core = BranchSpy(gen.engine.core)
     gen.engine.proposer.core = spy
     outs = gen.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]

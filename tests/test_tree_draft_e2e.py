@@ -13,27 +13,10 @@ import pytest
 import head_checkpoints as hc
 from specinfer import Generator
 from spec_cases import GREEDY, check_greedy_exact, check_prefix_hits, reference
-from specinfer.spec_decode.token_tree import is_chain
+from core_spy import BranchSpy
 
 STATIC = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 DYNAMIC = {"dynamic": True, "num_nodes": 8, "top_k": 2, "depth": 3}
-
-
-class _CoreSpy:
-    """Delegates to the engine's core; remembers whether a scheduled batch held a branching tree."""
-
-    def __init__(self, core):
-        self._core, self.branching = core, 0
-
-    def __getattr__(self, name):
-        return getattr(self._core, name)
-
-    def schedule(self, *a, **kw):
-        out = self._core.schedule(*a, **kw)
-        parents, n = np.asarray(out.draft_parents), np.asarray(out.num_draft_tokens)
-        cu = np.concatenate([[0], np.cumsum(n)])
-        self.branching += sum(not is_chain(parents[cu[i]:cu[i + 1]]) for i in range(len(n)))
-        return out
 
 
 def _spec(method, path, tree, scorer):
@@ -53,7 +36,7 @@ def _spied_generate(monkeypatch):
 
     def patched(self, *a, **kw):
         init(self, *a, **kw)
-        spy = _CoreSpy(self.engine.core)
+        spy = BranchSpy(self.engine.core)
         self.engine.core = spy
         spies.append(spy)
 
