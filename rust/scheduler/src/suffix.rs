@@ -10,12 +10,14 @@
 //! - one global trie over the outputs of the most recently ended requests (at most
 //!   `max_cached_requests`; the oldest is removed, its counts subtracted, when one more ends).
 //!
-//! A proposal: the longest suffix of the request's context (at most D - 1 tokens) that has a
-//! continuation in a trie is the match; from its node, a best-first expansion by cumulative
-//! probability (product of child count / parent count along the path) picks up to
+//! A proposal: every suffix of the request's context (at most D - 1 tokens) that has a
+//! continuation in a trie is a candidate match; from its node, a best-first expansion by
+//! cumulative probability (product of child count / parent count along the path) picks up to
 //! `min(budget, floor(max_spec_factor * match_len))` nodes whose probability is at least
-//! `min_token_prob`. The tree from the trie whose expected accepted tokens (the sum of the
-//! nodes' probabilities) is larger wins. Nodes come parents first: a token tree in the
+//! `min_token_prob`. The tree whose expected accepted tokens (the sum of the nodes'
+//! probabilities) is largest wins, over both tries and all match lengths (the longest match
+//! alone leaves a depth-D trie one token to draft once the match reaches D - 1; arctic's
+//! SuffixDecoding scores every length the same way). Nodes come parents first: a token tree in the
 //! `draft_parents` format (a chain when it is a path).
 
 use std::cmp::Ordering;
@@ -190,6 +192,20 @@ impl SuffixTrie {
         }
         self.nodes[node as usize].children = Vec::new();
         self.free.push(node);
+    }
+
+    /// Every suffix of `context` (at most D - 1 tokens) present with a continuation: (node,
+    /// match length), longest first. O(D^2) lookups at worst; a suffix absent from the trie
+    /// stops its walk at the first missing token.
+    pub fn matches<'a>(&'a self, context: &'a [u32]) -> impl Iterator<Item = (u32, usize)> + 'a {
+        let longest = context.len().min(self.max_depth - 1);
+        (1..=longest).rev().filter_map(move |m| {
+            let mut n = ROOT;
+            for &t in &context[context.len() - m..] {
+                n = self.child(n, t)?;
+            }
+            (!self.nodes[n as usize].children.is_empty()).then_some((n, m))
+        })
     }
 
     /// The deepest node matching a suffix of `context` (at most D - 1 tokens) that has a
@@ -380,34 +396,36 @@ impl SuffixCache {
             return best;
         }
         let cap = |m: usize| budget.min((max_spec_factor * m as f64).floor() as usize);
-        // the request's own trie: its active suffixes are the context's, longest first
-        let own = l
+        // every match length, in both tries, longest first (a long match leaves the depth little
+        // room to draft, a short one is weak evidence: the best tree decides, as arctic's does);
+        // a length whose cap cannot beat the best score so far is skipped (score <= nodes <= cap)
+        let mut cands: Vec<(usize, bool, u32)> = l
             .active
             .iter()
             .copied()
-            .find(|&n| !l.trie.nodes[n as usize].children.is_empty())
-            .map(|n| (n, l.trie.nodes[n as usize].depth as usize));
-        if let Some((node, m)) = own {
-            let mut p = SuffixProposal {
-                match_len: m,
-                ..Default::default()
-            };
-            p.score = l
-                .trie
-                .draft(node, cap(m), min_prob, &mut p.tokens, &mut p.parents);
-            best = p;
-        }
-        if let Some((node, m)) = self.global.longest_match(history) {
-            let mut p = SuffixProposal {
-                match_len: m,
-                global: true,
-                ..Default::default()
-            };
-            p.score = self
-                .global
-                .draft(node, cap(m), min_prob, &mut p.tokens, &mut p.parents);
-            if p.score > best.score {
-                best = p;
+            .filter(|&n| !l.trie.nodes[n as usize].children.is_empty())
+            .map(|n| (l.trie.nodes[n as usize].depth as usize, false, n))
+            .collect();
+        cands.extend(self.global.matches(history).map(|(n, m)| (m, true, n)));
+        cands.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut tokens = Vec::with_capacity(budget);
+        let mut parents = Vec::with_capacity(budget);
+        for (m, global, node) in cands {
+            if cap(m) as f64 <= best.score {
+                continue;
+            }
+            let trie = if global { &self.global } else { &l.trie };
+            tokens.clear();
+            parents.clear();
+            let score = trie.draft(node, cap(m), min_prob, &mut tokens, &mut parents);
+            if score > best.score {
+                best = SuffixProposal {
+                    tokens: tokens.clone(),
+                    parents: parents.clone(),
+                    match_len: m,
+                    score,
+                    global,
+                };
             }
         }
         best
@@ -518,6 +536,20 @@ mod tests {
             c.propose(8, &[5, 5], 0, 1.0, 0.0),
             SuffixProposal::default()
         );
+    }
+
+    #[test]
+    fn a_shorter_match_wins_when_the_longest_leaves_no_depth() {
+        // 1..=20 twice, the second copy half done: the longest match (depth - 1 = 7 tokens) has
+        // room for one draft below it; a 4-token match drafts 4 tokens that are all certain
+        let first: Vec<u32> = (1..=20).collect();
+        let mut h = first.clone();
+        h.extend(1..=10);
+        let mut c = SuffixCache::new(8, 0);
+        let p = c.propose(1, &h, 8, 1.0, 0.1);
+        assert_eq!(p.tokens, vec![11, 12, 13, 14]);
+        assert_eq!(p.match_len, 4);
+        assert!((p.score - 2.0).abs() < 1e-9, "{p:?}"); // each seen once before, beside itself
     }
 
     proptest! {
