@@ -38,9 +38,9 @@ from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tre
 class DraftModelProposer(Proposer):
     aux_layers = ()
 
-    def __init__(self, spec, ctx):
+    def __init__(self, spec, ctx, loaded=None):
         self.k = spec.num_speculative_tokens
-        self.loaded = ctx.load_model(spec.model)
+        self.loaded = loaded if loaded is not None else ctx.load_model(spec.model)
         _check_same_vocabulary(ctx.target, self.loaded, spec.model)
         self.kv_models = [self.loaded.model]
         self.tree = spec.token_tree  # StaticTree | DynamicTree | None (chains)
@@ -198,12 +198,31 @@ def _empty() -> Proposal:
     return Proposal(np.zeros(0, np.uint64), np.zeros(1, np.int32), np.zeros(0, np.int64), None)
 
 
-def _check_same_vocabulary(target, draft, name) -> None:
-    tv, dv = target.config.vocab_size, draft.config.vocab_size
+def draft_model_proposer(spec, ctx) -> Proposer:
+    """method "draft_model": the draft shares the target's KV layout and drafts in its paged KV
+    when the vocabularies are the same (DraftModelProposer); with another tokenizer it drafts text
+    in an engine of its own (spec_decode/cross_vocab.py)."""
+    loaded = ctx.load_model(spec.model)
+    if _same_vocabulary(ctx.target, loaded):
+        return DraftModelProposer(spec, ctx, loaded)
+    from specinfer.spec_decode.cross_vocab import CrossVocabDraftProposer
+
+    del loaded  # the draft's own engine loads it
+    return CrossVocabDraftProposer(spec, ctx, spec.model)
+
+
+def _same_vocabulary(target, draft) -> bool:
     t_tok, d_tok = target.tokenizer, draft.tokenizer
     same = t_tok.get_vocab_size(with_added_tokens=True) == d_tok.get_vocab_size(with_added_tokens=True)
     if same:
         same = t_tok.get_vocab(with_added_tokens=True) == d_tok.get_vocab(with_added_tokens=True)
+    return same and target.config.vocab_size == draft.config.vocab_size
+
+
+def _check_same_vocabulary(target, draft, name) -> None:
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    t_tok, d_tok = target.tokenizer, draft.tokenizer
+    same = t_tok.get_vocab(with_added_tokens=True) == d_tok.get_vocab(with_added_tokens=True)
     if not same or tv != dv:
         raise ValueError(
             f"speculative.model {name!r}: the draft's vocabulary differs from the target's "

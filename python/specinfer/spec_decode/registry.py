@@ -9,7 +9,7 @@ import importlib
 _PROPOSERS: dict[str, str] = {
     "ngram": "specinfer.spec_decode.ngram:NgramProposer",
     "suffix": "specinfer.spec_decode.suffix:SuffixProposer",
-    "draft_model": "specinfer.spec_decode.draft_model:DraftModelProposer",
+    "draft_model": "specinfer.spec_decode.draft_model:draft_model_proposer",
     "layer_skip": "specinfer.spec_decode.layer_skip:LayerSkipProposer",
     "mlp_speculator": "specinfer.spec_decode.mlp_speculator:MLPSpeculatorProposer",
     "medusa": "specinfer.spec_decode.medusa:MedusaProposer",
