@@ -71,7 +71,7 @@ def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", choices=[*proposer_names(), "none"], default=None,
                    help="proposer (default: draft_model with --draft, else ngram with -k, else none)")
     g.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model "
-                   "(pack name, HF directory or .gguf; same tokenizer as the target)")
+                   "(pack name, HF directory or .gguf; another tokenizer than the target's drafts through text)")
     g.add_argument("--head", default=None, metavar="DIR", help="draft-head checkpoint directory for --method "
                    "mlp_speculator, medusa, eagle or eagle3 (their public layouts), or a named head "
                    "(smollm2-135m-eagle, -medusa, -mlp: trained once on first use, then cached)")

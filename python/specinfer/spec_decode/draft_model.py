@@ -1,4 +1,5 @@
-"""Draft-model proposer: a smaller LM with the target's tokenizer drafts k tokens per request.
+"""Draft-model proposer: a smaller LM with the target's tokenizer drafts k tokens per request
+(a draft with another tokenizer goes through spec_decode/cross_vocab.py: draft_model_proposer).
 
 Its KV cache lives in the same paged blocks as the target's (same block tables and slots).
 Each step it first catches up on every token the target confirmed that it has not yet seen
