@@ -156,6 +156,10 @@ impl Scheduler {
         };
         self.index.insert(id, slot);
         self.waiting.push_back(slot);
+        if let Some(sc) = self.suffix.as_mut() {
+            let req = self.requests[slot as usize].as_ref().expect("just added");
+            sc.start(id, &req.token_ids);
+        }
         Ok(())
     }
 

@@ -341,6 +341,24 @@ impl SuffixCache {
         self.max_depth
     }
 
+    /// Builds a request's trie from its tokens so far, unless it has one (the scheduler calls it
+    /// when a request is added, so a proposal never pays for the prompt; `propose` calls it too).
+    pub fn start(&mut self, id: RequestId, history: &[u32]) {
+        let depth = self.max_depth;
+        self.local.entry(id).or_insert_with(|| {
+            let mut trie = SuffixTrie::new(depth);
+            let mut active = Vec::with_capacity(depth);
+            for &t in history {
+                trie.extend(&mut active, t);
+            }
+            Local {
+                trie,
+                active,
+                len: history.len(),
+            }
+        });
+    }
+
     /// Follows a request's committed tokens (`history` = all of them, the new ones last);
     /// a no-op for requests without a trie yet (it is built from the history when first needed).
     pub fn extend(&mut self, id: RequestId, history: &[u32], num_new: usize) {
@@ -377,19 +395,8 @@ impl SuffixCache {
         max_spec_factor: f64,
         min_prob: f64,
     ) -> SuffixProposal {
-        let depth = self.max_depth;
-        let l = self.local.entry(id).or_insert_with(|| {
-            let mut trie = SuffixTrie::new(depth);
-            let mut active = Vec::with_capacity(depth);
-            for &t in history {
-                trie.extend(&mut active, t);
-            }
-            Local {
-                trie,
-                active,
-                len: history.len(),
-            }
-        });
+        self.start(id, history);
+        let l = &self.local[&id];
         debug_assert_eq!(l.len, history.len());
         let mut best = SuffixProposal::default();
         if budget == 0 {
