@@ -46,8 +46,9 @@ def make_batch(seqs, block_size, H, hkv, D, dtype=torch.float32, seed=0, table_p
     return meta, cache, q, k, v, full_k, full_v
 
 
-def dense_oracle(q, full_k, full_v, seqs, qsl, scale):
-    """fp32 causal attention per sequence, the query at the end of its context."""
+def dense_oracle(q, full_k, full_v, seqs, qsl, scale, window=None, softcap=None):
+    """fp32 causal attention per sequence, the query at the end of its context; with a sliding
+    window W a query at p sees keys p - W < j <= p; a soft-cap c maps scores to c tanh(s / c)."""
     out = []
     for i, (c, n) in enumerate(seqs):
         qq, kk, vv = q[qsl[i]:qsl[i + 1]].float(), full_k[i].float(), full_v[i].float()
@@ -55,10 +56,17 @@ def dense_oracle(q, full_k, full_v, seqs, qsl, scale):
         kk, vv = kk.repeat_interleave(H // Hkv, 1), vv.repeat_interleave(H // Hkv, 1)
         L = c + n
         s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
-        s = s.masked_fill(torch.arange(L).unsqueeze(0) > torch.arange(c, L).unsqueeze(1), float("-inf"))
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        kpos, qpos = torch.arange(L).unsqueeze(0), torch.arange(c, L).unsqueeze(1)
+        hidden = kpos > qpos
+        if window is not None:
+            hidden |= qpos - kpos >= window
+        s = s.masked_fill(hidden, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vv))
     return torch.cat(out)
 
 
-def run_backend(backend, meta, cache, q, k, v, scale):
-    return backend.forward(q, k, v, cache, backend.prepare(meta), scale)
+def run_backend(backend, meta, cache, q, k, v, scale, **options):
+    """options: window=, softcap= (omitted when not given, so backends see their default call)."""
+    return backend.forward(q, k, v, cache, backend.prepare(meta), scale, **options)

@@ -60,9 +60,11 @@ class TreeBatch:
 
 
 def build(requests: list[Request], layout: str, block_size: int, H: int, hkv: int, D: int, seed: int,
-          dtype=torch.float32) -> TreeBatch:
+          dtype=torch.float32, window: int | None = None, softcap: float | None = None) -> TreeBatch:
     """layout "mqa": one query sequence per request; "expand": chain and tree requests become one
-    single-token sequence per token (prefills and decodes stay as they are)."""
+    single-token sequence per token (prefills and decodes stay as they are). The oracle applies
+    a sliding window W by each token's logical position (a tree node's: the root's + its depth;
+    its ancestors stay visible) and a soft-cap c as c tanh(s / c)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(math.ceil((r.cached + r.new) / block_size) for r in requests) + 3
     cache = torch.zeros(2, num_blocks, block_size, hkv, D, dtype=dtype)
@@ -86,8 +88,12 @@ def build(requests: list[Request], layout: str, block_size: int, H: int, hkv: in
             pos = r.cached + i
             if sees is None:
                 visible, mask = set(range(pos + 1)), 0
+                if window is not None:
+                    visible = {j for j in visible if pos - j < window}
             else:
-                visible = set(range(r.cached)) | {r.cached + j for j in sees[i]}
+                logical = r.cached + len(sees[i]) - 1  # root + depth
+                prefix = range(r.cached) if window is None else [j for j in range(r.cached) if logical - j < window]
+                visible = set(prefix) | {r.cached + j for j in sees[i]}
                 mask = to_int64(sees[i])
             slot = blocks[pos // block_size] * block_size + pos % block_size
             new_tokens.append(dict(request=ri, pos=pos, slot=slot, visible=sorted(visible), mask=mask))
@@ -131,6 +137,8 @@ def build(requests: list[Request], layout: str, block_size: int, H: int, hkv: in
         kk = full_k[t["request"]][vis].double().repeat_interleave(H // hkv, 1)  # [n, H, D]
         vv = full_v[t["request"]][vis].double().repeat_interleave(H // hkv, 1)
         s = torch.einsum("hd,nhd->hn", q[i].double(), kk) * D ** -0.5
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         want[i] = torch.einsum("hn,nhd->hd", s.softmax(-1), vv)
     return TreeBatch(meta, cache, q, k, v, want)
 

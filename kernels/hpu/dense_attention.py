@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.attention.metadata import tree_visibility
+from specinfer.attention.metadata import NO_TREE, tree_depth, tree_visibility, window_hidden
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,13 @@ class DenseBlockMetadata:
     attn_bias: torch.Tensor  # float32[B, 1, Q, N*BS] additive causal mask: 0 allowed, -inf not
     batch_size: int  # B
     query_len: int  # Q
+    # sliding windows (applied in dense_paged_attention, same shapes for every window):
+    query_pos: torch.Tensor  # int64[B, 1, Q, 1] logical position of each query row (padding: 0, so key 0 stays)
+    tree_from: torch.Tensor  # int64[B, 1, Q, 1] a tree row's tree_start (in-tree keys skip the window), else NO_TREE
 
     def to(self, device) -> "DenseBlockMetadata":
         return DenseBlockMetadata(self.block_table.to(device), self.attn_bias.to(device), self.batch_size,
-                                  self.query_len)
+                                  self.query_len, self.query_pos.to(device), self.tree_from.to(device))
 
 
 def build_dense_metadata(
@@ -57,6 +60,7 @@ def build_dense_metadata(
     q_pos = full_l.unsqueeze(1) - full_q.unsqueeze(1) + qi.unsqueeze(0)  # [B, Q] context position of each row
     q_pos = torch.where(qi.unsqueeze(0) < full_q.unsqueeze(1), q_pos, torch.zeros_like(q_pos))  # padding rows: key 0
     allowed = kpos.view(1, 1, K) <= q_pos.unsqueeze(2)  # [B, Q, K]; q_pos < seq_len, so no key past the end
+    logical, tree_from = q_pos.clone(), torch.full_like(q_pos, NO_TREE)
     if tree_mask is not None and b:
         tm = torch.zeros(padded_batch, padded_query, dtype=torch.int64)
         tm[:b, : tree_mask.shape[1]] = tree_mask.to(torch.int64)
@@ -65,8 +69,11 @@ def build_dense_metadata(
         tree = tree_visibility(tm, ts.unsqueeze(1).expand(padded_batch, padded_query), kpos)  # [B, Q, K]
         tree &= kpos.view(1, 1, K) < full_l.view(-1, 1, 1)
         allowed = torch.where((tm != 0).unsqueeze(2), tree, allowed)
+        logical = torch.where(tm != 0, ts.unsqueeze(1) + tree_depth(tm), logical)
+        tree_from = torch.where(tm != 0, ts.unsqueeze(1), tree_from)
     bias = torch.zeros(padded_batch, 1, padded_query, K).masked_fill_(~allowed.unsqueeze(1), float("-inf"))
-    return DenseBlockMetadata(table, bias, padded_batch, padded_query)
+    return DenseBlockMetadata(table, bias, padded_batch, padded_query, logical.view(padded_batch, 1, padded_query, 1),
+                              tree_from.view(padded_batch, 1, padded_query, 1))
 
 
 def dense_paged_attention(
@@ -74,6 +81,8 @@ def dense_paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, BS, Hkv, D]
     meta: DenseBlockMetadata,
     scale: float,
+    window: int | None = None,  # sliding window (attention/backend.py's rule)
+    softcap: float | None = None,  # attention-logit soft-cap
 ) -> torch.Tensor:  # [B, Q, H, D]
     B, Q, H, D = query.shape
     _, _, BS, Hkv, _ = kv_cache.shape
@@ -85,6 +94,14 @@ def dense_paged_attention(
     k = kv[0].permute(0, 2, 1, 3).unsqueeze(2)  # [B, Hkv, 1, K, D]
     v = kv[1].permute(0, 2, 1, 3).unsqueeze(2)
     q = query.to(f32).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale + meta.attn_bias.unsqueeze(1)  # [B, Hkv, G, Q, K]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, Hkv, G, Q, K]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    bias = meta.attn_bias  # [B, 1, Q, K]
+    if window is not None:  # elementwise on the device: the same graph shape for every window
+        kpos = torch.arange(bias.shape[-1], device=bias.device)
+        hidden = window_hidden(meta.query_pos, meta.tree_from, kpos, window)
+        bias = bias.masked_fill(hidden, float("-inf"))
+    scores = scores + bias.unsqueeze(1)
     out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [B, Hkv, G, Q, D]
     return out.permute(0, 3, 1, 2, 4).reshape(B, Q, H, D).to(query.dtype)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.attention.metadata import tree_visibility
+from specinfer.attention.metadata import NO_TREE, tree_depth, tree_visibility, window_hidden
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,15 @@ class FlatBlockMetadata:
     block_mapping: torch.Tensor  # float32[NB, B] one-hot of block_groups
     block_bias: torch.Tensor  # float32[NB, BS] additive mask: 0 valid, -inf past the sequence end
     batch_size: int  # B, the padded batch
+    # sliding windows (applied in flat_paged_attention, same shapes for every window):
+    query_pos: torch.Tensor  # int64[NB, 1] logical position of the query each block serves (padding: 0)
+    tree_from: torch.Tensor  # int64[NB, 1] its tree_start if a tree row (in-tree keys skip the window), else NO_TREE
+    key_pos: torch.Tensor  # int64[NB, BS] position of each slot
 
     def to(self, device) -> "FlatBlockMetadata":
         return FlatBlockMetadata(self.block_list.to(device), self.block_groups.to(device),
-                                 self.block_mapping.to(device), self.block_bias.to(device), self.batch_size)
+                                 self.block_mapping.to(device), self.block_bias.to(device), self.batch_size,
+                                 self.query_pos.to(device), self.tree_from.to(device), self.key_pos.to(device))
 
 
 def build_flat_metadata(
@@ -69,15 +74,22 @@ def build_flat_metadata(
     pos = first_pos.unsqueeze(1) + torch.arange(block_size).unsqueeze(0)  # [n, BS]
     block_bias = torch.zeros(padded_blocks, block_size)
     hidden = pos >= seq_lens[block_groups[:n]].unsqueeze(1)  # [n, BS]
+    query_pos = torch.zeros(padded_blocks, 1, dtype=torch.int64)
+    tree_from = torch.full((padded_blocks, 1), NO_TREE, dtype=torch.int64)
+    key_pos = torch.zeros(padded_blocks, block_size, dtype=torch.int64)
+    key_pos[:n] = pos
+    query_pos[:n, 0] = seq_lens[block_groups[:n]] - 1
     if tree_mask is not None:
         tm = tree_mask.to(torch.int64)[block_groups[:n]]  # [n]
         ts = tree_start.to(torch.int64)[block_groups[:n]]
         hidden |= (tm != 0).unsqueeze(1) & ~tree_visibility(tm, ts, pos)
+        query_pos[:n, 0] = torch.where(tm != 0, ts + tree_depth(tm), query_pos[:n, 0])
+        tree_from[:n, 0] = torch.where(tm != 0, ts, tree_from[:n, 0])
     block_bias[:n].masked_fill_(hidden, float("-inf"))
     block_mapping = torch.zeros(padded_blocks, padded_batch + 1)
     block_mapping[torch.arange(padded_blocks), block_groups] = 1.0
     return FlatBlockMetadata(block_list, block_groups, block_mapping[:, :padded_batch].contiguous(),
-                             block_bias, padded_batch)
+                             block_bias, padded_batch, query_pos, tree_from, key_pos)
 
 
 def flat_paged_attention(
@@ -85,6 +97,8 @@ def flat_paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, BS, Hkv, D]
     meta: FlatBlockMetadata,
     scale: float,
+    window: int | None = None,  # sliding window (attention/backend.py's rule)
+    softcap: float | None = None,  # attention-logit soft-cap
 ) -> torch.Tensor:  # [B, H, D]; padding rows hold zeros
     B, H, D = query.shape
     _, _, BS, Hkv, _ = kv_cache.shape
@@ -99,7 +113,12 @@ def flat_paged_attention(
     keys = kv_cache[0].index_select(0, meta.block_list).to(f32)  # [NB, BS, Hkv, D]
     values = kv_cache[1].index_select(0, meta.block_list).to(f32)
     scores = torch.matmul(q_blocks, keys.permute(0, 2, 3, 1)) * scale  # [NB, Hkv, G, BS]
-    scores = scores + meta.block_bias.view(NB, 1, 1, BS)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    bias = meta.block_bias
+    if window is not None:  # elementwise on the device: the same graph shape for every window
+        bias = bias.masked_fill(window_hidden(meta.query_pos, meta.tree_from, meta.key_pos, window), float("-inf"))
+    scores = scores + bias.view(NB, 1, 1, BS)
     block_max = scores.amax(-1)  # [NB, Hkv, G]; -inf only for a block a tree row sees none of
     seq_max = torch.full((B + 1, Hkv, G), float("-inf"), dtype=f32, device=query.device)
     seq_max = seq_max.scatter_reduce(0, meta.block_groups.view(NB, 1, 1).expand(NB, Hkv, G), block_max, "amax")

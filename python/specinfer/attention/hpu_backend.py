@@ -168,7 +168,8 @@ class HpuFlatBackend:
             dense = (dm.to(device), _Rows(rows.gather.to(device), rows.scatter.to(device)))
         return HpuPrepared(null_slots.to(device), num_tokens, decode, dense)
 
-    def forward(self, q, k, v, kv_cache, prepared: HpuPrepared, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, prepared: HpuPrepared, scale: float, *,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         # q [T, H, D], k/v [T, Hkv, D] (strided views allowed), kv_cache [2, NB, BS, Hkv, D] -> [T, H, D]
         T, H, D = q.shape
         Hkv = k.shape[1]
@@ -179,11 +180,11 @@ class HpuFlatBackend:
         out = q.new_zeros(T + 1, H, D)  # row T collects padding rows
         if prepared.decode is not None:
             flat, rows = prepared.decode
-            o = flat_paged_attention(q.index_select(0, rows.gather), kv_cache, flat, scale)  # [B, H, D]
+            o = flat_paged_attention(q.index_select(0, rows.gather), kv_cache, flat, scale, window, softcap)  # [B, H, D]
             out.index_copy_(0, rows.scatter, o)
         if prepared.multi is not None:
             dm, rows = prepared.multi
             qp = q.index_select(0, rows.gather).view(dm.batch_size, dm.query_len, H, D)
-            o = dense_paged_attention(qp, kv_cache, dm, scale)  # [B, Q, H, D]
+            o = dense_paged_attention(qp, kv_cache, dm, scale, window, softcap)  # [B, Q, H, D]
             out.index_copy_(0, rows.scatter, o.reshape(-1, H, D))
         return out[:T]

@@ -35,6 +35,24 @@ def tree_visibility(
     return (rel < 0) | (in_tree & (bit == 1))
 
 
+def tree_depth(tree_mask: torch.Tensor) -> torch.Tensor:
+    """int64[...] depth of each tree token (popcount of its mask - 1: its ancestors, the root
+    included); its logical position is tree_start + depth (what a sliding window measures)."""
+    bits = torch.arange(MAX_TREE_SLOTS, device=tree_mask.device)
+    return ((tree_mask.to(torch.int64).unsqueeze(-1) >> bits) & 1).sum(-1) - 1
+
+
+def window_hidden(query_pos: torch.Tensor, tree_from: torch.Tensor, key_pos: torch.Tensor,
+                  window: int) -> torch.Tensor:
+    """bool: keys at key_pos outside the sliding window of queries at (logical) query_pos —
+    p - j >= W — except in-tree keys of a tree token (key_pos >= its tree_from; ordinary tokens
+    pass a tree_from beyond every key). Shapes broadcast (callers align them)."""
+    return (query_pos - key_pos >= window) & (key_pos < tree_from)
+
+
+NO_TREE = 1 << 62  # tree_from of an ordinary token: no key is in its tree
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64[T]   flat KV slot (block_id * block_size + offset) per token
