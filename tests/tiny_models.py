@@ -58,10 +58,57 @@ def _char_tokenizer(chars: str) -> Tokenizer:
     return tok
 
 
+FAMILIES = ("qwen3", "gemma2", "gemma3_text", "phi3", "mixtral", "qwen3_moe", "qwen2_moe")
+
+
+def _family_config(tf, arch: str, common: dict, window: int | None, layers: int, experts: int):
+    """The HF config and model class of a tiny `arch` model (one of FAMILIES): every family feature
+    switched on where the family has it (sliding layers with `window`, soft-caps, a shared expert,
+    a dense layer among MoE layers, LongRoPE with a short original length)."""
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
+    alternate = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if arch == "qwen3":
+        return tf.Qwen3Config(**common, head_dim=head_dim, rope_theta=10000.0, use_sliding_window=window is not None,
+                              sliding_window=window, max_window_layers=1), tf.Qwen3ForCausalLM
+    if arch == "gemma2":
+        return tf.Gemma2Config(**common, head_dim=head_dim, query_pre_attn_scalar=head_dim * 2, sliding_window=window
+                               or 4096, layer_types=alternate, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                               hidden_activation="gelu_pytorch_tanh"), tf.Gemma2ForCausalLM
+    if arch == "gemma3_text":
+        types = ["sliding_attention"] * (layers - 1) + ["full_attention"]
+        return tf.Gemma3TextConfig(**common, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=window
+                                   or 4096, layer_types=types, rope_parameters={
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 1000000.0}}), tf.Gemma3ForCausalLM
+    if arch == "phi3":
+        half = head_dim // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+                "short_factor": [1.0 + 0.05 * i for i in range(half)],
+                "long_factor": [1.5 + 0.2 * i for i in range(half)]}
+        return tf.Phi3Config(**{**common, "max_position_embeddings": 512}, original_max_position_embeddings=128,
+                             rope_parameters=rope, sliding_window=window, pad_token_id=0), tf.Phi3ForCausalLM
+    if arch == "mixtral":
+        return tf.MixtralConfig(**common, head_dim=head_dim, num_local_experts=experts, num_experts_per_tok=2,
+                                sliding_window=window, rope_theta=10000.0), tf.MixtralForCausalLM
+    if arch == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, head_dim=head_dim, num_experts=experts, num_experts_per_tok=2,
+                                 moe_intermediate_size=common["hidden_size"], norm_topk_prob=True,
+                                 mlp_only_layers=[layers - 1] if layers > 1 else [],
+                                 rope_theta=10000.0), tf.Qwen3MoeForCausalLM
+    if arch == "qwen2_moe":
+        return tf.Qwen2MoeConfig(**common, num_experts=experts, num_experts_per_tok=2,
+                                 moe_intermediate_size=common["hidden_size"], shared_expert_intermediate_size=96,
+                                 norm_topk_prob=False, rope_theta=10000.0), tf.Qwen2MoeForCausalLM
+    raise ValueError(arch)
+
+
 def build_tiny_model(path: Path, arch: str = "llama", *, tied: bool = False, seed: int = 0, layers: int = 2,
                      hidden: int = 64, heads: int = 4, kv_heads: int = 2, scale: float = 1.0,
-                     perturb: float = 0.0, base: Path | None = None, vocab: int = VOCAB, tokenizer: str = "words"):
-    """Save a random `arch` model (llama | mistral | qwen2) with a tokenizer to `path`: "words"
+                     perturb: float = 0.0, base: Path | None = None, vocab: int = VOCAB, tokenizer: str = "words",
+                     window: int | None = None, experts: int = 4):
+    """Save a random `arch` model (llama | mistral | qwen2 | one of FAMILIES: its features on,
+    sliding layers with `window`, `experts` experts for MoE) with a tokenizer to `path`: "words"
     (t0 .. t{vocab-1}, word-level), "bytes" (byte-level, vocab BYTE_VOCAB) or "chars:<characters>"
     (one token per character after 3 specials; vocab 3 + len(characters)).
 
@@ -88,17 +135,19 @@ def build_tiny_model(path: Path, arch: str = "llama", *, tied: bool = False, see
         cfg = tf.Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)
         cls = tf.Qwen2ForCausalLM
     else:
-        raise ValueError(arch)
+        cfg, cls = _family_config(tf, arch, common, window, layers, experts)
     torch.manual_seed(seed)
     model = cls(cfg).eval() if base is None else cls.from_pretrained(base, torch_dtype=torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if base is not None:
                 p.add_(torch.randn_like(p) * perturb)
-            elif p.dim() == 2:
-                p.normal_(0.0, scale / p.shape[1] ** 0.5)
+            elif p.dim() >= 2:  # matrices, and transformers' stacked [experts, out, in] tensors
+                p.normal_(0.0, scale / p.shape[-1] ** 0.5)
             elif "bias" in name:
                 p.normal_(0.0, 0.1)
+            elif arch in FAMILIES and "norm" in name:  # norms that are not all ones (Gemma: not all zeros)
+                p.add_(torch.randn_like(p) * 0.2)
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer == "words":

@@ -1,53 +1,30 @@
-"""The architecture description of a Llama-family causal LM (Llama, Mistral, Qwen2).
+"""The architecture description of a decoder-only causal LM: Llama, Mistral, Qwen2/3, Gemma 2/3,
+Phi-3 and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 One frozen, validated dataclass; `from_hf_config` reads an HF `config.json` dict in either the
-transformers 4.x spelling (`rope_theta` + `rope_scaling`) or the 5.x one (`rope_parameters`).
+transformers 4.x spelling (`rope_theta` + `rope_scaling`) or the 5.x one (`rope_parameters`),
+family by family (models/hf_config.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-# HF `model_type` -> the architecture name we keep; all share one implementation.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# HF `model_type` -> the architecture name we keep; all share one implementation (models/llama.py)
+# whose per-family parts the fields below switch on (models/hf_config.py reads each family).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "mixtral",
+                           "qwen3_moe", "qwen2_moe")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _ROPE_REQUIRED_KEYS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
-
-
-_REQUIRED = object()
-
-
-def _hf_int(hf: Mapping[str, Any], key: str, default: Any = _REQUIRED) -> Any:
-    """config.json's `key` as a positive int (or `default` when absent); errors name the key."""
-    value = hf.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"missing field {key!r}")
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"field {key!r} must be a positive integer (got {value!r})")
-    return value
-
-
-def _hf_float(hf: Mapping[str, Any], key: str, default: float | None = None) -> float:
-    value = hf.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"field {key!r} must be a positive number (got {value!r})")
-    return float(value)
-
-
-def _hf_ids(hf: Mapping[str, Any], key: str) -> tuple[int, ...]:
-    value = hf.get(key)
-    values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
-    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
-        raise ValueError(f"field {key!r} must be a token id or a list of token ids (got {value!r})")
-    return tuple(values)
 
 
 @dataclass(frozen=True)
@@ -67,9 +44,26 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama attention_bias)
     attention_output_bias: bool = False  # bias on o_proj (Llama attention_bias only)
-    sliding_window: int | None = None  # stored only: attention here is always full (see caveat)
+    sliding_window: int | None = None  # the window of the sliding layers (layer_types; None: every layer)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # ---- family features (defaults: Llama) ----
+    layer_types: tuple[str, ...] | None = None  # per layer "full_attention" | "sliding_attention"
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # MLP gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    embed_scale: float | None = None  # embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs too (Gemma 2/3)
+    norm_weight_offset: float = 0.0  # checkpoint norms hold w, applied as (offset + w) (HF Gemma: 1)
+    attn_softcap: float | None = None  # attention-logit soft-cap (Gemma 2)
+    final_softcap: float | None = None  # final-logit soft-cap (Gemma 2)
+    attn_scale: float | None = None  # attention scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)
+    local_rope_theta: float | None = None  # RoPE base of sliding layers, unscaled (Gemma 3)
+    num_experts: int = 0  # mixture of experts: routed experts per MoE layer (0: dense MLP)
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    norm_topk_prob: bool = True  # renormalize the top-k router probabilities (Mixtral: always)
+    moe_layers: tuple[bool, ...] | None = None  # which layers are MoE (None: all when num_experts)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a sigmoid-gated shared expert (0: none)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -93,6 +87,23 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.rope_theta must be > 0, got {self.rope_theta!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"ModelConfig.sliding_window must be positive or None, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(f"ModelConfig.layer_types must list {self.num_layers} of {LAYER_TYPES}, "
+                                 f"got {self.layer_types!r}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        for name in ("attn_softcap", "final_softcap", "attn_scale", "embed_scale", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size <= 0:
+                raise ValueError(f"ModelConfig: MoE needs 0 < num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                                 f"num_experts ({self.num_experts}) and moe_intermediate_size > 0 "
+                                 f"({self.moe_intermediate_size})")
+            if self.moe_layers is not None and len(self.moe_layers) != self.num_layers:
+                raise ValueError(f"ModelConfig.moe_layers must have {self.num_layers} entries")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type")
             if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -108,7 +119,7 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.rope_scaling.factor must be > 0, got {factor!r}")
 
     def __hash__(self) -> int:  # rope_scaling is a dict; hash its items so configs can key caches
-        scaling = tuple(sorted((self.rope_scaling or {}).items()))
+        scaling = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (self.rope_scaling or {}).items()))
         return hash(tuple(scaling if f == "rope_scaling" else getattr(self, f) for f in self.__dataclass_fields__))
 
     @property
@@ -117,68 +128,35 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: Mapping[str, Any]) -> "ModelConfig":
-        """Read an HF `config.json` dict (transformers 4.x or 5.x spelling)."""
-        arch = hf.get("model_type")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            names = hf.get("architectures") or []
-            raise ValueError(
-                f"unsupported architecture: model_type {arch!r} (architectures {names}); "
-                f"supported: {list(SUPPORTED_ARCHITECTURES)}"
-            )
-        if hf.get("mlp_bias"):
-            raise ValueError("unsupported config: mlp_bias=True")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported config: hidden_act {hf.get('hidden_act')!r} (only 'silu')")
-        num_heads = _hf_int(hf, "num_attention_heads")
-        hidden = _hf_int(hf, "hidden_size")
-        head_dim = _hf_int(hf, "head_dim", None)
-        if head_dim is None:
-            if hidden % num_heads:
-                raise ValueError(f"num_attention_heads ({num_heads}) does not divide hidden_size ({hidden}) "
-                                 "and there is no head_dim")
-            head_dim = hidden // num_heads
-        num_kv_heads = _hf_int(hf, "num_key_value_heads", None) or num_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_key_value_heads ({num_kv_heads}) does not divide num_attention_heads "
-                             f"({num_heads})")
-        # 5.x: rope_parameters = {"rope_type", "rope_theta", ...}; 4.x: rope_theta + rope_scaling.
-        for key in ("rope_parameters", "rope_scaling"):
-            if hf.get(key) is not None and not isinstance(hf.get(key), Mapping):
-                raise ValueError(f"field {key!r} must be an object (got {hf.get(key)!r})")
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy = hf.get("rope_scaling") or {}
-        rope = {**legacy, **rope}
-        rope_theta = _hf_float({"rope_theta": rope.pop("rope_theta", hf.get("rope_theta", 10000.0))}, "rope_theta")
-        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-        rope.pop("type", None)
-        rope_scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
-        if rope_scaling is not None and rope_type == "yarn":
-            rope_scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-        if arch == "qwen2":
-            qkv_bias, o_bias = True, False
-            use_sw = hf.get("use_sliding_window", False)
-        else:
-            qkv_bias = o_bias = bool(hf.get("attention_bias", False))
-            use_sw = True
-        sliding_window = _hf_int(hf, "sliding_window", None) if use_sw else None
-        bos = (_hf_ids(hf, "bos_token_id") or (None,))[0]
-        return cls(
-            architecture=arch,
-            vocab_size=_hf_int(hf, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_hf_int(hf, "intermediate_size"),
-            num_layers=_hf_int(hf, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=_hf_float(hf, "rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            max_position_embeddings=_hf_int(hf, "max_position_embeddings", 4096),
-            rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=qkv_bias,
-            attention_output_bias=o_bias,
-            sliding_window=sliding_window,
-            bos_token_id=bos,
-            eos_token_ids=_hf_ids(hf, "eos_token_id"),
-        )
+        """Read an HF `config.json` dict (transformers 4.x or 5.x spelling); models/hf_config.py."""
+        from specinfer.models.hf_config import config_from_hf
+
+        return config_from_hf(cls, hf)
+
+    # ---- per-layer structure ------------------------------------------------------------------
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: full attention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_uses_local_rope(self, layer: int) -> bool:
+        """Gemma 3: sliding layers rotate with their own base (local_rope_theta, no scaling)."""
+        return self.local_rope_theta is not None and self.layer_window(layer) is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if not self.num_experts:
+            return False
+        return True if self.moe_layers is None else self.moe_layers[layer]
+
+    @property
+    def min_window(self) -> int | None:
+        windows = [w for w in (self.layer_window(i) for i in range(self.num_layers)) if w is not None]
+        return min(windows) if windows else None
+
+    @property
+    def all_layers_slide(self) -> bool:
+        return all(self.layer_window(i) is not None for i in range(self.num_layers))

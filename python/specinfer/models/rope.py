@@ -1,11 +1,12 @@
 """Rotary position embedding: a cos/sin table over all positions, indexed per token.
 
-The table is built once (fp32) from the config's RoPE scaling (default, linear, llama3, yarn —
+The table is built once (fp32) from the config's RoPE scaling (default, linear, llama3, yarn, longrope —
 the formulas of HF `modeling_rope_utils`), so a forward gathers rows by position and never
 recomputes frequencies. Rotation is the "rotate half" (GPT-NeoX) form HF Llama uses.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -29,7 +30,25 @@ def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return _llama3(inv_freq, rs), 1.0
     if kind == "yarn":
         return _yarn(cfg, rs)
+    if kind == "longrope":
+        return _longrope(cfg, rs, long=False)
     raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def _longrope(cfg: ModelConfig, rs, long: bool) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency factors, short below original_max_position_embeddings and
+    long from there on, and one attention factor (HF `_compute_longrope_parameters`)."""
+    dim, base = cfg.head_dim, cfg.rope_theta
+    orig = rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or (rs.get("max_position_embeddings") or cfg.max_position_embeddings) / orig
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = torch.tensor(rs["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if ext.shape != (dim // 2,):
+        raise ValueError(f"longrope factors must have head_dim / 2 = {dim // 2} entries (got {tuple(ext.shape)})")
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv_freq, float(attention_factor)
 
 
 def _llama3(inv_freq: torch.Tensor, rs) -> torch.Tensor:
@@ -75,10 +94,21 @@ def _yarn(cfg: ModelConfig, rs) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def rope_table(cfg: ModelConfig, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (cos, sin), each float32[num_positions, head_dim / 2]."""
+def rope_table(cfg: ModelConfig, num_positions: int, *, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (cos, sin), each float32[num_positions, head_dim / 2]. local: the table of Gemma 3's
+    sliding layers (base local_rope_theta, unscaled). LongRoPE switches from its short to its
+    long factors at original_max_position_embeddings, position by position (HF switches a whole
+    forward once its longest position passes that length: the same for every token of a
+    decode or of a chunk wholly on one side)."""
+    if local:
+        cfg = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)
     inv_freq, attention_factor = inverse_frequencies(cfg)
-    angles = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)
+    pos = torch.arange(num_positions, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)
+    if cfg.rope_type == "longrope":
+        orig = cfg.rope_scaling["original_max_position_embeddings"]
+        long_inv, _ = _longrope(cfg, cfg.rope_scaling, long=True)
+        angles = torch.where(pos.unsqueeze(1) >= orig, torch.outer(pos, long_inv), angles)
     return angles.cos() * attention_factor, angles.sin() * attention_factor
 
 
