@@ -1,6 +1,8 @@
-"""Our Llama-family model, loaded from HF safetensors, equals HF transformers' logits.
+"""Our decoder, loaded from HF safetensors, equals HF transformers' logits, for every family.
 
-Tiny random Llama / Mistral / Qwen2 models are built with transformers (the independent
+Tiny random Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / Phi-3 / Mixtral / Qwen3-MoE /
+Qwen2-MoE models (every family feature on: sliding windows shorter than the sequences,
+soft-caps, LongRoPE, a shared expert, a dense layer among MoE layers) are built with transformers (the independent
 reference), saved with save_pretrained, loaded with specinfer.loader, and run over a paged KV
 cache (block_size 4, scattered block ids) as one prefill, chunked prefill + decodes,
 1 + k verification runs with rollback, and mixed batches of several sequences.
@@ -41,6 +43,26 @@ VARIANTS = {
     "mistral_headdim": ("MistralConfig", "MistralForCausalLM", dict(head_dim=32, num_key_value_heads=1)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=1)),
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    # the other families, every feature on, sliding windows (8) shorter than the sequences
+    "qwen3_window": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, use_sliding_window=True, sliding_window=8,
+                                                             max_window_layers=1)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=32, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=2.0, final_logit_softcapping=4.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}})),
+    "phi3_longrope": ("Phi3Config", "Phi3ForCausalLM", dict(
+        max_position_embeddings=1024, original_max_position_embeddings=256, pad_token_id=0, sliding_window=8,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                         "long_factor": [2.0 + 0.5 * i for i in range(8)]})),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
 }
 
 
@@ -309,10 +331,43 @@ def test_config_is_hashable_and_frozen():
         cfg.num_layers = 3
 
 
-def test_sliding_window_is_stored_and_warned():
-    hf = {**_BASE, "model_type": "mistral", "sliding_window": 64}
-    cfg = ModelConfig.from_hf_config(hf)
-    assert cfg.sliding_window == 64
-    with pytest.warns(UserWarning, match="sliding_window=64 is not applied"):
-        LlamaForCausalLM(cfg)
-    assert ModelConfig.from_hf_config({**hf, "model_type": "qwen2", "use_sliding_window": False}).sliding_window is None
+def test_sliding_windows_per_layer_from_every_spelling():
+    """Which layers slide: layer_types when given, else the family's rule (transformers 4.x configs)."""
+    mistral = ModelConfig.from_hf_config({**_BASE, "model_type": "mistral", "sliding_window": 64})
+    assert [mistral.layer_window(i) for i in range(2)] == [64, 64] and mistral.all_layers_slide
+    qwen = {**_BASE, "model_type": "qwen2", "sliding_window": 64}
+    assert ModelConfig.from_hf_config({**qwen, "use_sliding_window": False}).sliding_window is None
+    assert ModelConfig.from_hf_config({**qwen, "sliding_window": 0}).sliding_window is None  # unused, 0 in some configs
+    q = ModelConfig.from_hf_config({**qwen, "use_sliding_window": True, "max_window_layers": 1})
+    assert [q.layer_window(i) for i in range(2)] == [None, 64]
+    gemma2 = {**_BASE, "model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh", "num_hidden_layers": 4,
+              "sliding_window": 16, "query_pre_attn_scalar": 16}
+    g2 = ModelConfig.from_hf_config(gemma2)
+    assert [g2.layer_window(i) for i in range(4)] == [16, None, 16, None]
+    assert g2.tie_word_embeddings and g2.norm_weight_offset == 1.0 and g2.attn_scale == 0.25
+    g3 = ModelConfig.from_hf_config({**gemma2, "model_type": "gemma3_text", "num_hidden_layers": 7,
+                                     "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                     "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert [g3.layer_window(i) is None for i in range(7)] == [False] * 5 + [True, False]
+    assert g3.rope_theta == 1e6 and g3.local_rope_theta == 1e4 and g3.rope_scaling["factor"] == 8.0
+    assert g3.layer_uses_local_rope(0) and not g3.layer_uses_local_rope(5) and g3.qk_norm
+    with pytest.raises(ValueError, match="multimodal"):
+        ModelConfig.from_hf_config({"model_type": "gemma3", "text_config": {}})
+    with pytest.raises(ValueError, match="hidden activation"):
+        ModelConfig.from_hf_config({**_BASE, "model_type": "gemma2"})  # Gemma with SwiGLU: not a Gemma
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        ModelConfig.from_hf_config({**_BASE, "model_type": "phi3", "partial_rotary_factor": 0.5})
+
+
+def test_longrope_switches_factors_at_the_original_length():
+    from specinfer.models.rope import rope_table
+
+    cfg = ModelConfig.from_hf_config({**_BASE, "model_type": "phi3", "max_position_embeddings": 1024,
+                                      "original_max_position_embeddings": 64, "rope_scaling": {
+                                          "type": "su", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}})
+    assert cfg.rope_type == "longrope"
+    cos, sin = rope_table(cfg, 128)
+    plain, _ = rope_table(ModelConfig.from_hf_config({**_BASE, "model_type": "llama"}), 128)
+    factor = math.sqrt(1 + math.log(1024 / 64) / math.log(64))
+    torch.testing.assert_close(cos[:64], plain[:64] * factor)  # short factors 1: plain RoPE, scaled
+    assert not torch.allclose(cos[64:], plain[64:] * factor)  # long factors from position 64 on
