@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 
 def target_lm_head(target: Path) -> torch.Tensor:  # [V, H]
-    return load_file(str(Path(target) / "model.safetensors"))["lm_head.weight"].float()
+    weights = load_file(str(Path(target) / "model.safetensors"))  # tied targets: the embedding table
+    return weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).float()
 
 
 def _write(path: Path, config: dict, tensors: dict, file: str, pt: bool = False) -> Path:
