@@ -101,3 +101,10 @@ def test_greedy_speculation_changes_nothing(family, family_ref, draft_of, tmp_pa
     spec = _spec(method, path, tmp_path, draft_of)
     tot = check_greedy_exact(path, spec, family_ref, settings=PRESSURE)
     assert tot["num_draft_tokens"] > 0, (arch, method)
+
+
+def test_trees_deeper_than_the_window_are_refused(tiny_dir):
+    path, _ = tiny_dir("mixtral", layers=3, window=WINDOW)
+    with pytest.raises(ValueError, match="narrowest window is 16"):
+        Generator(str(path), speculative={"method": "suffix", "num_speculative_tokens": 16})
+    Generator(str(path), speculative={"method": "suffix", "num_speculative_tokens": 15})  # shallower: fine

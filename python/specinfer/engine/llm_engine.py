@@ -132,6 +132,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.config.vocab_size
         self.proposer = None
+        _check_trees_fit_windows(self.spec, self.loaded.config)
         if self.spec is not None:
             ctx = ProposerContext(self.loaded, lambda path: load(path, "draft"), cache_cfg.block_size, self.device,
                                   sched_cfg.max_num_batched_tokens,
@@ -655,3 +656,15 @@ class LLMEngine:
         return self.proposing.policy if self.proposing is not None else None
 
 
+def _check_trees_fit_windows(spec, cfg) -> None:
+    """A tree node sees its ancestors whatever a sliding window says (attention/backend.py): exact
+    only while every tree is shallower than the model's narrowest window."""
+    window = cfg.min_window
+    if spec is None or window is None or not spec.drafts_trees:
+        return
+    depth = spec.num_speculative_tokens
+    if spec.token_tree is not None:
+        depth = max(depth, spec.token_tree.max_depth)
+    if depth >= window:
+        raise ValueError(f"speculative: token trees up to {depth} deep need a sliding window wider than that; "
+                         f"this model's narrowest window is {window} (use fewer speculative tokens or chains)")
