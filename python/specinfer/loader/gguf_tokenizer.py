@@ -73,8 +73,13 @@ def build_gguf_tokenizer(meta: dict, source: str) -> tuple[tokenizers.Tokenizer,
     `tokenizer.encode(text)` prepends BOS iff the file's `tokenizer.ggml.add_bos_token` is true.
     """
     model = meta.get("tokenizer.ggml.model")
+    if model == "llama":  # SentencePiece (Gemma, Llama 2, Mistral, Phi-3)
+        from specinfer.loader.gguf_spm_tokenizer import build_spm_tokenizer
+
+        return build_spm_tokenizer(meta, source)
     if model != "gpt2":
-        raise ValueError(f"{source}: unsupported GGUF tokenizer model {model!r} (only byte-level BPE 'gpt2')")
+        raise ValueError(f"{source}: unsupported GGUF tokenizer model {model!r} (only byte-level BPE 'gpt2' "
+                         "and SentencePiece 'llama')")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"{source}: unsupported GGUF pre-tokenizer {pre!r}; supported: {sorted(PRE_TOKENIZERS)}")

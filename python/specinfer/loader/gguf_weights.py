@@ -3,10 +3,16 @@
 The traps (see shared/MODELS.md): GGUF lists dims innermost-first (the reader's numpy arrays
 are already [rows, cols]); llama.cpp's converter permutes the rows of llama-arch Q and K
 (`LlamaModel.permute`: interleaved rotary pairs) which we undo; Qwen2 carries q/k/v biases and
-is not permuted; a file without `output.weight` ties the LM head to the embeddings.
+is not permuted; a file without `output.weight` ties the LM head to the embeddings. Other
+families (llama.cpp's names): Gemma 2/3 store norms as 1 + w already and name the MLP's input
+norm ffn_norm (post_attention_norm / post_ffw_norm are the sandwich's output norms); Phi-3
+fuses q|k|v (attn_qkv) and gate|up (ffn_up) and keeps its LongRoPE factors as tensors; MoE
+files stack experts ([experts, rows, cols]: ffn_{gate,up,down}_exps), Mixtral under the "llama"
+architecture with an expert_count.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Iterator
 
@@ -19,7 +25,10 @@ from specinfer.models.config import ModelConfig
 from specinfer.models.int8_linear import QuantizedTensor
 from specinfer.models.llama import LlamaForCausalLM
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+# GGUF general.architecture -> ours (llama.cpp's "llama" also holds Mixtral: experts in the file)
+_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
+         "gemma3": "gemma3_text", "phi3": "phi3"}
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -35,7 +44,19 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # MoE router (Mixtral: renamed in hf_name)
 }
+# Gemma's sandwich norms (llama.cpp names -> HF): its ffn_norm is the MLP's input norm
+_GEMMA_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
+_MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -44,13 +65,34 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor for our architecture `arch` (stacked expert tensors: the
+    prefix "model.layers.N.mlp.experts.{}." + projection, see expert_names)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if not m:
+        return None
+    layer, rest = m.group(1), m.group(2)
+    if arch in ("gemma2", "gemma3_text") and rest in _GEMMA_NAMES:
+        return f"model.layers.{layer}.{_GEMMA_NAMES[rest]}"
+    if arch == "phi3" and rest == "ffn_up.weight":  # Phi-3 stores gate|up as one tensor
+        return f"model.layers.{layer}.mlp.gate_up_proj.weight"
+    if arch == "mixtral" and rest == "ffn_gate_inp.weight":
+        return f"model.layers.{layer}.block_sparse_moe.gate.weight"
+    if rest in _EXPERTS:
+        return f"model.layers.{layer}.<experts>.{_EXPERTS[rest]}"
+    if rest in _LAYER_NAMES:
+        return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
     return None
+
+
+def expert_names(name: str, arch: str, num_experts: int) -> list[str]:
+    """A stacked expert tensor's HF names, expert by expert (Mixtral: block_sparse_moe w1/w3/w2)."""
+    prefix, proj = name.split(".<experts>.")
+    if arch == "mixtral":
+        return [f"{prefix}.block_sparse_moe.experts.{e}.{_MIXTRAL[proj]}.weight" for e in range(num_experts)]
+    return [f"{prefix}.mlp.experts.{e}.{proj}.weight" for e in range(num_experts)]
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -82,12 +124,16 @@ def _rope_scaling(meta: dict, arch: str, path: str) -> dict | None:
     raise ValueError(f"{path}: unsupported GGUF rope scaling type {kind!r}")
 
 
-def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
+def gguf_config(meta: dict, tensor_names: set[str], path: str, rope_factors: dict | None = None) -> ModelConfig:
+    """rope_factors: Phi-3's LongRoPE factor tensors ("short"/"long" -> float lists), read by the caller."""
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(
             f"{path}: unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_GGUF_ARCHITECTURES)}"
         )
+    ours = _ARCH[arch]
+    if arch == "llama" and int(meta.get("llama.expert_count", 0) or 0) > 0:
+        ours = "mixtral"
     if "rope_freqs.weight" in tensor_names:
         raise ValueError(f"{path}: GGUF per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
 
@@ -137,26 +183,77 @@ def gguf_config(meta: dict, tensor_names: set[str], path: str) -> ModelConfig:
     eos = list(dict.fromkeys(special[k] for k in ("eos", "eot", "eom") if k in special))
     bos = special.get("bos")
     has_bias = "blk.0.attn_q.bias" in tensor_names
+    num_layers = int(get("block_count"))
+    family = _family_fields(meta, arch, ours, num_layers, hidden, heads, head_dim, path)
+    rope_scaling = _rope_scaling(meta, arch, path)
+    if rope_factors:  # Phi-3 LongRoPE: the factors are tensors of the file
+        rope_scaling = {"rope_type": "longrope", "short_factor": tuple(rope_factors["short"]),
+                        "long_factor": tuple(rope_factors["long"]),
+                        "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+                        "max_position_embeddings": int(get("context_length"))}
+        if f"{arch}.rope.scaling.attn_factor" in meta:
+            rope_scaling["attention_factor"] = float(meta[f"{arch}.rope.scaling.attn_factor"])
     return ModelConfig(
-        architecture=arch,
+        architecture=ours,
         vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
         rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
-        rope_scaling=_rope_scaling(meta, arch, path),
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias=has_bias,
         attention_output_bias="blk.0.attn_output.bias" in tensor_names,
-        sliding_window=None,
         bos_token_id=bos,
         eos_token_ids=tuple(eos),
+        **family,
     )
+
+
+def _family_fields(meta: dict, arch: str, ours: str, num_layers: int, hidden: int, heads: int, head_dim: int,
+                   path: str) -> dict:
+    """The ModelConfig family fields from llama.cpp's metadata and its per-architecture constants
+    (src/llama-model.cpp): Gemma's sliding pattern (2: even layers slide; 3: five of six), Gemma
+    3's local RoPE base 10000, the attention scale 1/sqrt(hidden / heads) of the 27B models."""
+    out: dict = {}
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if ours in ("gemma2", "gemma3_text"):
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # newer files: one bool per layer
+            slides = [bool(x) for x in pattern]
+        else:
+            n = 2 if ours == "gemma2" else 6
+            slides = [i % n < n - 1 for i in range(num_layers)]
+        big = (ours == "gemma2" and num_layers == 46) or (ours == "gemma3_text" and num_layers == 62)
+        out.update(hidden_act="gelu_tanh", embed_scale=math.sqrt(hidden), sandwich_norms=True,
+                   norm_weight_offset=1.0, attn_scale=(hidden / heads if big else head_dim) ** -0.5)
+        if ours == "gemma2":
+            for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+                if meta.get(f"{arch}.{key}") is not None:
+                    out[field] = float(meta[f"{arch}.{key}"])
+        else:
+            out.update(qk_norm=True, local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)))
+        if window is not None:
+            out.update(sliding_window=int(window),
+                       layer_types=tuple("sliding_attention" if s else "full_attention" for s in slides))
+    elif window is not None:  # every layer slides
+        out["sliding_window"] = int(window)
+    if ours in ("qwen3", "qwen3_moe"):
+        out["qk_norm"] = True
+    if ours in ("qwen3_moe", "mixtral"):
+        experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+        if experts <= 0:
+            raise ValueError(f"{path}: GGUF metadata {arch}.expert_count is missing")
+        out.update(num_experts=experts, num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
+                   moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
+                                             or meta[f"{arch}.feed_forward_length"]),
+                   norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
+    return out
 
 
 _Q8_0_BLOCK, _Q8_0_BYTES = 32, 34  # values per block; bytes per block (float16 scale + 32 int8)
@@ -186,12 +283,23 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
 
     destinations = destinations or {}
 
-    permuted = cfg.architecture == "llama"
+    permuted = cfg.architecture in ("llama", "mixtral")
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name in _ROPE_FACTOR_TENSORS:  # Phi-3's LongRoPE factors: read into the config
+            continue
+        name = hf_name(t.name, cfg.architecture)
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
         expected = tuple(int(d) for d in reversed(t.shape))
+        if ".<experts>." in name:  # [experts, rows, cols]: one HF tensor per expert
+            try:
+                array = dequantize(t.data, t.tensor_type, expected)
+            except Exception as e:
+                raise ValueError(f"{path}: cannot dequantize tensor {t.name!r} (truncated or damaged data: "
+                                 f"{type(e).__name__}: {e})") from e
+            for e_name, w in zip(expert_names(name, cfg.architecture, expected[0]), torch.from_numpy(array)):
+                yield e_name, (w if quantization else w.to(dtype))
+            continue
         if (quantization in ("int8", "w8a8") and t.tensor_type == GGMLQuantizationType.Q8_0 and len(expected) == 2
                 and name.endswith(".weight") and "norm" not in name):
             try:
@@ -228,14 +336,19 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
         yield name, (w if quantization else w.to(dtype))
 
 
+_ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short", "rope_factors_long.weight": "long"}
+
+
 def load_gguf(path: str, *, dtype: torch.dtype, device, quantization: str | None = None) -> LoadedModel:
     reader, meta = _read(path)
     tensor_names = {t.name for t in reader.tensors}
-    cfg = gguf_config(meta, tensor_names, path)
+    factors = {_ROPE_FACTOR_TENSORS[t.name]: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+               for t in reader.tensors if t.name in _ROPE_FACTOR_TENSORS}
+    cfg = gguf_config(meta, tensor_names, path, factors or None)
     tokenizer, add_bos = build_gguf_tokenizer(meta, path)
     model = LlamaForCausalLM(cfg, dtype=dtype, device=device, quantization=quantization)
     model.load_weights(_gguf_weights(reader, cfg, dtype, path, model.quantization, model.float32_destinations()),
-                       source=path)
+                       source=path, norms_include_offset=True)  # llama.cpp stores Gemma's norms as 1 + w
     model.eval()
     return LoadedModel(
         model=model, config=cfg, tokenizer=tokenizer, bos_token_id=cfg.bos_token_id,
