@@ -107,6 +107,13 @@ def test_unshardable_heads_name_the_field():
     assert [kv_heads_of_rank(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [kv_heads_of_rank(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
 
+    class MoE(Cfg):
+        num_experts = 8
+
+    check_shardable(MoE, 1)
+    with pytest.raises(ValueError, match="mixture-of-experts models do not shard yet"):
+        check_shardable(MoE, 2)
+
 
 def test_in_process_kv_copies_move_k_and_v_of_every_pool():
     from specinfer.executor import InProcessExecutor

@@ -57,6 +57,8 @@ class TensorParallelGroup:
 def check_shardable(cfg, size: int, what: str = "tensor_parallel_size") -> None:
     """ValueError naming `what` unless the model's heads and MLP split evenly over `size` ranks."""
     H, Hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    if getattr(cfg, "num_experts", 0) and size > 1:
+        raise ValueError(f"{what}={size}: mixture-of-experts models do not shard yet (run them with one rank)")
     if H % size:
         raise ValueError(f"{what}={size} does not divide the model's {H} attention heads")
     if (Hkv % size) and (size % Hkv):
