@@ -11,7 +11,8 @@ use numpy::{AllowTypeChange, PyArrayLike1, PyArrayLike2};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use specinfer_kernels::{
-    self as kernels, AttentionError, BatchLayout, Bf16, Elem, HeadGeometry, Isa, StridedHeads,
+    self as kernels, AttentionError, AttentionOptions, BatchLayout, Bf16, Elem, HeadGeometry, Isa,
+    StridedHeads,
 };
 
 fn to_py(e: AttentionError) -> PyErr {
@@ -113,7 +114,9 @@ impl CpuPagedBatch {
     /// Store k/v (`[T, Hkv, D]`) at the batch's slots of the cache (`[2, NB, BS, Hkv, D]`,
     /// contiguous), then attend q (`[T, H, D]`) into out (`[T, H, D]`, contiguous). dtype:
     /// "float32" or "bfloat16", the same for every tensor. isa None: the best this CPU has.
-    #[pyo3(signature = (dtype, out_ptr, q, k, v, cache_ptr, num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, num_threads, isa=None))]
+    /// window: sliding window W >= 1 (a query at position p sees keys p - W < j <= p; tree
+    /// tokens by their logical position); softcap: scores s become c * tanh(s / c); None: off.
+    #[pyo3(signature = (dtype, out_ptr, q, k, v, cache_ptr, num_heads, num_kv_heads, head_dim, num_blocks, block_size, scale, num_threads, isa=None, window=None, softcap=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
@@ -132,6 +135,8 @@ impl CpuPagedBatch {
         scale: f32,
         num_threads: usize,
         isa: Option<&str>,
+        window: Option<usize>,
+        softcap: Option<f32>,
     ) -> PyResult<()> {
         let isa = match isa {
             None => Isa::detect(),
@@ -155,6 +160,7 @@ impl CpuPagedBatch {
             v,
             cache_ptr,
             scale,
+            opts: AttentionOptions { window, softcap },
             num_threads,
             isa,
         };
@@ -179,6 +185,7 @@ struct Call<'a> {
     v: Strided,
     cache_ptr: usize,
     scale: f32,
+    opts: AttentionOptions,
     num_threads: usize,
     isa: Isa,
 }
@@ -205,7 +212,7 @@ impl Call<'_> {
         } else {
             std::slice::from_raw_parts_mut(self.out_ptr as *mut E, out_len)
         };
-        kernels::paged_attention(
+        kernels::paged_attention_with(
             self.isa,
             self.num_threads,
             self.layout,
@@ -214,6 +221,7 @@ impl Call<'_> {
             cache,
             out,
             self.scale,
+            self.opts,
         )
     }
 }

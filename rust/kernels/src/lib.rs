@@ -2,7 +2,8 @@
 //!
 //! - [`paged_attention`]: causal attention of a whole mixed batch (prefill chunks, decodes,
 //!   1 + k verification runs) straight over the paged KV block pool, with the KV store of the
-//!   batch's new keys/values fused in front.
+//!   batch's new keys/values fused in front; per layer a sliding window and a logit soft-cap
+//!   ([`paged_attention_with`]).
 //! - [`few_rows_linear`]: linear layers at few activation rows (decodes, verification runs,
 //!   small batches), streaming the weights with prefetch; its entry points are
 //!   [`int8_linear`] (weight-only int8 with per-group f32 scales, e.g. GGUF Q8_0's blocks of
@@ -36,7 +37,8 @@ pub use dense_linear::dense_linear;
 pub use elem::{Bf16, Elem};
 pub use int8_linear::{int8_linear, quantize, Int8Weight};
 pub use paged_attention::{
-    paged_attention, store_kv, AttentionError, BatchLayout, HeadGeometry, StridedHeads,
+    paged_attention, paged_attention_with, store_kv, AttentionError, AttentionOptions, BatchLayout,
+    HeadGeometry, StridedHeads,
 };
 pub use panel_linear::{num_panels, panel_linear, panel_pack, PANEL};
 pub use panel_linear_bf16::{num_pairs, panel_linear_bf16, panel_pack_pairs};

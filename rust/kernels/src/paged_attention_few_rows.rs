@@ -4,13 +4,15 @@
 //! key and kv head on a bf16 batch-16 decode (a horizontal sum per score, the accumulators
 //! loaded and stored once per key): here a chunk's K and V rows are converted to f32 once, the
 //! scores of 16 keys are summed into one vector by a transpose-reduction, and each row's
-//! accumulator stays in registers across the chunk. Same rows, masks and online softmax as
-//! `attend_item`; f32 arithmetic.
+//! accumulator stays in registers across the chunk. Same rows, masks, window, soft-cap and
+//! online softmax as `attend_item`; f32 arithmetic.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::{chunk_offsets, exp_shifted, Ctx, Item, OutPtr, KEY_CHUNK};
+use super::{
+    chunk_offsets, exp_shifted, options, window_starts, CapOutlined, Ctx, Item, OutPtr, KEY_CHUNK,
+};
 use crate::elem::Elem;
 use crate::simd::Avx512;
 
@@ -111,11 +113,12 @@ unsafe fn row_max(x: &[f32]) -> f32 {
 /// One item (see the module doc); NV = head_dim / 16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
+pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize, const OPTS: bool>(
     ctx: &Ctx<'_, E>,
     it: &Item,
     out: OutPtr<E>,
 ) {
+    let (window, softcap) = options::<E, OPTS>(ctx);
     let d = NV * 16;
     let (g, hkv, bs) = (ctx.group, ctx.geo.num_kv_heads, ctx.geo.block_size);
     let lay = ctx.layout;
@@ -144,6 +147,14 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
     }
     let first_limit = context_start + it.q0;
     let num_keys = context_start + it.q1;
+    let mut lo = [0usize; R]; // sliding window: the first key each row sees
+    let (first_key, max_lo) = match window {
+        None => (0, 0),
+        Some(w) => {
+            let (min, max) = window_starts(w, g, first_limit, it.q1 - it.q0, None, &mut lo);
+            (min / KEY_CHUNK * KEY_CHUNK, max) // aligned: a row's chunks do not depend on its item
+        }
+    };
     let mut acc = [[_mm512_setzero_ps(); NV]; R];
     let mut run_max = [f32::NEG_INFINITY; R];
     let mut run_sum = [0.0f32; R];
@@ -157,15 +168,15 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
     let mut next = [0usize; KEY_CHUNK];
     let line_elems = (64 / std::mem::size_of::<E>()).max(1); // elements per cache line
     chunk_offsets(
-        &mut next[..KEY_CHUNK.min(num_keys)],
+        &mut next[..KEY_CHUNK.min(num_keys - first_key)],
         table,
-        0,
+        first_key,
         bs,
         hkv,
         it.kv_head,
         d,
     );
-    for k0 in (0..num_keys).step_by(KEY_CHUNK) {
+    for k0 in (first_key..num_keys).step_by(KEY_CHUNK) {
         let kn = KEY_CHUNK.min(num_keys - k0);
         offsets[..kn].copy_from_slice(&next[..kn]);
         // the next chunk's rows are fetched while this one is computed (blocks are scattered
@@ -217,10 +228,25 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
             }
             r += 2;
         }
+        if let Some(cap) = softcap {
+            // the whole chunk width, vector by vector (lanes past kn are masked below)
+            for pr in p.iter_mut().take(rows) {
+                Avx512::soft_cap_outlined::<false>(&mut pr[..], cap);
+            }
+        }
         if k0 + kn - 1 > first_limit {
             for (r, pr) in p.iter_mut().enumerate().take(rows) {
                 for (c, x) in pr.iter_mut().enumerate().take(kn) {
                     if k0 + c > limit[r] {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        if k0 < max_lo {
+            for (r, pr) in p.iter_mut().enumerate().take(rows) {
+                for (c, x) in pr.iter_mut().enumerate().take(kn) {
+                    if k0 + c < lo[r] {
                         *x = f32::NEG_INFINITY;
                     }
                 }
@@ -282,7 +308,7 @@ pub(super) unsafe fn attend_few_rows<E: Elem, const NV: usize, const R: usize>(
     for i in 0..it.q1 - it.q0 {
         for j in 0..g {
             let r = i * g + j;
-            let inv = _mm512_set1_ps(1.0 / run_sum[r]); // > 0: key 0 is visible to every row
+            let inv = _mm512_set1_ps(1.0 / run_sum[r]); // > 0: every row sees its own position
             for (v, reg) in acc[r].iter().enumerate() {
                 _mm512_storeu_ps(scratch.as_mut_ptr().add(16 * v), _mm512_mul_ps(*reg, inv));
             }

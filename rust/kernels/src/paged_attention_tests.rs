@@ -1,6 +1,7 @@
 //! The kernel against a dense f64 oracle: mixed batches (decodes, verification runs, prefill
 //! chunks with and without cached context), block sizes 1..32, GQA 1..8, head dims 8..128 and
-//! odd ones, every instruction set this CPU has, 1 and 3 threads, f32 and bf16.
+//! odd ones, every instruction set this CPU has, 1 and 3 threads, f32 and bf16; token trees;
+//! sliding windows and soft-caps (alone, together, with trees, in batch-invariant mode).
 
 use super::*;
 use crate::elem::Bf16;
@@ -136,6 +137,17 @@ fn oracle_masked(
     scale: f64,
     visible: &dyn Fn(usize, usize, usize) -> bool,
 ) -> Vec<f64> {
+    oracle_capped(b, qkv, scale, visible, None)
+}
+
+/// [`oracle_masked`] with an optional soft-cap c: each visible score s becomes c tanh(s / c).
+fn oracle_capped(
+    b: &Batch,
+    qkv: &[f32],
+    scale: f64,
+    visible: &dyn Fn(usize, usize, usize) -> bool,
+    softcap: Option<f64>,
+) -> Vec<f64> {
     let (h, hkv, d) = (b.geo.num_heads, b.geo.num_kv_heads, b.geo.head_dim);
     let g = h / hkv;
     let mut out = vec![];
@@ -152,11 +164,13 @@ fn oracle_masked(
                             return f64::NEG_INFINITY;
                         }
                         let k = &b.full_k[s][(p * hkv + kvh) * d..][..d];
-                        q.iter()
+                        let x = q
+                            .iter()
                             .zip(k)
                             .map(|(x, y)| *x as f64 * *y as f64)
                             .sum::<f64>()
-                            * scale
+                            * scale;
+                        softcap.map_or(x, |c| c * (x / c).tanh())
                     })
                     .collect();
                 let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -191,6 +205,34 @@ fn check_f32(
     isa: Isa,
     threads: usize,
 ) {
+    check_opts(
+        runs,
+        bs,
+        h,
+        hkv,
+        d,
+        isa,
+        threads,
+        AttentionOptions::default(),
+    );
+}
+
+/// Whether a causal query at position `pos` sees key `p` under sliding window `w`.
+fn in_window(pos: usize, p: usize, window: Option<usize>) -> bool {
+    p <= pos && pos - p < window.unwrap_or(usize::MAX)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check_opts(
+    runs: &[(usize, usize)],
+    bs: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    isa: Isa,
+    threads: usize,
+    opts: AttentionOptions,
+) {
     let mut b = make_batch(
         runs,
         bs,
@@ -210,7 +252,7 @@ fn check_f32(
     )
     .unwrap();
     let mut out = vec![0.0f32; b.layout.num_tokens() * h * d];
-    paged_attention(
+    paged_attention_with(
         isa,
         threads,
         &b.layout,
@@ -219,13 +261,21 @@ fn check_f32(
         &b.cache,
         &mut out,
         scale,
+        opts,
     )
     .unwrap();
-    let want = oracle(&b, &qkv, scale as f64);
+    let visible = |s: usize, i: usize, p: usize| in_window(b.runs[s].0 + i, p, opts.window);
+    let want = oracle_capped(
+        &b,
+        &qkv,
+        scale as f64,
+        &visible,
+        opts.softcap.map(f64::from),
+    );
     for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
         assert!(
             (o as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(),
-            "{isa:?} threads={threads} runs={runs:?} bs={bs} h={h} hkv={hkv} d={d}: element {i}: {o} vs {w}"
+            "{isa:?} threads={threads} runs={runs:?} bs={bs} h={h} hkv={hkv} d={d} {opts:?}: element {i}: {o} vs {w}"
         );
     }
 }
@@ -264,6 +314,10 @@ fn long_runs_split_into_tiles_and_threads_agree() {
 
 #[test]
 fn bf16_matches_dense_oracle_within_bf16_rounding() {
+    check_bf16(AttentionOptions::default());
+}
+
+fn check_bf16(opts: AttentionOptions) {
     let (h, hkv, d, bs) = (8, 2, 64, 16);
     let b = make_batch(MIXED, bs, h, hkv, d, 5);
     let to16 = |xs: &[f32]| xs.iter().map(|&x| Bf16::from_f32(x)).collect::<Vec<_>>();
@@ -276,7 +330,14 @@ fn bf16_matches_dense_oracle_within_bf16_rounding() {
     b32.full_k.iter_mut().for_each(round);
     b32.full_v.iter_mut().for_each(round);
     let scale = 1.0 / (d as f32).sqrt();
-    let want = oracle(&b32, &b32.qkv, scale as f64);
+    let visible = |s: usize, i: usize, p: usize| in_window(MIXED[s].0 + i, p, opts.window);
+    let want = oracle_capped(
+        &b32,
+        &b32.qkv,
+        scale as f64,
+        &visible,
+        opts.softcap.map(f64::from),
+    );
     store_kv(
         &b.layout,
         &b.geo,
@@ -287,7 +348,7 @@ fn bf16_matches_dense_oracle_within_bf16_rounding() {
     .unwrap();
     for isa in Isa::supported() {
         let mut out = vec![Bf16::default(); b.layout.num_tokens() * h * d];
-        paged_attention(
+        paged_attention_with(
             isa,
             2,
             &b.layout,
@@ -296,13 +357,14 @@ fn bf16_matches_dense_oracle_within_bf16_rounding() {
             &cache16,
             &mut out,
             scale,
+            opts,
         )
         .unwrap();
         for (i, (o, &w)) in out.iter().zip(&want).enumerate() {
             let o = o.to_f32() as f64;
             assert!(
                 (o - w).abs() <= 1e-5 + 8e-3 * w.abs(),
-                "{isa:?} element {i}: {o} vs {w}"
+                "{isa:?} {opts:?} element {i}: {o} vs {w}"
             );
         }
     }
@@ -485,6 +547,7 @@ fn mask_bits(list: &[usize]) -> i64 {
 /// Mixed batches with token trees next to causal runs: MQA tree runs (root + nodes as one run)
 /// and batch-expanded nodes (single-token runs whose context ends at the node), against the
 /// oracle with explicit visibility lists.
+#[allow(clippy::too_many_arguments)]
 fn check_trees(
     cached: &[usize],
     bs: usize,
@@ -494,6 +557,26 @@ fn check_trees(
     isa: Isa,
     threads: usize,
     seed: u64,
+) {
+    check_trees_with(
+        cached,
+        (bs, h, hkv, d),
+        isa,
+        threads,
+        seed,
+        AttentionOptions::default(),
+    );
+}
+
+/// [`check_trees`] with a layer's options: under a window W a tree token at logical position
+/// p = root + depth sees prefix keys j with p - j < W and its ancestors whatever W.
+fn check_trees_with(
+    cached: &[usize],
+    (bs, h, hkv, d): (usize, usize, usize, usize),
+    isa: Isa,
+    threads: usize,
+    seed: u64,
+    opts: AttentionOptions,
 ) {
     let mut rng = Rng(seed | 1);
     // runs: a prefill chunk, a decode, a chain verification, then trees (the tree sizes
@@ -551,7 +634,7 @@ fn check_trees(
     )
     .unwrap();
     let mut out = vec![0.0f32; b.layout.num_tokens() * h * d];
-    paged_attention(
+    paged_attention_with(
         isa,
         threads,
         &b.layout,
@@ -560,17 +643,32 @@ fn check_trees(
         &b.cache,
         &mut out,
         scale,
+        opts,
     )
     .unwrap();
+    let w = opts.window.unwrap_or(usize::MAX);
     let visible = |s: usize, i: usize, p: usize| match &trees[s] {
-        None => p <= runs[s].0 + i,
-        Some(t) => p < t.root || t.visible[i].contains(&(p - t.root)),
+        None => in_window(runs[s].0 + i, p, opts.window),
+        Some(t) => {
+            let logical = t.root + t.visible[i].len() - 1; // root + depth
+            if p < t.root {
+                logical - p < w
+            } else {
+                t.visible[i].contains(&(p - t.root))
+            }
+        }
     };
-    let want = oracle_masked(&b, &qkv, scale as f64, &visible);
+    let want = oracle_capped(
+        &b,
+        &qkv,
+        scale as f64,
+        &visible,
+        opts.softcap.map(f64::from),
+    );
     for (i, (&o, &w)) in out.iter().zip(&want).enumerate() {
         assert!(
             (o as f64 - w).abs() <= 2e-5 + 2e-5 * w.abs(),
-            "{isa:?} threads={threads} cached={cached:?} bs={bs} h={h} hkv={hkv} d={d}: element {i}: {o} vs {w}"
+            "{isa:?} threads={threads} cached={cached:?} bs={bs} h={h} hkv={hkv} d={d} {opts:?}: element {i}: {o} vs {w}"
         );
     }
 }
@@ -660,6 +758,26 @@ fn attend_split(
     (h, hkv, d, bs): (usize, usize, usize, usize),
     isa: Isa,
 ) -> Vec<f32> {
+    attend_split_with(
+        q,
+        k,
+        v,
+        (len, n),
+        (h, hkv, d, bs),
+        isa,
+        AttentionOptions::default(),
+    )
+}
+
+fn attend_split_with(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (len, n): (usize, usize),
+    (h, hkv, d, bs): (usize, usize, usize, usize),
+    isa: Isa,
+    opts: AttentionOptions,
+) -> Vec<f32> {
     let c = len - n;
     let nb = len.div_ceil(bs) + 1;
     let geo = HeadGeometry {
@@ -699,7 +817,18 @@ fn attend_split(
     store_kv(&layout, &geo, hv(h, hkv), hv(h + hkv, hkv), &mut cache).unwrap();
     let mut out = vec![0.0f32; n * h * d];
     let scale = 1.0 / (d as f32).sqrt();
-    paged_attention(isa, 1, &layout, &geo, hv(0, h), &cache, &mut out, scale).unwrap();
+    paged_attention_with(
+        isa,
+        1,
+        &layout,
+        &geo,
+        hv(0, h),
+        &cache,
+        &mut out,
+        scale,
+        opts,
+    )
+    .unwrap();
     out
 }
 
@@ -726,6 +855,242 @@ fn a_row_is_computed_the_same_as_decode_verification_run_or_prefill_chunk() {
                     run == want,
                     "{isa:?} h={h} hkv={hkv} d={d} run ({upto}, {n}) differs in bits"
                 );
+            }
+        }
+    }
+}
+
+/// Runs whose windows start mid-block, mid-chunk and on chunk boundaries (KEY_CHUNK = 32): long
+/// decodes, verification runs, a prefill chunk after cached context (several query tiles, rows
+/// of one tile with different window starts), a first chunk.
+const WINDOWED: &[(usize, usize)] = &[
+    (7, 1),
+    (100, 1),
+    (64, 1),
+    (40, 5),
+    (3, 40),
+    (0, 33),
+    (70, 90),
+    (31, 3),
+];
+
+fn window(w: usize) -> AttentionOptions {
+    AttentionOptions {
+        window: Some(w),
+        softcap: None,
+    }
+}
+
+#[test]
+fn sliding_windows_match_dense_oracle() {
+    for isa in Isa::supported() {
+        for w in [1, 4, 31, 33, 64, 1000] {
+            for (bs, h, hkv, d) in [(1, 4, 4, 8), (16, 8, 2, 64), (4, 6, 3, 32), (8, 4, 1, 128)] {
+                check_opts(WINDOWED, bs, h, hkv, d, isa, 1, window(w));
+            }
+        }
+    }
+}
+
+#[test]
+fn softcap_alone_and_with_a_window_match_dense_oracle() {
+    for isa in Isa::supported() {
+        for (w, cap) in [(None, 0.25), (None, 3.0), (Some(20), 1.0), (Some(1), 0.5)] {
+            let opts = AttentionOptions {
+                window: w,
+                softcap: Some(cap),
+            };
+            for (bs, h, hkv, d) in [(4, 4, 4, 8), (16, 8, 2, 64), (16, 9, 3, 32), (1, 4, 2, 20)] {
+                check_opts(WINDOWED, bs, h, hkv, d, isa, 1, opts);
+            }
+        }
+    }
+}
+
+#[test]
+fn windowed_long_runs_over_threads_and_bf16() {
+    let both = AttentionOptions {
+        window: Some(50),
+        softcap: Some(2.0),
+    };
+    for isa in Isa::supported() {
+        for threads in [1, 3] {
+            check_opts(LONG, 16, 8, 1, 64, isa, threads, window(100));
+            check_opts(LONG, 8, 4, 4, 32, isa, threads, both);
+        }
+    }
+    check_bf16(window(9));
+    check_bf16(both);
+}
+
+/// Few-row items (the AVX-512 few-rows path where the CPU has it) with windows and caps.
+#[test]
+fn few_row_items_with_windows_and_caps_match_dense_oracle() {
+    const FEW: &[(usize, usize)] = &[(30, 1), (33, 1), (99, 1), (64, 3), (31, 3), (0, 2)];
+    for isa in Isa::supported() {
+        for d in [32, 64, 128] {
+            for (w, cap) in [
+                (Some(3), None),
+                (Some(32), None),
+                (Some(40), Some(1.5)),
+                (None, Some(0.5)),
+            ] {
+                let opts = AttentionOptions {
+                    window: w,
+                    softcap: cap,
+                };
+                check_opts(FEW, 16, 4, 2, d, isa, 1, opts);
+                check_opts(FEW, 1, 3, 3, d, isa, 1, opts);
+            }
+        }
+    }
+}
+
+#[test]
+fn tree_tokens_take_the_window_by_logical_position() {
+    for isa in Isa::supported() {
+        for (bs, cached) in [(4, [7, 0, 12, 2]), (16, [40, 3, 70, 31])] {
+            for (h, hkv, d) in [(4, 4, 8), (8, 2, 32)] {
+                for (w, cap) in [
+                    (1, None),
+                    (5, None),
+                    (40, None),
+                    (64, Some(2.0)),
+                    (90, None),
+                ] {
+                    let opts = AttentionOptions {
+                        window: Some(w),
+                        softcap: cap,
+                    };
+                    let seed = (bs * 31 + h * 7 + hkv * 3 + d + w) as u64;
+                    check_trees_with(&cached, (bs, h, hkv, d), isa, 1, seed, opts);
+                }
+            }
+        }
+        let opts = AttentionOptions {
+            window: Some(20),
+            softcap: Some(1.0),
+        };
+        check_trees_with(&[33, 1, 64, 2], (8, 4, 2, 64), isa, 3, 77, opts);
+    }
+}
+
+/// A window past every context changes nothing: the same bits as no window, every path.
+#[test]
+fn a_window_longer_than_every_context_is_the_same_bits_as_none() {
+    for isa in Isa::supported() {
+        for (bs, h, hkv, d) in [(16, 8, 2, 64), (4, 6, 3, 32), (16, 4, 4, 8)] {
+            let mut b = make_batch(WINDOWED, bs, h, hkv, d, 3);
+            let qkv = b.qkv.clone();
+            store_kv(
+                &b.layout,
+                &b.geo,
+                view(&qkv, &b, h, hkv),
+                view(&qkv, &b, h + hkv, hkv),
+                &mut b.cache,
+            )
+            .unwrap();
+            let run = |opts| {
+                let mut out = vec![0.0f32; b.layout.num_tokens() * h * d];
+                let q = view(&qkv, &b, 0, h);
+                paged_attention_with(isa, 2, &b.layout, &b.geo, q, &b.cache, &mut out, 0.2, opts)
+                    .unwrap();
+                out
+            };
+            assert!(
+                run(AttentionOptions::default()) == run(window(160)),
+                "{isa:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_options_are_refused_naming_the_field() {
+    let b = make_batch(&[(3, 1)], 4, 2, 1, 8, 1);
+    let mut out = vec![0.0f32; 16];
+    let q = view(&b.qkv, &b, 0, 2);
+    let bad = [
+        (window(0), "window"),
+        (
+            AttentionOptions {
+                window: None,
+                softcap: Some(0.0),
+            },
+            "softcap",
+        ),
+        (
+            AttentionOptions {
+                window: Some(4),
+                softcap: Some(-1.0),
+            },
+            "softcap",
+        ),
+        (
+            AttentionOptions {
+                window: None,
+                softcap: Some(f32::NAN),
+            },
+            "softcap",
+        ),
+        (
+            AttentionOptions {
+                window: None,
+                softcap: Some(f32::INFINITY),
+            },
+            "softcap",
+        ),
+    ];
+    for (opts, field) in bad {
+        let e = paged_attention_with(
+            Isa::Scalar,
+            1,
+            &b.layout,
+            &b.geo,
+            q,
+            &b.cache,
+            &mut out,
+            1.0,
+            opts,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, field, "{opts:?}");
+    }
+}
+
+/// Batch-invariant mode with a window and a soft-cap: a row's bits do not depend on its run
+/// (the chunk grid stays aligned however far the item's windows start).
+#[test]
+fn windowed_capped_rows_are_computed_the_same_in_any_run() {
+    for (h, hkv, d) in [(9, 3, 64), (4, 4, 32), (8, 2, 128), (6, 2, 48)] {
+        let (len, bs) = (70, 16);
+        let mut rng = Rng(0x5eed_0000 + d as u64);
+        let q: Vec<f32> = (0..len * h * d).map(|_| rng.next()).collect();
+        let k: Vec<f32> = (0..len * hkv * d).map(|_| rng.next()).collect();
+        let v: Vec<f32> = (0..len * hkv * d).map(|_| rng.next()).collect();
+        for opts in [
+            window(20),
+            window(33),
+            AttentionOptions {
+                window: Some(40),
+                softcap: Some(1.0),
+            },
+            AttentionOptions {
+                window: None,
+                softcap: Some(0.5),
+            },
+        ] {
+            for isa in Isa::supported() {
+                let geo = (h, hkv, d, bs);
+                let prefill = attend_split_with(&q, &k, &v, (len, len), geo, isa, opts);
+                for (upto, n) in [(70, 1), (70, 5), (66, 9), (41, 1), (41, 3), (64, 30)] {
+                    let run = attend_split_with(&q, &k, &v, (upto, n), geo, isa, opts);
+                    let want = &prefill[(upto - n) * h * d..upto * h * d];
+                    assert!(
+                        run == want,
+                        "{isa:?} h={h} hkv={hkv} d={d} {opts:?} run ({upto}, {n}) differs in bits"
+                    );
+                }
             }
         }
     }
