@@ -1,9 +1,11 @@
 """Triton kernels (KV store, paged varlen attention) under TRITON_INTERPRET=1 on CPU, against the
-torch reference and an fp32 oracle; and the "triton" backend end to end in a tiny model."""
+torch reference and an fp32 oracle, with and without a sliding window and a logit soft-cap (token
+trees included); and the "triton" backend end to end in a tiny model."""
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it at decoration
 
+import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -15,6 +17,7 @@ from specinfer.attention.triton_backend import TritonBackend  # noqa: E402
 from specinfer.kernels.triton import paged_attention, reshape_and_cache  # noqa: E402
 from paged_batch import MIXED, dense_oracle, make_batch, run_backend  # noqa: E402
 from test_hpu_attention import model_logits  # noqa: E402
+from tree_batch import build, mixed_requests  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -44,6 +47,67 @@ def test_triton_backend_matches_reference(seqs, block_size, H, hkv, D, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     want = dense_oracle(q, fk, fv, seqs, meta.query_start_loc.tolist(), D ** -0.5)
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+# decodes far past the window, verification runs, prefill chunks with and without context (rows of
+# one query tile with different window starts), a context ending on a key-tile boundary (BLOCK_N 32)
+WINDOWED = [(7, 1), (100, 1), (40, 5), (3, 40), (0, 33), (31, 1)]
+
+WINDOW_CASES = [
+    # seqs, block_size, H, Hkv, D, dtype, options
+    (WINDOWED, 4, 4, 2, 8, torch.float32, dict(window=1)),  # each token sees itself only
+    (WINDOWED, 16, 8, 1, 16, torch.float32, dict(window=5)),  # MQA: rows of one tile, different bounds
+    (WINDOWED, 3, 6, 2, 64, torch.float32, dict(window=33)),  # windows across key tiles and blocks
+    (WINDOWED, 4, 4, 2, 8, torch.float32, dict(window=1000)),  # longer than every context
+    (WINDOWED, 4, 4, 2, 8, torch.float32, dict(softcap=0.5)),
+    (WINDOWED, 16, 4, 4, 32, torch.float32, dict(window=20, softcap=2.0)),
+    ([(5, 70)], 32, 2, 1, 64, torch.float32, dict(window=40)),  # several query tiles, each its own start
+    ([(9, 1), (70, 5), (3, 40)], 16, 4, 2, 64, torch.bfloat16, dict(window=17, softcap=3.0)),
+    ([(9, 1), (70, 5), (3, 20)], 4, 4, 1, 64, torch.float16, dict(window=9, softcap=1.0)),
+]
+
+
+@pytest.mark.parametrize("seqs,block_size,H,hkv,D,dtype,options", WINDOW_CASES)
+def test_window_and_softcap_match_reference(seqs, block_size, H, hkv, D, dtype, options):
+    meta, cache, q, k, v, fk, fv = make_batch(seqs, block_size, H, hkv, D, dtype=dtype)
+    cache_ref = cache.clone()
+    out = run_backend(TritonBackend(), meta, cache, q, k, v, D ** -0.5, **options)
+    ref = run_backend(get_backend("torch_ref"), meta, cache_ref, q, k, v, D ** -0.5, **options)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    want = dense_oracle(q, fk, fv, seqs, meta.query_start_loc.tolist(), D ** -0.5, **options)
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+def test_the_options_are_not_ignored_and_a_long_window_changes_nothing():
+    meta, cache, q, k, v, *_ = make_batch(WINDOWED, 4, 4, 2, 8)
+    b = TritonBackend()
+    plain = run_backend(b, meta, cache, q, k, v, 0.3)
+    for options in (dict(window=8), dict(softcap=0.5)):
+        assert (run_backend(b, meta, cache, q, k, v, 0.3, **options) - plain).abs().max() > 1e-2
+    assert torch.equal(run_backend(b, meta, cache, q, k, v, 0.3, window=200), plain)
+
+
+@pytest.mark.parametrize("layout", ["mqa", "expand"])
+@pytest.mark.parametrize("window,softcap", [(1, None), (8, 2.0), (70, None)])
+def test_trees_take_the_window_by_logical_position(layout, window, softcap):
+    """A tree token's window counts from its logical position (root + depth, the popcount of its
+    mask, 63-node trees using the int64 sign bit) over the prefix; its ancestors stay visible."""
+    b = build(mixed_requests(random.Random(7), small=True), layout, 4, 4, 2, 16, 7, window=window, softcap=softcap)
+    be = TritonBackend()
+    out = be.forward(b.q, b.k, b.v, b.cache.clone(), be.prepare(b.meta), 16 ** -0.5, window=window, softcap=softcap)
+    torch.testing.assert_close(out.double(), b.want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_options_are_refused():
+    meta, cache, q, k, v, *_ = make_batch([(3, 2)], 4, 2, 1, 8)
+    b = TritonBackend()
+    prepared = b.prepare(meta)
+    for options in (dict(window=0), dict(window=2.5), dict(softcap=0.0), dict(softcap=float("nan"))):
+        with pytest.raises(ValueError, match=next(iter(options))):
+            b.forward(q, k, v, cache, prepared, 0.3, **options)
+    with pytest.raises(AssertionError, match="window"):
+        paged_attention(q, cache, meta.block_table, meta.query_start_loc, meta.seq_lens, 2, 0.3, window=0)
 
 
 def test_kv_store_writes_rows_and_skips_negative_slots():

@@ -19,9 +19,17 @@ position p (< seq_len) iff p < tree_start[seq] or bit p - tree_start[seq] of its
 wherever the row itself sits (a proposer drafting a tree depth by depth queries nodes that need
 not be the context's last tokens), so a tile holding tree rows walks the whole context. Without
 trees the constexpr flag compiles the plain causal kernel.
+
+Per-layer options (specinfer.attention.backend), each behind a constexpr flag so a call without
+them compiles the plain kernel: a sliding window W (HAS_WINDOW; a row at position p sees keys
+p - W < j; a tree row's p is its logical position tree_start + popcount(mask) - 1, the window
+bounds its prefix keys only) starts the tile's key walk at the BLOCK_N tile holding its rows'
+smallest bound and masks each row below its own; a soft-cap c (HAS_SOFTCAP) maps each score s to
+c * tanh(s / c) before the mask.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -37,6 +45,27 @@ def _interpreting() -> bool:
 
 
 @triton.jit
+def _popcount64(x):
+    """Set bits of each int64 (bit 63 included), SWAR: arithmetic shifts are harmless here, every
+    mask below clears the bits a sign extension fills."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    x = x + (x >> 32)
+    return (x & 0x7F).to(tl.int32)
+
+
+@triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap), from exp(-2 |s| / cap) in (0, 1]: no overflow."""
+    e = tl.exp(-2.0 * tl.abs(s) / cap)
+    t = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(s < 0, -t, t)
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, out_ptr,  # [T, H, D]
     cache_ptr,  # [2, NB, BS, Hkv, D]
@@ -46,6 +75,8 @@ def _paged_attention_kernel(
     tree_mask_ptr,  # int64[T] (HAS_TREE only)
     tree_start_ptr,  # int32[S] (HAS_TREE only)
     scale,
+    window,  # sliding window W >= 1 (HAS_WINDOW only)
+    softcap,  # soft-cap c > 0 (HAS_SOFTCAP only)
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
     stride_bt,
@@ -56,6 +87,8 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: numpy cannot matmul bf16, so dot in fp32 (same products)
     HAS_TREE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     qb = tl.program_id(0)
     seq = tl.program_id(1)
@@ -85,11 +118,21 @@ def _paged_attention_kernel(
         tstart = tl.load(tree_start_ptr + seq)
         tile_has_tree = tl.max(is_tree.to(tl.int32), 0) > 0
         kv_end = tl.where(tile_has_tree, ctx_len, kv_end)
+    kv_begin = 0
+    if HAS_WINDOW:
+        # first key each row sees: p - W + 1 (a tree row: by its logical position, and at most its
+        # root, so its in-tree keys keep the tree rule)
+        lo = q_pos - window + 1
+        if HAS_TREE:
+            depth = _popcount64(tmask) - 1
+            lo = tl.where(is_tree, tl.minimum(tstart + depth - window + 1, tstart), lo)
+        lo_min = tl.min(tl.where(row_valid, lo, ctx_len), 0)
+        kv_begin = (tl.maximum(lo_min, 0) // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_begin, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < kv_end
         blk = tl.load(block_table_ptr + seq * stride_bt + n // block_size, mask=nmask, other=0)
@@ -100,16 +143,25 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, k, input_precision=DOT_PRECISION)
         s = s * scale  # [BLOCK_M, BLOCK_N] fp32
+        if HAS_SOFTCAP:
+            s = _soft_cap(s, softcap)
         allowed = nmask[None, :] & (n[None, :] <= q_pos[:, None])
         if HAS_TREE:
             rel = n - tstart  # [BLOCK_N] key position relative to the tree root
             bit = (tmask[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
             seen = (rel[None, :] < 0) | ((rel[None, :] < 64) & (bit != 0))
             allowed = tl.where(is_tree[:, None], nmask[None, :] & seen, allowed)
+        if HAS_WINDOW:
+            allowed = allowed & (n[None, :] >= lo[:, None])
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m_shift = m_new
+        if HAS_WINDOW:
+            # a row may have seen no key yet (its window starts in a later tile): shift by 0
+            # there, not by -inf (-inf - -inf is NaN); its running max stays -inf
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(s - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(cache_ptr + stride_c_kv + kv_off[:, None] + d[None, :],
                     mask=nmask[:, None] & dmask[None, :], other=0.0)
@@ -121,6 +173,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if HAS_WINDOW:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows may have seen no key
     out = acc / l_i[:, None]
     out_row = (q_start + tok).to(tl.int64)
     tl.store(out_ptr + out_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -138,10 +192,15 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, H, D]; allocated contiguous when None
     tree_mask: torch.Tensor | None = None,  # int64[T] token-tree masks (0: causal token); None: no tree
     tree_start: torch.Tensor | None = None,  # int32[S] each sequence's tree root position
+    window: int | None = None,  # sliding window W >= 1; None: full causal attention
+    softcap: float | None = None,  # attention-logit soft-cap c > 0; None: none
 ) -> torch.Tensor:  # [T, H, D]
     """Causal paged attention of a mixed batch whose K/V already sit in kv_cache. With token-tree
     masks (specinfer.attention.metadata; every tree token must see key 0, i.e. tree_start > 0 or
     bit 0 set, as the contract's masks do) tree tokens see the prefix and their mask's tree slots.
+    With a window W a token at position p sees keys p - W < j only (a tree token: p = tree_start +
+    popcount(mask) - 1, its in-tree keys by the mask whatever W); with a soft-cap c each score s
+    becomes c * tanh(s / c) before the mask and the softmax.
 
     Memory contract: q, kv_cache and out share one dtype (fp32, bf16 or fp16) and device; q/out
     may be strided views with unit stride along head_dim; kv_cache has unit stride along head_dim;
@@ -172,6 +231,8 @@ def paged_attention(
         assert tree_start is not None and tree_start.dtype == torch.int32 and tree_start.is_contiguous() \
             and tree_start.shape == (S,), f"tree_start must be contiguous int32[{S}] with tree_mask"
         assert tree_mask.device == q.device and tree_start.device == q.device, "devices differ"
+    assert window is None or (isinstance(window, int) and window >= 1), f"window must be an int >= 1 or None, got {window!r}"
+    assert softcap is None or (math.isfinite(softcap) and softcap > 0), f"softcap must be finite and > 0, got {softcap!r}"
     if out is None:
         out = torch.empty((T, H, D), dtype=q.dtype, device=q.device)
     assert out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1, "out must match q, unit stride on D"
@@ -188,6 +249,7 @@ def paged_attention(
     _paged_attention_kernel[grid](
         q, out, kv_cache, block_table, query_start_loc, seq_lens,
         tree_mask if has_tree else seq_lens, tree_start if has_tree else seq_lens, float(scale),
+        0 if window is None else int(window), 0.0 if softcap is None else float(softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_table.stride(0), block_size,
@@ -195,6 +257,6 @@ def paged_attention(
         HEAD_DIM=D, HEAD_DIM_PAD=max(16, triton.next_power_of_2(D)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreting(),
-        HAS_TREE=has_tree,
+        HAS_TREE=has_tree, HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
     )
     return out
