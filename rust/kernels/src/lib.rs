@@ -13,6 +13,9 @@
 //!   scalar: bit-identical), every row count.
 //! - [`dequant`]: GGUF block formats (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) to f32, rows in
 //!   parallel, bit-identical to the `gguf` package's dequantizers.
+//! - [`moe`]: a sparse mixture-of-experts MLP over few tokens in one call (every active
+//!   expert's gate|up and down GEMMs through the few-rows kernel, each token's weighted sum in
+//!   ascending expert order).
 //! - [`rms_norm`]: RMSNorm over rows in one pass (f32 arithmetic, one rounding for bf16).
 //! - [`simd`]: the vector primitives (dot, axpy, scale) for AVX-512, AVX2+FMA and a portable
 //!   fallback, chosen at run time ([`simd::Isa::detect`]).
@@ -25,6 +28,7 @@ pub mod elem;
 pub mod few_rows_linear;
 pub mod int8_linear;
 pub mod int8_pack;
+pub mod moe;
 pub mod paged_attention;
 pub mod panel_linear;
 pub mod panel_linear_bf16;
@@ -33,7 +37,7 @@ pub mod simd;
 pub mod threads;
 pub mod w8a8_linear;
 
-pub use dense_linear::dense_linear;
+pub use dense_linear::{dense_linear, DenseElem};
 pub use elem::{Bf16, Elem};
 pub use int8_linear::{int8_linear, quantize, Int8Weight};
 pub use paged_attention::{
