@@ -10,6 +10,7 @@
 //! a logits row, and `tree_mask` bit j set for every node j it may see. `tree_mask`
 //! and `tree_start` are allocated only when the batch holds a tree run.
 
+use crate::block_pool::DEAD_BLOCK;
 use crate::request::{Request, RequestId};
 use crate::tree::TreeLayout;
 
@@ -60,7 +61,7 @@ pub struct SchedulerOutput {
     pub seq_lens: Vec<i32>,             // [S] KV context incl. this query
     pub tree_mask: Vec<i64>,            // [T] bit j: sees tree node j; 0: causal; [] if no tree
     pub tree_start: Vec<i32>,           // [S] root's KV position (seq_len - query_len if no tree)
-    pub block_table: Vec<i32>,          // [S * W] row-major, padded with 0
+    pub block_table: Vec<i32>,          // [S * W] row-major, padded with 0; dead blocks 0
     pub block_table_width: usize,       // W
     pub seq_req_indices: Vec<i32>,      // [S]
     pub preempted_req_ids: Vec<u64>,    // [P]
@@ -200,7 +201,9 @@ pub fn pack(
         };
         for pos in c..c + n {
             out.input_ids.push(rq.token_with_spec(pos) as i64);
-            let block = rq.block_ids[pos / bs] as i64;
+            let block = rq.block_ids[pos / bs];
+            debug_assert!(block != DEAD_BLOCK, "a query token's slot is live");
+            let block = block as i64;
             out.slot_mapping.push(block * bs as i64 + (pos % bs) as i64);
         }
         match &tree {
@@ -250,9 +253,15 @@ pub fn pack(
                 out.tree_start.push(root as i32);
             }
             out.seq_req_indices.push(row as i32);
-            // one write per entry: the row, then its zero padding
-            out.block_table
-                .extend(rq.block_ids.iter().map(|&b| b as i32));
+            // one write per entry: the row (a dead placeholder as block 0: it lies outside
+            // every query's window, so attention never reads it), then its zero padding
+            out.block_table.extend(rq.block_ids.iter().map(|&b| {
+                if b == DEAD_BLOCK {
+                    0
+                } else {
+                    b as i32
+                }
+            }));
             out.block_table.resize((seq + 1) * w, 0);
             seq += 1;
         }

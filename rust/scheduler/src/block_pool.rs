@@ -47,6 +47,11 @@ pub const ROOT_HASH: BlockHash = 0;
 
 const NIL: u32 = u32::MAX;
 
+/// Block-table placeholder for a block the request gave back because no later query can
+/// read it (sliding window, `KvCacheManager::free_dead_blocks`). Never a pool block
+/// (`num_blocks < u32::MAX`); batch packing exports it as block 0.
+pub const DEAD_BLOCK: BlockId = u32::MAX;
+
 /// The exact cache key of a full block and the id it was given. The key's token
 /// ids live in the pool's token arena at `[block * block_size, +block_size)`.
 #[derive(Debug, Clone, Copy)]

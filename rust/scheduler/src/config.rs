@@ -19,6 +19,10 @@ pub struct SchedulerConfig {
     pub num_lookahead_tokens: usize,
     /// Pack verification runs as single-token query sequences.
     pub batch_expansion: bool,
+    /// Every KV user attends within this sliding window W (a query at position p sees keys
+    /// j with p - W < j <= p): after each update, blocks wholly below
+    /// `num_computed_tokens - W + 1` go back to the pool. None: keep every block.
+    pub sliding_window: Option<usize>,
 }
 
 impl SchedulerConfig {
@@ -34,6 +38,12 @@ impl SchedulerConfig {
             if value == 0 {
                 return Err(CoreError::invalid(field, "must be > 0"));
             }
+        }
+        if self.sliding_window == Some(0) {
+            return Err(CoreError::invalid(
+                "sliding_window",
+                "must be > 0 (or None)",
+            ));
         }
         if self.num_blocks >= u32::MAX as usize || self.max_model_len > i32::MAX as usize {
             return Err(CoreError::invalid("num_blocks", "too large"));

@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 
+use crate::block_pool::DEAD_BLOCK;
 use crate::error::{CoreError, Result};
 use crate::kv_cache_manager::cdiv;
 use crate::request::RequestStatus;
@@ -11,9 +12,9 @@ use crate::tree::{is_chain, MAX_TREE_NODES};
 
 impl Scheduler {
     /// Describes the first broken invariant: free-list integrity, ref counts equal
-    /// to block-table references (no leaks), free + used == total, computed <=
-    /// tokens, queue membership, caps, draft trees well formed and only on
-    /// decoding requests.
+    /// to block-table references (no leaks; dead sliding-window placeholders hold
+    /// none), free + used == total, computed <= tokens, queue membership, caps, draft
+    /// trees well formed and only on decoding requests.
     pub fn check_invariants(&self) -> Result<()> {
         let broken = |msg: String| Err(CoreError::InvariantViolation(msg));
         let pool = &self.kv.pool;
@@ -108,8 +109,31 @@ impl Scheduler {
                         req.block_ids.len()
                     ));
                 }
-                for &b in &req.block_ids {
-                    refs[b as usize] += 1;
+                // dead placeholders: exactly the leading `num_dead_blocks` entries, each
+                // wholly outside the sliding window of every later query, and never in
+                // the pool (they were given back); hashes chain through them
+                let dead = req.num_dead_blocks;
+                if dead > req.block_ids.len()
+                    || dead > self.kv.num_dead_blocks_for(req.num_computed_tokens)
+                {
+                    return broken(format!(
+                        "request {}: {dead} dead blocks with {} computed tokens under window {:?}",
+                        req.id, req.num_computed_tokens, self.config.sliding_window
+                    ));
+                }
+                if self.config.enable_prefix_caching && req.block_hashes.len() < dead {
+                    return broken(format!("request {}: a dead block was never cached", req.id));
+                }
+                for (i, &b) in req.block_ids.iter().enumerate() {
+                    if (b == DEAD_BLOCK) != (i < dead) {
+                        return broken(format!(
+                            "request {}: block-table entry {i} is {b} with {dead} dead blocks",
+                            req.id
+                        ));
+                    }
+                    if b != DEAD_BLOCK {
+                        refs[b as usize] += 1;
+                    }
                 }
             }
         }

@@ -5,8 +5,17 @@
 //! A request's block table row (`Request::block_ids`) covers positions
 //! `[0, block_ids.len() * block_size)`; slot of position p is
 //! `block_ids[p / block_size] * block_size + p % block_size`.
+//!
+//! Sliding window W (every KV user attends to keys j with p - W < j <= p): once a
+//! request's update is done (rejected drafts rolled back, confirmed blocks cached),
+//! every query it runs later sits at a position >= `num_computed_tokens`, so keys below
+//! `num_computed_tokens - W + 1` are dead. `free_dead_blocks` gives back every block
+//! wholly below that line (`pool.free`: a cached block keeps its prefix-cache entry until
+//! handed out again) and leaves `DEAD_BLOCK` in its place, so the row stays positional
+//! and the request's `block_hashes` chain stays intact. A long request then holds about
+//! `(W + query + lookahead) / block_size + 2` blocks whatever its length.
 
-use crate::block_pool::{BlockHash, BlockId, BlockPool, ROOT_HASH};
+use crate::block_pool::{BlockHash, BlockId, BlockPool, DEAD_BLOCK, ROOT_HASH};
 use crate::request::Request;
 
 #[derive(Debug)]
@@ -14,6 +23,7 @@ pub struct KvCacheManager {
     pub pool: BlockPool,
     block_size: usize,
     enable_prefix_caching: bool,
+    sliding_window: Option<usize>,
 }
 
 /// Blocks found in the prefix cache for a waiting request (not yet referenced).
@@ -44,11 +54,56 @@ impl KvCacheManager {
             pool: BlockPool::new(num_blocks, block_size),
             block_size,
             enable_prefix_caching,
+            sliding_window: None,
         }
+    }
+
+    /// Frees blocks that fall out of every query's window `w` (see the module doc).
+    pub fn with_sliding_window(mut self, w: Option<usize>) -> Self {
+        debug_assert!(w != Some(0));
+        self.sliding_window = w;
+        self
     }
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    pub fn sliding_window(&self) -> Option<usize> {
+        self.sliding_window
+    }
+
+    /// Leading blocks of a request with `num_computed_tokens` computed tokens that no later
+    /// query can read: those wholly below `num_computed_tokens - W + 1` (0 without a window).
+    pub fn num_dead_blocks_for(&self, num_computed_tokens: usize) -> usize {
+        match self.sliding_window {
+            None => 0,
+            Some(w) => (num_computed_tokens + 1).saturating_sub(w) / self.block_size,
+        }
+    }
+
+    /// Gives back the request's blocks that fell out of the sliding window since the last
+    /// call (their entries become `DEAD_BLOCK`). Call after rollback and caching: every
+    /// later query of the request must sit at a position >= `num_computed_tokens`.
+    /// Returns the number of blocks freed.
+    pub fn free_dead_blocks(&mut self, req: &mut Request) -> usize {
+        let dead = self
+            .num_dead_blocks_for(req.num_computed_tokens)
+            .min(req.block_ids.len());
+        if dead <= req.num_dead_blocks {
+            return 0;
+        }
+        debug_assert!(
+            !self.enable_prefix_caching || req.block_hashes.len() >= dead,
+            "a dead block is full and confirmed: cached before it is freed"
+        );
+        for b in &mut req.block_ids[req.num_dead_blocks..dead] {
+            self.pool.free(*b);
+            *b = DEAD_BLOCK;
+        }
+        let n = dead - req.num_dead_blocks;
+        req.num_dead_blocks = dead;
+        n
     }
 
     /// Longest run of cached full blocks matching the request's tokens, at most
@@ -138,6 +193,10 @@ impl KvCacheManager {
         let confirmed = req.num_computed_tokens.min(req.num_tokens());
         let num_full = (confirmed / bs).min(req.block_ids.len());
         for i in req.block_hashes.len()..num_full {
+            debug_assert!(
+                req.block_ids[i] != DEAD_BLOCK,
+                "blocks are cached before they die"
+            );
             let parent = req.block_hashes.last().copied().unwrap_or(ROOT_HASH);
             let tokens = &req.token_ids[i * bs..(i + 1) * bs];
             let hash = self.pool.cache_block(req.block_ids[i], parent, tokens);
@@ -145,13 +204,15 @@ impl KvCacheManager {
         }
     }
 
-    /// Releases all of the request's blocks, last block first so that the tail of a
-    /// sequence is evicted before its (more shareable) head.
+    /// Releases all of the request's blocks (dead placeholders were given back already),
+    /// last block first so that the tail of a sequence is evicted before its (more
+    /// shareable) head.
     pub fn free(&mut self, req: &mut Request) {
-        for &b in req.block_ids.iter().rev() {
+        for &b in req.block_ids[req.num_dead_blocks..].iter().rev() {
             self.pool.free(b);
         }
         req.block_ids.clear();
+        req.num_dead_blocks = 0;
         req.block_hashes.clear();
     }
 }
@@ -214,6 +275,56 @@ mod tests {
         kv.find_cached_prefix(&c, &mut prefix);
         assert_eq!(prefix.block_ids.len(), 1);
         kv.pool.check_integrity().unwrap();
+    }
+
+    #[test]
+    fn sliding_window_frees_exactly_the_blocks_below_the_window() {
+        // W = 6, bs = 4: block i is dead once (i + 1) * 4 <= nc - 5
+        let mut kv = KvCacheManager::new(8, 4, true).with_sliding_window(Some(6));
+        let mut r = request(1, (0..20).collect());
+        assert!(kv.allocate_slots(&mut r, None, 20, 0, 100));
+        assert_eq!(kv.pool.num_free(), 3);
+        for (nc, dead) in [(0, 0), (8, 0), (9, 1), (12, 1), (13, 2), (19, 3)] {
+            r.num_computed_tokens = nc;
+            kv.cache_confirmed_blocks(&mut r);
+            kv.free_dead_blocks(&mut r);
+            assert_eq!(r.num_dead_blocks, dead, "nc = {nc}");
+            assert_eq!(kv.pool.num_free(), 3 + dead);
+            assert!(r.block_ids[..dead].iter().all(|&b| b == DEAD_BLOCK));
+            assert!(r.block_ids[dead..].iter().all(|&b| b != DEAD_BLOCK));
+        }
+        assert_eq!(r.block_ids.len(), 5, "the row stays positional");
+        assert_eq!(
+            r.block_hashes.len(),
+            4,
+            "the hash chain goes on through dead blocks"
+        );
+        kv.free(&mut r);
+        assert_eq!(kv.pool.num_free(), 8);
+        assert_eq!(r.num_dead_blocks, 0);
+        kv.pool.check_integrity().unwrap();
+
+        // the freed blocks kept their cache entries: the same prompt hits all four
+        let b = request(2, (0..20).collect());
+        let mut prefix = CachedPrefix::default();
+        kv.find_cached_prefix(&b, &mut prefix);
+        assert_eq!(prefix.block_ids.len(), 4);
+    }
+
+    #[test]
+    fn without_a_window_nothing_dies() {
+        let mut kv = KvCacheManager::new(8, 4, false);
+        let mut r = request(1, (0..20).collect());
+        assert!(kv.allocate_slots(&mut r, None, 20, 0, 100));
+        r.num_computed_tokens = 19;
+        assert_eq!(kv.free_dead_blocks(&mut r), 0);
+        assert_eq!(r.num_dead_blocks, 0);
+        // a window of 1: a query sees only itself, every block below its own dies
+        let mut kv = KvCacheManager::new(8, 4, false).with_sliding_window(Some(1));
+        let mut r = request(1, (0..20).collect());
+        assert!(kv.allocate_slots(&mut r, None, 20, 0, 100));
+        r.num_computed_tokens = 16;
+        assert_eq!(kv.free_dead_blocks(&mut r), 4);
     }
 
     #[test]

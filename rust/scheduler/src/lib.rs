@@ -20,7 +20,7 @@ pub mod tree;
 pub mod update;
 
 pub use batch::{ScheduledRun, SchedulerOutput};
-pub use block_pool::{BlockHash, BlockId, BlockPool};
+pub use block_pool::{BlockHash, BlockId, BlockPool, DEAD_BLOCK};
 pub use config::SchedulerConfig;
 pub use error::{CoreError, Result};
 pub use padding::TokenPadding;

@@ -71,9 +71,14 @@ pub struct Request {
     pub draft_parents: Vec<i32>,
     pub stop: StopParams,
     pub status: RequestStatus,
-    /// The request's block table row: block i holds positions [i*bs, (i+1)*bs).
+    /// The request's block table row: block i holds positions [i*bs, (i+1)*bs). The
+    /// first `num_dead_blocks` entries are `DEAD_BLOCK` (given back under a sliding window).
     pub block_ids: Vec<BlockId>,
-    /// Prefix-cache hashes of the leading full, confirmed blocks (`<= block_ids.len()`).
+    /// Leading block-table entries freed because no later query can read them (sliding
+    /// window); they stay in the row as `DEAD_BLOCK` so the row remains positional.
+    pub num_dead_blocks: usize,
+    /// Prefix-cache hashes of the leading full, confirmed blocks (`<= block_ids.len()`),
+    /// dead ones included (a later block's hash chains through them).
     pub block_hashes: Vec<BlockHash>,
     /// Step number in which this request was last scheduled (guards `update`).
     pub last_scheduled_step: u64,
@@ -91,9 +96,15 @@ impl Request {
             stop,
             status: RequestStatus::Waiting,
             block_ids: Vec::new(),
+            num_dead_blocks: 0,
             block_hashes: Vec::new(),
             last_scheduled_step: u64::MAX,
         }
+    }
+
+    /// Blocks the request holds in the pool (its row less the dead placeholders).
+    pub fn num_live_blocks(&self) -> usize {
+        self.block_ids.len() - self.num_dead_blocks
     }
 
     pub fn num_tokens(&self) -> usize {

@@ -22,7 +22,8 @@
 //!
 //! `update` (update.rs) applies the step's emitted tokens: rollback of rejected
 //! drafts, compaction of a tree's accepted path, stop conditions (never
-//! overshooting), prefix caching of confirmed blocks, freeing.
+//! overshooting), prefix caching of confirmed blocks, freeing (of finished requests,
+//! and under `sliding_window` of the blocks that fell out of every later query's window).
 
 use std::collections::{HashMap, VecDeque};
 
@@ -45,6 +46,8 @@ pub struct SchedulerStats {
     /// Of those, tokens found.
     pub prefix_cache_hits: u64,
     pub num_steps: u64,
+    /// Blocks given back because they fell out of the sliding window (`sliding_window`).
+    pub num_window_freed_blocks: u64,
 }
 
 #[derive(Debug)]
@@ -76,7 +79,8 @@ impl Scheduler {
                 config.num_blocks,
                 config.block_size,
                 config.enable_prefix_caching,
-            ),
+            )
+            .with_sliding_window(config.sliding_window),
             config,
             requests: Vec::new(),
             free_slots: Vec::new(),
@@ -539,7 +543,9 @@ impl Scheduler {
                 readmit.push(run.slot);
             } else {
                 // Blocks the step added are fresh (never cached): release newest first.
+                // (Dead placeholders all lie below `num_blocks_before`.)
                 let keep = run.num_blocks_before as usize;
+                debug_assert!(req.num_dead_blocks <= keep);
                 for &b in req.block_ids[keep..].iter().rev() {
                     self.kv.pool.free(b);
                 }

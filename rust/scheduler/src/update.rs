@@ -10,6 +10,9 @@
 //! every dst < its src and never a later src, so applying the copies in order is
 //! safe). The request then has `root + 1 + a` computed tokens; the slots past them
 //! are rolled back like rejected chain drafts.
+//!
+//! Under a sliding window, each request that goes on then gives back the blocks that
+//! fell out of the window of every later query (`KvCacheManager::free_dead_blocks`).
 
 use crate::error::{CoreError, Result};
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
@@ -182,6 +185,10 @@ impl Scheduler {
                 }
             }
             self.kv.cache_confirmed_blocks(req);
+            if finish.is_none() {
+                // sliding window: blocks no later query of this request can read
+                self.stats.num_window_freed_blocks += self.kv.free_dead_blocks(req) as u64;
+            }
             if let Some((reason, t)) = finish {
                 self.kv.free(req);
                 if let Some(sc) = self.suffix.as_mut() {
@@ -227,6 +234,7 @@ fn verified_tree(req: &Request, m: usize) -> (&[u32], &[i32]) {
 /// Flat KV slot (`block * block_size + offset`) of position `pos` of a request.
 #[inline]
 fn flat_slot(req: &Request, pos: usize, block_size: usize) -> i64 {
+    debug_assert!(req.block_ids[pos / block_size] != crate::block_pool::DEAD_BLOCK);
     req.block_ids[pos / block_size] as i64 * block_size as i64 + (pos % block_size) as i64
 }
 

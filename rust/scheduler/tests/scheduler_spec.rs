@@ -12,6 +12,7 @@ fn config(num_blocks: usize, block_size: usize, budget: usize) -> SchedulerConfi
         enable_prefix_caching: true,
         num_lookahead_tokens: 0,
         batch_expansion: false,
+        sliding_window: None,
     }
 }
 
@@ -393,4 +394,110 @@ fn empty_step_has_no_rows() {
         (0, 1, 1)
     );
     assert!(s.update(&[], &[0]).is_err());
+}
+
+/// A long generation with speculation under chunked prefill: (max live blocks after the
+/// prompt, blocks freed by the window), all blocks back at the end.
+fn long_generation(window: Option<usize>) -> (usize, u64) {
+    let mut cfg = config(80, 4, 8); // a 30-token prompt goes in 4 chunks
+    cfg.max_model_len = 300;
+    cfg.num_lookahead_tokens = 3;
+    cfg.sliding_window = window;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request(1, prompt(30, 100), stop(250)).unwrap();
+    let mut max_live = 0;
+    let mut step = 0u32;
+    while s.has_unfinished_requests() {
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        let req = s.request(1).unwrap();
+        let row = out.block_table_row(0);
+        for (i, &b) in req.block_ids.iter().enumerate() {
+            let want = if i < req.num_dead_blocks { 0 } else { b as i32 };
+            assert_eq!(row[i], want, "dead blocks are exported as block 0");
+        }
+        for &slot in &out.slot_mapping {
+            let block = (slot / 4) as u32;
+            assert!(req.block_ids[req.num_dead_blocks..].contains(&block));
+        }
+        // accept drafts in a rotating pattern: 0, 1, 2 or 3 of 3
+        let logits = (out.cu_num_logits[1] - out.cu_num_logits[0]) as usize;
+        let emitted: Vec<u32> = if logits == 0 {
+            vec![]
+        } else {
+            let drafts: Vec<u32> = out.draft_token_ids.iter().map(|&t| t as u32).collect();
+            let accepted = (step as usize % 4).min(drafts.len());
+            let mut e = drafts[..accepted].to_vec();
+            e.push(7);
+            e
+        };
+        let up = s.update(&emitted, &[0, emitted.len() as i32]).unwrap();
+        step += 1;
+        s.check_invariants().unwrap();
+        if up.finished_req_ids.is_empty() {
+            let req = s.request(1).unwrap();
+            if !req.is_prefilling() {
+                max_live = max_live.max(req.num_live_blocks());
+            }
+            s.set_draft_tokens(&[1], &[0, 3], &[5, 6, 7], None).unwrap();
+        }
+    }
+    assert_eq!(s.num_free_blocks(), s.num_total_blocks(), "blocks leaked");
+    (max_live, s.stats().num_window_freed_blocks)
+}
+
+#[test]
+fn sliding_window_bounds_the_blocks_of_a_long_generation() {
+    let (full, freed) = long_generation(None);
+    assert_eq!(freed, 0);
+    assert_eq!(
+        full,
+        280usize.div_ceil(4),
+        "full attention keeps every block"
+    );
+    let (windowed, freed) = long_generation(Some(10));
+    // live positions: the last W - 1 = 9 keys, the next query (1 + 3 drafts), 3 lookahead
+    // slots: 16 positions, rounded out to whole blocks at both ends: at most 16 / 4 + 2
+    assert!(windowed <= 6, "{windowed} blocks held");
+    assert!(freed >= 60, "{freed} blocks freed by the window");
+}
+
+#[test]
+fn sliding_window_frees_room_for_waiting_requests_and_abort_skips_dead_blocks() {
+    let mut cfg = config(16, 4, 40);
+    cfg.sliding_window = Some(8);
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request(1, prompt(40, 100), stop(20)).unwrap();
+    s.add_request(2, prompt(40, 200), stop(20)).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.req_ids, vec![1], "10 blocks each: only one fits");
+    s.update(&[9], &[0, 1]).unwrap();
+    // 41 tokens, 40 computed: keys below 33 are dead, i.e. blocks 0..8
+    let r = s.request(1).unwrap();
+    assert_eq!((r.num_dead_blocks, r.num_live_blocks()), (8, 2));
+    assert_eq!(s.num_free_blocks(), 14);
+    let out = s.schedule().unwrap();
+    assert_eq!(
+        out.req_ids,
+        vec![1, 2],
+        "the freed blocks admit the second request"
+    );
+    assert_eq!(out.num_scheduled_tokens, vec![1, 39]);
+    s.update(&[9], &[0, 1, 1]).unwrap();
+    // request 2: 39 computed, keys below 32 dead
+    assert_eq!(s.request(2).unwrap().num_dead_blocks, 8);
+    s.check_invariants().unwrap();
+    assert!(s.abort_request(1));
+    assert!(s.abort_request(2));
+    s.check_invariants().unwrap();
+    assert_eq!(s.num_free_blocks(), 16);
+    assert_eq!(s.stats().num_window_freed_blocks, 16);
+}
+
+#[test]
+fn sliding_window_zero_is_refused() {
+    let mut cfg = config(16, 4, 48);
+    cfg.sliding_window = Some(0);
+    let err = Scheduler::new(cfg).unwrap_err();
+    assert!(err.to_string().starts_with("sliding_window:"), "{err}");
 }

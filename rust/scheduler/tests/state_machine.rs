@@ -16,7 +16,7 @@ mod tree_sim;
 
 use proptest::prelude::*;
 use specinfer_scheduler::ngram::propose;
-use specinfer_scheduler::{Scheduler, SchedulerConfig, SchedulerOutput, StopParams};
+use specinfer_scheduler::{Scheduler, SchedulerConfig, SchedulerOutput, StopParams, DEAD_BLOCK};
 use tree_sim::{expected_copies, random_path, SimKv};
 
 const VOCAB: u32 = 6;
@@ -84,9 +84,19 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
         0usize..4,
         any::<bool>(),
         any::<bool>(),
+        prop::option::of(2usize..10),
     )
         .prop_map(
-            |(num_blocks, block_size, max_num_seqs, budget, lookahead, expansion, caching)| {
+            |(
+                num_blocks,
+                block_size,
+                max_num_seqs,
+                budget,
+                lookahead,
+                expansion,
+                caching,
+                window,
+            )| {
                 SchedulerConfig {
                     num_blocks,
                     block_size,
@@ -96,6 +106,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
                     enable_prefix_caching: caching,
                     num_lookahead_tokens: lookahead,
                     batch_expansion: expansion,
+                    sliding_window: window,
                 }
             },
         )
@@ -141,7 +152,11 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
             .expect("scheduled request is live");
         assert_eq!(
             &row[..req.block_ids.len()],
-            req.block_ids.iter().map(|&b| b as i32).collect::<Vec<_>>()
+            req.block_ids
+                .iter()
+                .map(|&b| if b == DEAD_BLOCK { 0 } else { b as i32 })
+                .collect::<Vec<_>>(),
+            "the row, dead sliding-window blocks exported as block 0"
         );
         let (q0, q1) = (
             out.query_start_loc[seq] as usize,
@@ -418,6 +433,30 @@ fn failed_step(s: &mut Scheduler, live: &mut Vec<u64>, abort_pick: Option<usize>
     }
 }
 
+/// Sliding window W after an update: every block wholly below `num_computed - W + 1`
+/// was given back (and none above), so a request holds at most about
+/// (W + drafts + lookahead) / block_size + 2 blocks whatever its length.
+fn check_window(s: &Scheduler, id: u64) {
+    let cfg = s.config();
+    let req = s.request(id).unwrap();
+    let Some(w) = cfg.sliding_window else {
+        assert_eq!(req.num_dead_blocks, 0);
+        return;
+    };
+    let bs = cfg.block_size;
+    let dead = ((req.num_computed_tokens + 1).saturating_sub(w) / bs).min(req.block_ids.len());
+    assert_eq!(
+        req.num_dead_blocks, dead,
+        "request {id}: dead blocks not (only) freed"
+    );
+    const MAX_DRAFTS: usize = 7;
+    assert!(
+        req.num_live_blocks() * bs <= w + MAX_DRAFTS + cfg.num_lookahead_tokens + 2 * bs,
+        "request {id} holds {} blocks of {bs} under window {w}",
+        req.num_live_blocks()
+    );
+}
+
 fn n_running(out: &SchedulerOutput, was_running: &[u64]) -> usize {
     out.req_ids
         .iter()
@@ -538,6 +577,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
                 req.num_computed_tokens < req.num_tokens(),
                 "computed must trail tokens after update"
             );
+            check_window(s, id);
         }
     };
     for op in ops {

@@ -16,6 +16,7 @@ fn config(budget: usize, batch_expansion: bool) -> SchedulerConfig {
         enable_prefix_caching: true,
         num_lookahead_tokens: 5,
         batch_expansion,
+        sliding_window: None,
     }
 }
 
