@@ -89,7 +89,8 @@ class DecoderLayer(nn.Module):
             self.moe = SparseMoE(h, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                                  cfg.norm_topk_prob, lambda n, k: _gemm_weight(n, k, **gemm),
                                  lambda *shape: _param(*shape, dtype=dtype, device=device),
-                                 cfg.shared_expert_intermediate_size)
+                                 cfg.shared_expert_intermediate_size,
+                                 quantized=quantization in ("int8", "w8a8"), activation=cfg.hidden_act)
             self.gate_up_weight = self.down_weight = None
         else:
             self.gate_up_weight = _gemm_weight(2 * cfg.intermediate_size, h, **gemm)  # rows: gate | up
@@ -423,23 +424,24 @@ def _moe_slots(cfg: ModelConfig, p: str, moe: SparseMoE) -> dict:
     (w1 gate, w3 up, w2 down) or Qwen's mlp (gate_proj, up_proj, down_proj; Qwen2-MoE's shared expert)."""
     I = moe.inter
     gate, up = slice(0, I), slice(I, 2 * I)
+    gate_up, down = moe.gate_up, moe.down  # views of the stacks (or int8 weights), taken once
     slots = {}
     if cfg.architecture == "mixtral":
         m = p + "block_sparse_moe."
         slots[m + "gate.weight"] = (moe.router, None)
         for e in range(moe.num_experts):
             x = f"{m}experts.{e}."
-            slots[x + "w1.weight"] = (moe.gate_up[e], gate)
-            slots[x + "w3.weight"] = (moe.gate_up[e], up)
-            slots[x + "w2.weight"] = (moe.down[e], None)
+            slots[x + "w1.weight"] = (gate_up[e], gate)
+            slots[x + "w3.weight"] = (gate_up[e], up)
+            slots[x + "w2.weight"] = (down[e], None)
         return slots
     m = p + "mlp."
     slots[m + "gate.weight"] = (moe.router, None)
     for e in range(moe.num_experts):
         x = f"{m}experts.{e}."
-        slots[x + "gate_proj.weight"] = (moe.gate_up[e], gate)
-        slots[x + "up_proj.weight"] = (moe.gate_up[e], up)
-        slots[x + "down_proj.weight"] = (moe.down[e], None)
+        slots[x + "gate_proj.weight"] = (gate_up[e], gate)
+        slots[x + "up_proj.weight"] = (gate_up[e], up)
+        slots[x + "down_proj.weight"] = (down[e], None)
     if moe.shared_gate_up is not None:
         S = moe.shared_inter
         slots[m + "shared_expert.gate_proj.weight"] = (moe.shared_gate_up, slice(0, S))

@@ -7,6 +7,7 @@
 
 mod cpu_attention;
 mod cpu_linear;
+mod cpu_moe;
 mod cpu_norm;
 mod gguf_dequant;
 
@@ -579,6 +580,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<UpdateOutput>()?;
     cpu_attention::register(m)?;
     cpu_linear::register(m)?;
+    cpu_moe::register(m)?;
     cpu_norm::register(m)?;
     gguf_dequant::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
