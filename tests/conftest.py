@@ -11,6 +11,12 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels run under the interpreter. It is read when triton is first
+# imported, which `import specinfer` can already do (llguidance, torch inductor): set it here,
+# before any test module imports either, so test files run alone or in any order.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).parent))
 # tiny test models gain nothing from threads, and OpenMP spin-waits collapse on a busy 2-core box
 torch.set_num_threads(1)
