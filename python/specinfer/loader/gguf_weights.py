@@ -224,10 +224,13 @@ def _family_fields(meta: dict, arch: str, ours: str, num_layers: int, hidden: in
     window = meta.get(f"{arch}.attention.sliding_window")
     if ours in ("gemma2", "gemma3_text"):
         pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
-        if isinstance(pattern, list):  # newer files: one bool per layer
+        if isinstance(pattern, list):  # newer files: one bool per layer (True: sliding)
+            if len(pattern) != num_layers:
+                raise ValueError(f"{path}: GGUF {arch}.attention.sliding_window_pattern has {len(pattern)} "
+                                 f"entries for {num_layers} layers")
             slides = [bool(x) for x in pattern]
-        else:
-            n = 2 if ours == "gemma2" else 6
+        else:  # a period n (every n-th layer global), llama.cpp's constant where absent
+            n = int(pattern) if pattern else (2 if ours == "gemma2" else 6)
             slides = [i % n < n - 1 for i in range(num_layers)]
         big = (ours == "gemma2" and num_layers == 46) or (ours == "gemma3_text" and num_layers == 62)
         out.update(hidden_act="gelu_tanh", embed_scale=math.sqrt(hidden), sandwich_norms=True,
@@ -241,8 +244,11 @@ def _family_fields(meta: dict, arch: str, ours: str, num_layers: int, hidden: in
         if window is not None:
             out.update(sliding_window=int(window),
                        layer_types=tuple("sliding_attention" if s else "full_attention" for s in slides))
-    elif window is not None:  # every layer slides
+    elif window is not None:  # every layer slides, unless the file lists which do
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
         out["sliding_window"] = int(window)
+        if isinstance(pattern, list) and len(pattern) == num_layers and not all(pattern):
+            out["layer_types"] = tuple("sliding_attention" if p else "full_attention" for p in pattern)
     if ours in ("qwen3", "qwen3_moe"):
         out["qk_norm"] = True
     if ours in ("qwen3_moe", "mixtral"):
@@ -291,6 +297,15 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
         expected = tuple(int(d) for d in reversed(t.shape))
+        if ".<experts>." in name and quantization in ("int8", "w8a8") and t.tensor_type == GGMLQuantizationType.Q8_0:
+            E, rows, cols = expected  # Q8_0 experts stay int8: each expert's blocks, no dequantization
+            raw = np.ascontiguousarray(t.data).reshape(E, -1)
+            try:
+                blocks = [q8_0_blocks(raw[e], (rows, cols)) for e in range(E)]
+            except ValueError as e:
+                raise ValueError(f"{path}: tensor {t.name!r} Q8_0 data is truncated ({e})") from e
+            yield from zip(expert_names(name, cfg.architecture, E), blocks)
+            continue
         if ".<experts>." in name:  # [experts, rows, cols]: one HF tensor per expert
             try:
                 array = dequantize(t.data, t.tensor_type, expected)
@@ -342,7 +357,9 @@ _ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short", "rope_factors_long
 def load_gguf(path: str, *, dtype: torch.dtype, device, quantization: str | None = None) -> LoadedModel:
     reader, meta = _read(path)
     tensor_names = {t.name for t in reader.tensors}
-    factors = {_ROPE_FACTOR_TENSORS[t.name]: np.asarray(t.data, dtype=np.float32).reshape(-1).tolist()
+    from specinfer.loader.gguf_dequant import dequantize
+
+    factors = {_ROPE_FACTOR_TENSORS[t.name]: dequantize(t.data, t.tensor_type, (int(np.prod(t.shape)),)).tolist()
                for t in reader.tensors if t.name in _ROPE_FACTOR_TENSORS}
     cfg = gguf_config(meta, tensor_names, path, factors or None)
     tokenizer, add_bos = build_gguf_tokenizer(meta, path)
