@@ -32,6 +32,18 @@ def test_tp2_ngram_int8_with_replicated_kv_heads_bias_padded_vocab(tiny_dir):
     assert tp2["metrics"]["num_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("arch,quantization", [("mixtral", "int8"), ("qwen2_moe", None)])
+def test_tp2_mixture_of_experts_with_ngram(tiny_dir, arch, quantization):
+    """Experts sharded within (every rank a slice of every expert; Qwen2-MoE's shared expert
+    too; int8 experts sliced with their scales): the tokens of the unsharded engine."""
+    target, _ = tiny_dir(arch, layers=2)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    tp1 = run(target, 1, spec, quantization=quantization)
+    tp2 = run(target, 2, spec, quantization=quantization)
+    check_same(tp1, tp2)
+    assert tp2["metrics"]["num_draft_tokens"] > 0
+
+
 _TP1_DRAFT_RUNS: dict = {}
 
 
@@ -108,11 +120,11 @@ def test_unshardable_heads_name_the_field():
     assert [kv_heads_of_rank(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
 
     class MoE(Cfg):
-        num_experts = 8
+        num_experts, moe_intermediate_size, shared_expert_intermediate_size = 8, 96, 0
 
-    check_shardable(MoE, 1)
-    with pytest.raises(ValueError, match="mixture-of-experts models do not shard yet"):
-        check_shardable(MoE, 2)
+    check_shardable(MoE, 2)
+    with pytest.raises(ValueError, match="the experts' width 96"):
+        check_shardable(MoE, 64)
 
 
 def test_in_process_kv_copies_move_k_and_v_of_every_pool():

@@ -139,6 +139,8 @@ class DecoderLayer(nn.Module):
         h = _rms_norm(x, (x.shape[-1],), self.post_attention_norm, self.eps)
         if self.moe is not None:
             down = self.moe(h, linear, self.act)
+            if self.tp is not None:  # every rank holds a slice of every expert: partial sums
+                down = self.tp.all_reduce(down)
         else:
             gate, up = linear(h, self.gate_up_weight).chunk(2, dim=-1)
             down = linear(self.act(gate) * up, self.down_weight)

@@ -57,8 +57,12 @@ class TensorParallelGroup:
 def check_shardable(cfg, size: int, what: str = "tensor_parallel_size") -> None:
     """ValueError naming `what` unless the model's heads and MLP split evenly over `size` ranks."""
     H, Hkv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    if getattr(cfg, "num_experts", 0) and size > 1:
-        raise ValueError(f"{what}={size}: mixture-of-experts models do not shard yet (run them with one rank)")
+    experts = getattr(cfg, "num_experts", 0)
+    if experts and cfg.moe_intermediate_size % size:
+        raise ValueError(f"{what}={size} does not divide the experts' width {cfg.moe_intermediate_size}")
+    if experts and cfg.shared_expert_intermediate_size % size:
+        raise ValueError(f"{what}={size} does not divide the shared expert's width "
+                         f"{cfg.shared_expert_intermediate_size}")
     if H % size:
         raise ValueError(f"{what}={size} does not divide the model's {H} attention heads")
     if (Hkv % size) and (size % Hkv):
@@ -186,12 +190,53 @@ def shard_decoder_layer(layer, cfg, tp: TensorParallelGroup) -> tuple[int, int]:
         bias = torch.cat([layer.qkv_bias.data[r] for r in (q_rows, k_rows, v_rows)])
         _set(layer, "qkv_bias", torch.nn.Parameter(bias, requires_grad=False))
     _set(layer, "o_weight", _cols(layer.o_weight, q_rows))
-    _set(layer, "gate_up_weight", _cat_rows([_rows(layer.gate_up_weight, r) for r in (gate_rows, up_rows)]))
-    _set(layer, "down_weight", _cols(layer.down_weight, gate_rows))
+    if layer.moe is not None:
+        shard_moe(layer.moe, tp)
+    else:
+        _set(layer, "gate_up_weight", _cat_rows([_rows(layer.gate_up_weight, r) for r in (gate_rows, up_rows)]))
+        _set(layer, "down_weight", _cols(layer.down_weight, gate_rows))
     layer.num_heads, layer.num_kv_heads = hq, k1 - k0
     layer.q_size, layer.kv_size = hq * D, (k1 - k0) * D
     layer.tp = tp
     return hq, k1 - k0
+
+
+def _gated_shard(gate_up, down, width: int, tp: TensorParallelGroup):
+    """One gated MLP's shard: gate|up rows [i0, i1) of each half (column-parallel), down's inputs
+    [i0, i1) (row-parallel)."""
+    n = width // tp.size
+    i0 = tp.rank * n
+    rows = (slice(i0, i0 + n), slice(width + i0, width + i0 + n))
+    return _cat_rows([_rows(gate_up, r) for r in rows]), _cols(down, slice(i0, i0 + n))
+
+
+@torch.no_grad()
+def shard_moe(moe, tp: TensorParallelGroup) -> None:
+    """Tensor parallelism WITHIN experts: every rank keeps every expert, with 1/size of its
+    intermediate width (and of the shared expert's); the router and the shared expert's gate are
+    replicated, so every rank routes every token the same way, computes its partial sums, and
+    the layer all-reduces once. Chosen over expert parallelism (whole experts per rank) because
+    speculative steps are small: a decode activates k experts per token and a verification a few
+    more, which expert parallelism would leave on one or two ranks while the others idle, and it
+    would need an all-to-all exchange of tokens each layer; sharding within experts splits every
+    active expert's weight reads evenly and keeps the one all-reduce dense layers already pay."""
+    I = moe.inter
+    n = I // tp.size
+    i0 = tp.rank * n
+    if moe.quantized:
+        pairs = [_gated_shard(gu, d, I, tp) for gu, d in zip(moe.gate_up, moe.down)]
+        moe._gate_up, moe._down = [p[0] for p in pairs], [p[1] for p in pairs]
+    else:
+        gu = moe.w_gate_up.data
+        _set(moe, "w_gate_up", torch.nn.Parameter(torch.cat([gu[:, i0:i0 + n], gu[:, I + i0:I + i0 + n]], 1)
+                                                  .contiguous(), requires_grad=False))
+        _set(moe, "w_down", torch.nn.Parameter(moe.w_down.data[:, :, i0:i0 + n].contiguous(), requires_grad=False))
+    moe.inter = n
+    if moe.shared_gate_up is not None:
+        gate_up, down = _gated_shard(moe.shared_gate_up, moe.shared_down, moe.shared_inter, tp)
+        _set(moe, "shared_gate_up", gate_up)
+        _set(moe, "shared_down", down)
+        moe.shared_inter //= tp.size
 
 
 @torch.no_grad()
