@@ -82,3 +82,24 @@ def test_verification_activates_more_experts_than_a_decode():
     moe = _moe()
     h = torch.randn(8, H, generator=torch.Generator().manual_seed(6))
     assert moe.active_experts(h[:1]) == K < moe.active_experts(h)
+
+
+def test_triton_fused_moe_matches_the_reference():
+    """The CUDA path's Triton kernels, under the interpreter on CPU (conftest sets TRITON_INTERPRET)."""
+    from specinfer.kernels.triton.fused_moe import align_by_expert
+
+    moe = _moe(shared=32)
+    h = torch.randn(21, H, generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        want = moe(h, F.linear, F.silu)  # the CPU kernel path
+        weights, experts = moe.route(h)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=E)
+        got = moe._run_triton(h, order // K, weights.flatten()[order], counts, F.silu)
+        gate, up = F.linear(h, moe.shared_gate_up).chunk(2, dim=-1)
+        got = got + torch.sigmoid(F.linear(h, moe.shared_gate)) * F.linear(F.silu(gate) * up, moe.shared_down)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    rows, position, tiles = align_by_expert(order // K, counts)
+    assert rows.shape[0] % 16 == 0 and int((rows >= 0).sum()) == h.shape[0] * K
+    assert torch.equal(rows[position], order // K) and tiles.shape[0] == rows.shape[0] // 16

@@ -9,7 +9,7 @@ any token chose then runs ONE gate|up GEMM and ONE down GEMM over all of its tok
 loop per token. A verification run of 1 + k tokens activates more experts than a decode, so it
 costs more (benches/moe_verify_cost.py); the goodput policy sees that through its step timings.
 
-Two executions of the same arithmetic plan:
+Three executions of the same arithmetic plan:
 - the Rust kernel (`specinfer._core.moe_experts`, rust/kernels/src/moe.rs) on CPU for float32
   and bfloat16 weights: the whole layer's experts in one call, through the few-rows GEMM kernel,
   whose output rows do not depend on how many rows share a call, and each token's expert outputs
@@ -17,6 +17,8 @@ Two executions of the same arithmetic plan:
   verification run or any batch (greedy speculation stays token-for-token exact). Chosen for
   every row count (as the few-rows kernel is for float32 models when asked): a long prefill
   chunk pays for it (the kernel trails oneDNN from ~16 rows per expert);
+- on CUDA, two Triton launches per layer (kernels/triton/fused_moe.py): every active expert's
+  gate|up GEMM in one, every down GEMM in the other, over tiles of one expert each;
 - torch (other devices, int8 experts, shapes the kernel does not take): per active expert,
   `linear` over its gathered tokens and `index_add_` in ascending expert order.
 
@@ -107,6 +109,8 @@ class SparseMoE(nn.Module):
         pair_weight = weights.flatten()[order]
         if self._kernel_takes(h):
             out = self._run_kernel(h, token, pair_weight, counts)
+        elif h.device.type == "cuda" and not self.quantized:
+            out = self._run_triton(h, token, pair_weight, counts, act)
         else:
             out = self._run_torch(h, token, pair_weight, counts.tolist(), linear, act)
         if self.shared_gate_up is not None:
@@ -128,6 +132,11 @@ class SparseMoE(nn.Module):
                   tok.data_ptr(), wts.data_ptr(), offsets.data_ptr(), int(tok.numel()), out.data_ptr(),
                   torch.get_num_threads())
         return out.to(h.dtype)
+
+    def _run_triton(self, h, token, pair_weight, counts, act) -> torch.Tensor:
+        from specinfer.kernels.triton.fused_moe import fused_moe
+
+        return fused_moe(h, self.w_gate_up, self.w_down, token, pair_weight, counts, act)
 
     def _run_torch(self, h, token, pair_weight, counts, linear, act) -> torch.Tensor:
         if not self.quantized:
