@@ -7,6 +7,9 @@ multiple of the decode step, and how many experts the step activates. On the den
 tokens cost little more than one (the weights are read once); on the MoE model more tokens route
 to more experts, so verification reads more weights.
 
+Then the goodput policy's choice on each (n-gram, k up to 7, default policy, greedy, a batch of
+prompts): drafts per drafted step and acceptance — a dearer verification should draft fewer.
+
     python benches/moe_verify_cost.py [--batch 1] [--hidden 512] [--repeats 20]
 """
 from __future__ import annotations
@@ -71,6 +74,26 @@ def _step_ms(model, B: int, q: int, ctx_len: int, repeats: int) -> tuple[float, 
     return 1e3 * times[len(times) // 2], active
 
 
+def _policy_choice(path: Path, batch: int) -> dict:
+    from specinfer import Generator, SamplingParams
+
+    g = torch.Generator().manual_seed(1)
+    prompts = []
+    for _ in range(batch):
+        base = torch.randint(3, 1024, (24,), generator=g).tolist()
+        prompts.append(base + base[:8] + base)  # repeats: n-gram matches exist
+    gen = Generator(str(path), speculative={"method": "ngram", "num_speculative_tokens": 7})
+    sp = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+    gen.generate(prompts, sp, use_tqdm=False)  # warm-up: the policy learns its step costs here too
+    gen.reset_metrics()
+    t = time.perf_counter()
+    outs = gen.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    m = gen.spec_metrics()
+    return dict(drafts_per_step=m["num_draft_tokens"] / max(1, m["num_drafts"]), acceptance=m["acceptance_rate"],
+                tok_s=sum(len(o.token_ids) for o in outs) / wall)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
@@ -95,6 +118,11 @@ def main() -> None:
                 row += [f"{ms:9.2f}", f"{ms / base[kind]:9.2f}"]
             row.append(f"{active:>8}")
             print(" ".join(row))
+        print("goodput policy, n-gram k <= 7, batch", a.batch)
+        for kind in ("dense", "moe"):
+            r = _policy_choice(Path(d) / kind, a.batch)
+            print(f"  {kind:5}: {r['drafts_per_step']:.2f} drafts per drafted step, acceptance {r['acceptance']:.2f}, "
+                  f"{r['tok_s']:.1f} tok/s")
 
 
 if __name__ == "__main__":
