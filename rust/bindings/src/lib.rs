@@ -135,7 +135,8 @@ struct SchedulerCore {
 impl SchedulerCore {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-                        enable_prefix_caching = true, num_lookahead_tokens = 0, batch_expansion = false))]
+                        enable_prefix_caching = true, num_lookahead_tokens = 0, batch_expansion = false,
+                        sliding_window = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         num_blocks: i64,
@@ -146,6 +147,7 @@ impl SchedulerCore {
         enable_prefix_caching: bool,
         num_lookahead_tokens: i64,
         batch_expansion: bool,
+        sliding_window: Option<i64>,
     ) -> PyResult<Self> {
         let config = SchedulerConfig {
             num_blocks: non_negative("num_blocks", num_blocks)?,
@@ -156,6 +158,9 @@ impl SchedulerCore {
             enable_prefix_caching,
             num_lookahead_tokens: non_negative("num_lookahead_tokens", num_lookahead_tokens)?,
             batch_expansion,
+            sliding_window: sliding_window
+                .map(|w| non_negative("sliding_window", w))
+                .transpose()?,
         };
         Ok(SchedulerCore {
             inner: Scheduler::new(config).map_err(to_py)?,
@@ -441,6 +446,7 @@ impl SchedulerCore {
         d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
         d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
         d.set_item("num_steps", s.num_steps)?;
+        d.set_item("num_window_freed_blocks", s.num_window_freed_blocks)?;
         if let Some(sc) = self.inner.suffix_cache() {
             d.set_item("suffix_nodes", sc.num_nodes())?;
             d.set_item("suffix_bytes", sc.bytes())?;
