@@ -36,7 +36,7 @@ def check_greedy_exact(target, spec: dict, ref, settings=SETTINGS) -> dict:
     # policy's drafts depend on measured step times (a loaded CI run once gave a random MLP head
     # only drafts that failed: 0 of 205 accepted); its exactness has tests of its own
     spec = {"policy": "fixed", **spec} if spec is not None else None
-    tot = dict(num_draft_tokens=0, num_accepted_tokens=0, mixed=0, preempted=0)
+    tot = dict(num_draft_tokens=0, num_accepted_tokens=0, mixed=0, preempted=0, window_freed=0)
     for block_size, budget, blocks, batch in settings:
         gen = Generator(str(target), block_size=block_size, max_num_batched_tokens=budget, num_kv_blocks=blocks,
                         max_model_len=128, speculative=spec)
@@ -50,8 +50,11 @@ def check_greedy_exact(target, spec: dict, ref, settings=SETTINGS) -> dict:
         tot["num_accepted_tokens"] += m["num_accepted_tokens"]
         tot["mixed"] += gen.engine.num_mixed_steps
         tot["preempted"] += core.stats()["num_preemptions"]
+        tot["window_freed"] += core.stats()["num_window_freed_blocks"]
     assert tot["mixed"] > 0, "no step mixed prefill chunks with verification runs"
-    assert tot["preempted"] > 0, "no request was preempted"
+    # a model whose every layer slides gives back the blocks out of its window (SchedulerCore's
+    # sliding_window): the pool may then never run out (test_sliding_window_kv.py preempts it)
+    assert tot["preempted"] > 0 or tot["window_freed"] > 0, "no request was preempted"
     assert tot["num_draft_tokens"] > 0
     return tot
 

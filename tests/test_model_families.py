@@ -54,7 +54,9 @@ def test_greedy_matches_transformers_under_pressure(family, backend):
     outs = gen.generate(ps, SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
     assert [o.token_ids for o in outs] == want, arch
     stats = gen.engine.core.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    # an all-sliding model (Mixtral, Phi-3) gives back the blocks out of its window: the pool may
+    # then never run out (test_sliding_window_kv.py preempts one)
+    assert stats["num_preemptions"] + stats["num_window_freed_blocks"] > 0 and stats["prefix_cache_hits"] > 0, stats
     assert gen.engine.core.num_free_blocks() == gen.engine.core.num_total_blocks()
 
 

@@ -129,7 +129,7 @@ def build_tiny_model(path: Path, arch: str = "llama", *, tied: bool = False, see
         cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
         cls = tf.LlamaForCausalLM
     elif arch == "mistral":
-        cfg = tf.MistralConfig(**common, sliding_window=None, rope_theta=10000.0)
+        cfg = tf.MistralConfig(**common, sliding_window=window, rope_theta=10000.0)
         cls = tf.MistralForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**common, rope_theta=10000.0, use_sliding_window=False)

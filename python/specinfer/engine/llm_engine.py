@@ -173,7 +173,8 @@ class LLMEngine:
         self.core = SchedulerCore(
             self.num_kv_blocks, self.block_size, sched_cfg.max_num_seqs, sched_cfg.max_num_batched_tokens,
             self.max_model_len, cache_cfg.enable_prefix_caching, lookahead,
-            self.spec is not None and self.spec.scorer == "batch_expansion")
+            self.spec is not None and self.spec.scorer == "batch_expansion",
+            sliding_window=kv_sliding_window(kv_models))
         token_buckets = self.platform.token_buckets(limits)
         if token_buckets is not None:  # static shapes: the packer pads every batch to a bucket
             self.core.set_token_padding(list(token_buckets), self.num_kv_blocks)
@@ -654,6 +655,25 @@ class LLMEngine:
     def policy(self):
         """The speculation policy (GoodputPolicy), or None (fixed k, or no speculation)."""
         return self.proposing.policy if self.proposing is not None else None
+
+
+def kv_sliding_window(kv_models) -> int | None:
+    """The window W within which every later query of every KV user attends, so that the core
+    gives back each request's KV blocks below num_computed_tokens - W + 1 (SchedulerCore's
+    sliding_window), or None: keep every block. `kv_models` are the target and the models a
+    proposer keeps KV for over the same block tables.
+
+    W is the target's window where every one of its layers slides (Mistral) and no proposer keeps
+    KV of its own. A model without `config.all_layers_slide` (a head) counts as full attention.
+    A proposer's own KV rules it out even where its model slides too: a draft model catches up
+    from behind the target's computed tokens (the accepted drafts it recomputes, the history after
+    a pause or a prefix-cache hit), so its queries sit below the line the core frees at and would
+    read (and write) blocks given back. Proposers without KV of their own (n-gram, suffix, heads
+    on the target's states, layer-skip on the target's KV) query at num_computed_tokens or later."""
+    cfg = getattr(kv_models[0], "config", None)
+    if not getattr(cfg, "all_layers_slide", False) or len(kv_models) > 1:
+        return None
+    return cfg.min_window
 
 
 def _check_trees_fit_windows(spec, cfg) -> None:
