@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import load_file
 
-_GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3",
+_GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "qwen2": "qwen2", "gemma2": "gemma2", "gemma3_text": "gemma3",
               "phi3": "phi3", "mixtral": "llama", "llama": "llama"}
 
 
@@ -60,8 +60,10 @@ def write_gguf(model_dir: Path, path: Path, *, expert_type: str = "f32") -> None
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        if ours == "qwen3_moe":
+        if ours in ("qwen3_moe", "qwen2_moe"):
             w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if ours == "qwen2_moe":
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if ours == "phi3" and rope.get("rope_type") == "longrope":
         w.add_rope_scaling_orig_ctx_len(cfg["original_max_position_embeddings"])
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
@@ -101,6 +103,9 @@ def write_gguf(model_dir: Path, path: Path, *, expert_type: str = "f32") -> None
             put(b + "attn_q.weight", q)
             put(b + "attn_k.weight", k)
             put(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+            for n in "qkv":
+                if p + f"self_attn.{n}_proj.bias" in sd:
+                    put(b + f"attn_{n}.bias", sd[p + f"self_attn.{n}_proj.bias"])
         if p + "self_attn.q_norm.weight" in sd:
             put(b + "attn_q_norm.weight", norm(sd[p + "self_attn.q_norm.weight"]))
             put(b + "attn_k_norm.weight", norm(sd[p + "self_attn.k_norm.weight"]))
@@ -118,6 +123,11 @@ def write_gguf(model_dir: Path, path: Path, *, expert_type: str = "f32") -> None
             for gname, hf in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), names):
                 stack = np.stack([sd[f"{moe}experts.{e}.{hf}.weight"] for e in range(experts)])
                 put(b + gname + ".weight", stack, expert_type)
+            if moe + "shared_expert_gate.weight" in sd:
+                put(b + "ffn_gate_inp_shexp.weight", sd[moe + "shared_expert_gate.weight"].reshape(-1))
+                for gname, hf in (("ffn_gate_shexp", "gate_proj"), ("ffn_up_shexp", "up_proj"),
+                                  ("ffn_down_shexp", "down_proj")):
+                    put(b + gname + ".weight", sd[f"{moe}shared_expert.{hf}.weight"])
         elif ours == "phi3":
             put(b + "ffn_up.weight", sd[p + "mlp.gate_up_proj.weight"])
             put(b + "ffn_down.weight", sd[p + "mlp.down_proj.weight"])

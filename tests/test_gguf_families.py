@@ -1,5 +1,5 @@
-"""GGUF files of every family llama.cpp defines (Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3,
-Mixtral), written as llama.cpp's converter writes them (tests/gguf_writer.py), load into the
+"""GGUF files of every family llama.cpp defines (Qwen3, Qwen3-MoE, Qwen2-MoE, Gemma 2, Gemma 3,
+Phi-3, Mixtral), written as llama.cpp's converter writes them (tests/gguf_writer.py), load into the
 same model as their HF checkpoints: same configuration, logits equal over chunked prefill and
 decodes. MoE experts stored as Q8_0 stay int8 under quantization="int8" (not re-rounded)."""
 import pytest
@@ -9,7 +9,7 @@ from specinfer.attention import AttentionMetadata, ForwardContext, get_backend
 from specinfer.loader import load_model
 from gguf_writer import write_gguf
 
-FAMILIES = ["qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3", "mixtral"]
+FAMILIES = ["qwen3", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3_text", "phi3", "mixtral"]
 # the tiny models' parts llama.cpp's formats cannot express are left out: Qwen3-MoE's dense
 # layers (one layer: none), Gemma 2's query_pre_attn_scalar other than head_dim (llama.cpp fixes it)
 LAYERS = {"qwen3_moe": 1}
@@ -56,7 +56,8 @@ def test_gguf_equals_the_hf_checkpoint(tmp_path, arch):
     a, b = hf.config, gg.config
     for field in ("architecture", "num_layers", "head_dim", "qk_norm", "hidden_act", "sandwich_norms",
                   "attn_softcap", "final_softcap", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                  "local_rope_theta", "rope_theta", "tie_word_embeddings"):
+                  "local_rope_theta", "rope_theta", "tie_word_embeddings", "norm_topk_prob",
+                  "shared_expert_intermediate_size", "attention_bias"):
         assert getattr(a, field) == getattr(b, field), field
     assert [a.layer_window(i) for i in range(a.num_layers)] == [b.layer_window(i) for i in range(b.num_layers)]
     assert a.rope_scaling == b.rope_scaling or (a.rope_type == b.rope_type == "longrope")

@@ -25,9 +25,10 @@ from specinfer.models.config import ModelConfig
 from specinfer.models.int8_linear import QuantizedTensor
 from specinfer.models.llama import LlamaForCausalLM
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma2", "gemma3", "phi3")
 # GGUF general.architecture -> ours (llama.cpp's "llama" also holds Mixtral: experts in the file)
-_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
+_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe",
+         "gemma2": "gemma2",
          "gemma3": "gemma3_text", "phi3": "phi3"}
 
 _LAYER_NAMES = {
@@ -48,6 +49,11 @@ _LAYER_NAMES = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3
     "ffn_gate_inp.weight": "mlp.gate.weight",  # MoE router (Mixtral: renamed in hf_name)
+    # Qwen2-MoE's shared expert and its gate ([hidden] in the file, [1, hidden] in HF)
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 # Gemma's sandwich norms (llama.cpp names -> HF): its ffn_norm is the MLP's input norm
 _GEMMA_NAMES = {
@@ -251,14 +257,16 @@ def _family_fields(meta: dict, arch: str, ours: str, num_layers: int, hidden: in
             out["layer_types"] = tuple("sliding_attention" if p else "full_attention" for p in pattern)
     if ours in ("qwen3", "qwen3_moe"):
         out["qk_norm"] = True
-    if ours in ("qwen3_moe", "mixtral"):
+    if ours in ("qwen3_moe", "qwen2_moe", "mixtral"):
         experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
         if experts <= 0:
             raise ValueError(f"{path}: GGUF metadata {arch}.expert_count is missing")
         out.update(num_experts=experts, num_experts_per_tok=int(meta[f"{arch}.expert_used_count"]),
                    moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length")
                                              or meta[f"{arch}.feed_forward_length"]),
-                   norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
+                   norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", ours != "qwen2_moe")))
+        if ours == "qwen2_moe":
+            out["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
     return out
 
 
@@ -327,6 +335,8 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
                 qt = QuantizedTensor(unpermute_rows(qt.q, cfg.num_kv_heads), unpermute_rows(qt.scales, cfg.num_kv_heads))
             yield name, qt
             continue
+        if name.endswith("shared_expert_gate.weight") and len(expected) == 1:
+            expected = (1, expected[0])  # HF's Linear(hidden, 1)
         permute = permuted and (".attn_q." in t.name or ".attn_k." in t.name)
         dest = destinations.get(name)
         if dest is not None and not permute and tuple(dest.shape) == expected:
