@@ -15,7 +15,7 @@ from specinfer.attention import AttentionMetadata, get_backend
 from specinfer.attention.cpu_native import CpuNativeBackend
 
 from paged_batch import MIXED, dense_oracle, make_batch, run_backend
-from test_hpu_attention import model_logits
+from runner_harness import model_logits
 from tree_batch import build, mixed_requests
 
 DECODES = [(7, 1), (30, 1), (0, 1), (12, 1)]

@@ -15,8 +15,8 @@ from specinfer.loader import load_model
 from specinfer.models.int8_linear import Int8Weight, QuantizedTensor, int8_linear, quantize_rows
 from specinfer.platform import resolve_platform
 
-from test_gguf import write_synthetic_gguf
-from test_packed_linear import _logits
+from gguf_writer import write_synthetic_gguf
+from runner_harness import int8_twin_dir, two_run_logits
 
 
 @pytest.mark.parametrize("M", [1, 3, 8, 17, 40])  # 40: past KERNEL_MAX_ROWS, the dequantized GEMM
@@ -66,30 +66,13 @@ def test_gguf_q8_0_tensors_stay_int8(tmp_path):
     assert lm.model.weight_bytes() < 0.35 * dense.model.weight_bytes()
     # the model computes what the float one does, within int8 rounding of the non-Q8_0 weights
     tokens = [list(range(3, 30)), list(range(40, 45))]
-    got, want = _logits(lm, tokens), _logits(dense, tokens)
+    got, want = two_run_logits(lm, tokens), two_run_logits(dense, tokens)
     assert (got - want).norm() / want.norm() < 0.05
-
-
-def _twin_dir(hf_dir, tmp_path):
-    """An HF directory holding the float32 dequantization of hf_dir's int8-quantized GEMM weights."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2:
-                qt = quantize_rows(p)
-                p.copy_((qt.q.float().view(p.shape[0], -1, 32) * qt.scales.unsqueeze(-1)).view(p.shape))
-    out = tmp_path / "twin"
-    model.save_pretrained(out, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        (out / f).write_bytes((hf_dir / f).read_bytes())
-    return out
 
 
 def test_int8_generation_equals_its_float_twin(tiny_dir, tmp_path):
     path, _ = tiny_dir("llama", False, seed=0, scale=3.0)
-    twin = _twin_dir(path, tmp_path)
+    twin = int8_twin_dir(path, tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
     prompts = [p + p[:6] + p for p in prompts]  # repeats: n-gram drafts get accepted
@@ -107,7 +90,7 @@ def test_int8_generation_equals_its_float_twin(tiny_dir, tmp_path):
 def test_bfloat16_end_to_end(tiny_dir):
     path, _ = tiny_dir("llama", False)
     tokens = [list(range(3, 40)), list(range(50, 55))]
-    ref = _logits(load_model(path), tokens)
+    ref = two_run_logits(load_model(path), tokens)
     lm = load_model(path, dtype=torch.bfloat16)
     resolve_platform("cpu").prepare_model(lm.model)
     from specinfer.models.packed_linear import packing_supported

@@ -11,45 +11,7 @@ import head_checkpoints as hc
 from eagle_reference import EagleReference
 from specinfer import Generator, SamplingParams
 from spec_cases import GREEDY, check_greedy_exact, prompts, reference
-
-
-splits = [0]  # verification runs of a split proposal (no bonus row) seen by _record_proposals
-
-
-def _record_proposals(gen):
-    proposer, seen = gen.engine.proposer, []
-    inner = proposer.propose
-
-    def spy(inp):
-        prop = inner(inp)
-        splits[0] += int(((inp.num_rows == inp.num_draft) & (inp.num_draft > 0)).sum())
-        by_id = {st.core_id: st for st in inp.requests}
-        for j, cid in enumerate(prop.core_ids.tolist()):
-            st = by_id[cid]
-            seen.append((st.tokens_slice(0, st.num_tokens),
-                         prop.draft_token_ids[prop.cu_num_draft[j]:prop.cu_num_draft[j + 1]].tolist()))
-        return prop
-
-    proposer.propose = spy
-    return seen
-
-
-def check_drafts_equal_reference(target, path, reference, method, **spec):
-    """Every third proposal the engine makes equals `reference.drafts` recomputed from the whole
-    history, with tiny blocks and budget (chunked prefill, mixed steps), a pool that preempts and
-    every prompt twice (prefix-cache hits). Returns (generator, proposals seen)."""
-    gen = Generator(str(target), block_size=4, max_num_batched_tokens=20, num_kv_blocks=40, max_model_len=128,
-                    speculative={"method": method, "model": str(path), "quantization": "none", "num_speculative_tokens": 3,
-                                 "policy": "fixed", **spec})
-    seen = _record_proposals(gen)
-    ps = prompts(8)
-    gen.generate(ps + ps, SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)
-    stats = gen.engine.core.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and gen.engine.num_mixed_steps > 0
-    assert len(seen) > 40
-    for tokens, drafts in seen[::3]:
-        assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
-    return gen, seen
+from head_drafts import check_drafts_equal_reference, record_proposals, splits
 
 
 @pytest.mark.parametrize("variant", ["bias_safetensors", "nobias_bin_embed", "draft_vocab"])
@@ -72,7 +34,7 @@ def test_eagle_drafts_equal_the_reference_across_split_proposals(target, tmp_pat
                     speculative={"method": "eagle", "model": str(path), "quantization": "none", "num_speculative_tokens": 5,
                                  "policy": "fixed"})
     splits[0] = 0
-    seen = _record_proposals(gen)
+    seen = record_proposals(gen)
     gen.generate(prompts(4), SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
     assert splits[0] > 0 and len(seen) > 10
     for tokens, drafts in seen:
@@ -87,7 +49,7 @@ def test_eagle_keeps_up_while_speculation_is_disabled(target, tmp_path):
     gen = Generator(str(target), max_model_len=128, num_kv_blocks=64, speculative={
         "method": "eagle", "model": str(path), "quantization": "none", "num_speculative_tokens": 2, "disable_by_batch_size": 4,
         "policy": "fixed"})  # drafts counted below: every proposal k, not the goodput policy's choice
-    seen = _record_proposals(gen)
+    seen = record_proposals(gen)
     ps = prompts(6)
     params = [SamplingParams(max_tokens=6 + 4 * i, temperature=0.0) for i in range(6)]  # staggered finishes
     gen.generate(ps, params, use_tqdm=False)
@@ -118,7 +80,7 @@ def test_eagle_save_load_round_trip_gives_identical_proposals(target, tmp_path, 
                                      "policy": "fixed"})
         if p == path:
             gen.engine.proposer.draft.save(tmp_path / "saved")
-        seen = _record_proposals(gen)
+        seen = record_proposals(gen)
         gen.generate(prompts(6), GREEDY, use_tqdm=False)
         runs.append(seen)
     assert runs[0] == runs[1] and len(runs[0]) > 20
@@ -203,7 +165,7 @@ def test_eagle3_save_load_round_trip_gives_identical_proposals(tiny_dir, tmp_pat
                                      "policy": "fixed"})
         if p == path:
             gen.engine.proposer.draft.save(tmp_path / "saved")
-        seen = _record_proposals(gen)
+        seen = record_proposals(gen)
         gen.generate(prompts(6), GREEDY, use_tqdm=False)
         runs.append(seen)
     assert runs[0] == runs[1] and len(runs[0]) > 20

@@ -10,7 +10,7 @@ import head_checkpoints as hc
 from eagle_reference import EagleReference
 from specinfer import Generator, SamplingParams
 
-from test_eagle import _record_proposals
+from head_drafts import record_proposals
 
 X = [(7 * i + 3) % 200 + 10 for i in range(16)]  # 4 full blocks of 4
 
@@ -39,7 +39,7 @@ def _check_all(seen, ref):
 def test_prefix_hit_with_a_different_next_token(setup):
     target, path, ref = setup
     gen = _gen(target, path)
-    seen = _record_proposals(gen)
+    seen = record_proposals(gen)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     gen.generate([X + [50, 51, 52]], greedy, use_tqdm=False)
     for t in range(60, 68):  # each hits X's 4 blocks; token 16 differs
@@ -53,7 +53,7 @@ def test_prefix_hit_with_a_different_next_token(setup):
 def test_prefix_hit_while_the_writer_still_runs(setup):
     target, path, ref = setup
     gen = _gen(target, path)
-    seen = _record_proposals(gen)
+    seen = record_proposals(gen)
     eng = gen.engine
     eng.add_request("a", None, SamplingParams(max_tokens=30, temperature=0.0), prompt_token_ids=X + [50, 51])
     for _ in range(3):
@@ -68,7 +68,7 @@ def test_prefix_hit_while_the_writer_still_runs(setup):
 def test_blocks_of_a_request_that_finished_at_once_hold_its_pairs(setup):
     target, path, ref = setup
     gen = _gen(target, path)
-    seen = _record_proposals(gen)
+    seen = record_proposals(gen)
     gen.generate([X + [50]], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)  # no catch-up while alive
     gen.generate([X + [50, 70]], SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
     assert gen.engine.core.stats()["prefix_cache_hits"] > 0

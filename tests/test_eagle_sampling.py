@@ -9,7 +9,7 @@ import head_checkpoints as hc
 from eagle_reference import Eagle3Reference, EagleReference
 from specinfer import Generator, SamplingParams
 from spec_cases import prompts
-from test_tree_eagle import PathLogits
+from eagle_reference import PathLogits
 from engine_law import NUM, sample_counts as _counts  # noqa: E402
 from stats import ALPHA, chi_square_pvalue  # noqa: E402
 

@@ -80,7 +80,7 @@ def test_float32_loads_dequantize_straight_into_the_parameters(tmp_path, monkeyp
     """Every tensor but llama's row-permuted q/k is written in place (no temporary, no copy);
     the loaded model still equals transformers (test_gguf.py checks the values)."""
     import specinfer.loader.gguf_dequant as gd
-    from test_gguf import write_synthetic_gguf
+    from gguf_writer import write_synthetic_gguf
 
     from specinfer.loader import load_model
 

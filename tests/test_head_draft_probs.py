@@ -162,16 +162,16 @@ def test_seeded_sampled_head_drafts_are_the_same_in_any_batch_budget_and_pool(ti
     tokens alone, in a batch, with split proposals and under preemption (test_seeded_determinism's
     harness, with an MLP speculator whose chained stages feed on the sampled drafts)."""
     import head_checkpoints as hc
-    from test_seeded_determinism import _run
+    from seeded_runs import run_seeded
 
     target, _ = tiny_dir("llama", False, scale=2.0)
     spec = {"model": str(hc.mlp_speculator(tmp_path / "mlp", target))}
-    alone, _, _, m = _run(target, None, "mlp_speculator", "rejection_sampler", 0, spec=spec)
+    alone, _, _, m = run_seeded(target, None, "mlp_speculator", "rejection_sampler", 0, spec=spec)
     assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"], m
-    batched, _, _, _ = _run(target, None, "mlp_speculator", "rejection_sampler", 7, spec=spec)
-    split, splits, _, _ = _run(target, None, "mlp_speculator", "rejection_sampler", 0, spec=spec,
+    batched, _, _, _ = run_seeded(target, None, "mlp_speculator", "rejection_sampler", 7, spec=spec)
+    split, splits, _, _ = run_seeded(target, None, "mlp_speculator", "rejection_sampler", 0, spec=spec,
                                max_num_batched_tokens=3)
-    preempted, _, preemptions, _ = _run(target, None, "mlp_speculator", "rejection_sampler", 7, spec=spec,
+    preempted, _, preemptions, _ = run_seeded(target, None, "mlp_speculator", "rejection_sampler", 7, spec=spec,
                                         num_kv_blocks=20)
     assert splits > 0 and preemptions > 0
     assert batched == alone and split == alone and preempted == alone

@@ -17,7 +17,7 @@ from specinfer.spec_decode.medusa import MedusaHeads
 from specinfer.spec_decode.mlp_speculator import MLPSpeculator
 from specinfer.spec_decode.head_quantization import apply_quantization
 from spec_cases import check_greedy_exact
-from test_eagle import check_drafts_equal_reference
+from head_drafts import check_drafts_equal_reference
 
 
 def _rounded(w: torch.Tensor) -> torch.Tensor:

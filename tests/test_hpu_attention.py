@@ -10,6 +10,7 @@ from specinfer.kernels.hpu import BucketConfig, BucketPlanner, bucket_range, bui
 from specinfer.kernels.hpu.buckets import geometric_range
 
 from paged_batch import MIXED, dense_oracle, make_batch, run_backend
+from runner_harness import model_logits
 
 
 DECODES = [(7, 1), (30, 1), (0, 1), (12, 1), (16, 1)]
@@ -159,41 +160,6 @@ def test_registry_and_platform_choose_hpu_flat():
 
     assert "hpu_flat" in available_backends()
     assert isinstance(get_backend("hpu_flat"), HpuFlatBackend)
-
-
-def model_logits(tiny_dir, backend_name, block_size=4, dtype=torch.float32):
-    """Two steps of a tiny llama through ModelRunner: a prefill chunk step, then a mixed step
-    (prefill continuation, a decode, a 1 + 3 verification run). Returns both steps' logits."""
-    from specinfer.engine.kv_cache import allocate_kv_caches
-    from specinfer.engine.model_runner import ModelRunner
-    from specinfer.loader import load_model
-
-    path, _ = tiny_dir("llama", kv_heads=2)
-    lm = load_model(path, dtype=dtype)
-    caches = allocate_kv_caches(lm.model, 40, block_size, dtype, "cpu")
-    runner = ModelRunner(lm.model, caches, get_backend(backend_name))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 200, (n,), generator=g) for n in (13, 6, 9)]
-    tables = [[5, 17, 2, 30, 11, 8], [22, 3, 36, 14, 0, 0], [9, 25, 1, 33, 0, 0]]
-
-    def step(spans):  # spans: (seq, start, end) token positions computed this step
-        ids, pos, slots, qsl, lens = [], [], [], [0], []
-        for s, a, b in spans:
-            ids.append(prompts[s][a:b])
-            pos += list(range(a, b))
-            slots += [tables[s][p // block_size] * block_size + p % block_size for p in range(a, b)]
-            qsl.append(qsl[-1] + b - a)
-            lens.append(b)
-        meta = AttentionMetadata(torch.tensor(slots), torch.tensor(qsl, dtype=torch.int32),
-                                 torch.tensor(lens, dtype=torch.int32),
-                                 torch.tensor([tables[s] for s, _, _ in spans], dtype=torch.int32),
-                                 block_size, max(b - a for _, a, b in spans), max(lens))
-        hidden, _ = runner.forward(torch.cat(ids), torch.tensor(pos), meta)
-        return runner.logits(hidden)
-
-    first = step([(0, 0, 8), (1, 0, 5), (2, 0, 5)])
-    second = step([(0, 8, 13), (1, 5, 6), (2, 5, 9)])  # prefill chunk, decode, verification 1 + 3
-    return torch.cat([first, second])
 
 
 def test_tiny_model_logits_hpu_flat_equal_torch_ref(tiny_dir):

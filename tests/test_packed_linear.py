@@ -1,25 +1,12 @@
 """CPU weight packing (oneDNN) computes the same model as the dense weights."""
-import numpy as np
 import pytest
 import torch
 
-from specinfer.attention import get_backend
-from specinfer.engine.batch import attention_metadata_for_runs
-from specinfer.engine.model_runner import ModelRunner
 from specinfer.loader import load_model
 from specinfer.models.packed_linear import mkldnn_packing_available, pack_weight, packed_linear
 from specinfer.platform import resolve_platform
 
-
-def _logits(loaded, tokens):
-    m = loaded.model
-    caches = [torch.zeros(m.kv_cache_shape(8, 16)) for _ in range(m.num_layers)]
-    runner = ModelRunner(m, caches, get_backend("torch_ref"))
-    rows = np.arange(8, dtype=np.int32).reshape(2, 4)
-    attn, pos = attention_metadata_for_runs(rows, np.array([0, 0]), np.array([len(tokens[0]), len(tokens[1])]),
-                                            16, torch.device("cpu"))
-    hidden, _ = runner.forward(torch.tensor(tokens[0] + tokens[1]), torch.from_numpy(pos), attn)
-    return runner.logits(hidden)
+from runner_harness import two_run_logits
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
@@ -31,7 +18,7 @@ def test_packed_model_matches_dense(tiny_dir, arch, tied):
     packed = load_model(path)
     resolve_platform("cpu").prepare_model(packed.model)
     assert packed.model.packed and not dense.model.packed
-    torch.testing.assert_close(_logits(packed, tokens), _logits(dense, tokens), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(two_run_logits(packed, tokens), two_run_logits(dense, tokens), atol=1e-4, rtol=1e-4)
     with pytest.raises(RuntimeError, match="pack"):
         packed.model.load_weights([], source="x")
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from specinfer import Generator, SamplingParams
 
-SEEDED = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=1234)
+from seeded_runs import PROMPT, run_seeded
 
 
 @pytest.fixture(scope="module")
@@ -23,60 +22,17 @@ def models(tiny_dir, tmp_path_factory):
     return target, draft
 
 
-def _others(n):
-    g = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(3, 256, (int(torch.randint(3, 30, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(n)]
-    params = [SamplingParams(max_tokens=int(8 + 3 * i), temperature=[0.0, 1.0, 0.6][i % 3]) for i in range(n)]
-    return prompts, params
-
-
-PROMPT = [5, 17, 99, 5, 17, 99, 5, 17, 40, 41, 5, 17]  # repeats: n-gram lookup proposes
-
-
-class SplitCounter:
-    """Wraps the engine's step sampler to count the seeded request's proposals split by the
-    token budget."""
-
-    def __init__(self, fn):
-        self.fn, self.splits = fn, 0
-
-    def __call__(self, logits, sched, states, draft_probs, masks=None):
-        em = self.fn(logits, sched, states, draft_probs, masks)
-        split = (em.num_draft_tokens > 0) & (em.num_rows == em.num_draft_tokens)
-        self.splits += sum(int(s) for s, st in zip(split, states) if st.params.seed is not None)
-        return em
-
-
-def _run(target, draft, method, acceptance, batch, **engine):
-    spec = {"method": method, "num_speculative_tokens": 4, "acceptance_method": acceptance}
-    if method == "draft_model":
-        spec["model"] = str(draft)
-    else:
-        spec["prompt_lookup_min"], spec["prompt_lookup_max"] = 1, 3
-    spec.update(engine.pop("spec", {}))
-    gen = Generator(str(target), block_size=4, max_model_len=64, speculative=spec, **engine)
-    counter = SplitCounter(gen.engine.step_sampler)
-    gen.engine.step_sampler = counter
-    prompts, params = _others(batch)
-    # the seeded request comes last: budget cuts and preemption hit it first
-    outs = gen.generate(prompts + [PROMPT], params + [SEEDED], use_tqdm=False)
-    core = gen.engine.core
-    assert core.num_free_blocks() == core.num_total_blocks()
-    return outs[-1].token_ids, counter.splits, core.stats()["num_preemptions"], gen.spec_metrics()
-
-
 @pytest.mark.parametrize("acceptance", ["rejection_sampler", "typical_acceptance_sampler"])
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 def test_seeded_request_is_the_same_in_any_batch_budget_and_pool(models, method, acceptance):
     target, draft = models
-    alone, _, _, m = _run(target, draft, method, acceptance, 0)
+    alone, _, _, m = run_seeded(target, draft, method, acceptance, 0)
     assert m["num_draft_tokens"] > 0
-    batched, _, _, _ = _run(target, draft, method, acceptance, 7)
-    split, splits, _, _ = _run(target, draft, method, acceptance, 0, max_num_batched_tokens=3)
-    tight, _, _, _ = _run(target, draft, method, acceptance, 7, max_num_batched_tokens=6)
-    preempted, _, preemptions, _ = _run(target, draft, method, acceptance, 7, num_kv_blocks=20)
-    disabled, _, _, _ = _run(target, draft, method, acceptance, 7, spec={"disable_by_batch_size": 2})
+    batched, _, _, _ = run_seeded(target, draft, method, acceptance, 7)
+    split, splits, _, _ = run_seeded(target, draft, method, acceptance, 0, max_num_batched_tokens=3)
+    tight, _, _, _ = run_seeded(target, draft, method, acceptance, 7, max_num_batched_tokens=6)
+    preempted, _, preemptions, _ = run_seeded(target, draft, method, acceptance, 7, num_kv_blocks=20)
+    disabled, _, _, _ = run_seeded(target, draft, method, acceptance, 7, spec={"disable_by_batch_size": 2})
     assert splits > 0, "the budget never split a proposal"
     assert preemptions > 0, "nothing was preempted"
     assert batched == alone

@@ -12,6 +12,8 @@ import torch
 
 from specinfer import Generator, SamplingParams
 
+from fault_injection import Injector, run_engine
+
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
 
 
@@ -40,45 +42,6 @@ def _generator(target, draft, method="draft_model", **kw):
     return Generator(str(target), speculative=spec, **settings)
 
 
-class Injector:
-    """Wraps a callable so that it raises at chosen call numbers (once per number)."""
-
-    def __init__(self, fn, fail_at: set[int], exc_types):
-        self.fn, self.fail_at, self.exc_types = fn, set(fail_at), exc_types
-        self.calls = self.raised = 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls in self.fail_at:
-            self.raised += 1
-            exc = self.exc_types[self.raised % len(self.exc_types)]
-            raise exc("injected fault")
-        return self.fn(*args, **kwargs)
-
-
-def _run_engine(gen, prompts, params, names_prefix="r"):
-    """Drive the engine directly (as a server would); faults surface as exceptions from step()
-    and are swallowed; returns {name: token_ids} and the number of faults seen."""
-    eng = gen.engine
-    names = [f"{names_prefix}{i}" for i in range(len(prompts))]
-    for n, p in zip(names, prompts):
-        eng.add_request(n, p, params)
-    done, faults = {}, 0
-    for _ in range(5000):
-        if not eng.has_unfinished_requests():
-            break
-        try:
-            outs = eng.step(final_only=True)
-        except (RuntimeError, KeyboardInterrupt, MemoryError):
-            faults += 1
-            continue
-        for o in outs:
-            if o.finished:
-                done[o.request_id] = o.token_ids
-    assert not eng.has_unfinished_requests()
-    return done, faults
-
-
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
 @pytest.mark.parametrize("method", ["draft_model", "ngram"])
 @pytest.mark.parametrize("where", ["forward", "sampler", "proposer"])
@@ -88,7 +51,7 @@ def test_faults_at_random_steps_leave_outputs_exact(models, method, where, overl
     target, draft = models
     prompts = _prompts(10)
     clean = _generator(target, draft, method)
-    want, faults = _run_engine(clean, prompts, GREEDY)
+    want, faults = run_engine(clean, prompts, GREEDY)
     assert faults == 0 and len(want) == len(prompts)
 
     gen = _generator(target, draft, method, overlap_steps=overlap)
@@ -105,7 +68,7 @@ def test_faults_at_random_steps_leave_outputs_exact(models, method, where, overl
     else:
         inj = Injector(eng.proposer.propose, fail_at, kinds)
         eng.proposer.propose = inj
-    got, faults = _run_engine(gen, prompts, GREEDY)
+    got, faults = run_engine(gen, prompts, GREEDY)
     assert inj.raised >= 4 and faults == inj.raised
     assert got == want
     core = eng.core
@@ -138,7 +101,7 @@ def test_a_request_whose_own_update_fails_is_finished_alone(models):
     the step finishes that request with reason "error"; the others complete exactly."""
     target, draft = models
     prompts = _prompts(4, seed=11)
-    want, _ = _run_engine(_generator(target, draft), prompts, GREEDY)
+    want, _ = run_engine(_generator(target, draft), prompts, GREEDY)
     gen = _generator(target, draft)
     eng = gen.engine
     eng.add_request("bad", prompts[0], GREEDY)
@@ -153,7 +116,7 @@ def test_a_request_whose_own_update_fails_is_finished_alone(models):
         return real_push(t)
 
     bad.detokenizer.push = push
-    got, faults = _run_engine(gen, prompts, GREEDY)
+    got, faults = run_engine(gen, prompts, GREEDY)
     assert faults == 1
     assert {k: v for k, v in got.items() if k != "bad"} == want
     assert len(got["bad"]) < GREEDY.max_tokens

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import head_checkpoints as hc
-from eagle_reference import Eagle3Reference, EagleReference
+from eagle_reference import Eagle3Reference, EagleReference, PathLogits
 from specinfer import Generator, SamplingParams
 from spec_cases import prompts
 from tree_reference import dynamic_tree, record_tree_proposals, static_tree
@@ -15,41 +15,6 @@ from tree_reference import dynamic_tree, record_tree_proposals, static_tree
 TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
 PATHS = sorted((tuple(p) for p in TREE), key=lambda p: (len(p), p))
 DYN = {"dynamic": True, "num_nodes": 10, "top_k": 2, "depth": 4}
-
-
-class PathLogits:
-    """next_logits(path) over the target vocabulary for one context, EAGLE drafting recomputed
-    from the whole history for every path (no tree attention, no paged KV)."""
-
-    def __init__(self, ref, tokens):
-        self.ref, self.tokens = ref, tokens
-        with torch.no_grad():
-            if isinstance(ref, Eagle3Reference):
-                hs = ref.target.model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
-                self.feats = torch.cat([hs[j][0] for j in ref.aux_ids], -1) @ ref.fc.T
-            else:
-                self.feats = ref.target.model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
-
-    @torch.no_grad()
-    def __call__(self, path):
-        ref, toks, feats = self.ref, list(self.tokens[1:]), self.feats
-        layer = ref._layer if isinstance(ref, Eagle3Reference) else ref._draft_layer
-        h = layer(toks, feats)[-1]
-        for t in path:
-            toks.append(t)
-            feats = torch.cat([feats, h[None]], 0)
-            h = layer(toks, feats)[-1]
-        if isinstance(ref, Eagle3Reference):
-            d = ref.norms["norm"](h) @ ref.lm_head.T
-            out = torch.full((ref.target.config.vocab_size,), float("-inf"))
-            out[torch.arange(len(d)) + ref.d2t] = d
-            return out
-        logits = ref.target.lm_head(h)
-        if ref.vocab is not None:  # a draft vocabulary: -inf elsewhere
-            out = torch.full_like(logits, float("-inf"))
-            out[ref.vocab] = logits[ref.vocab]
-            return out
-        return logits
 
 
 @pytest.fixture(scope="module")

@@ -41,14 +41,14 @@ def test_seeded_tree_requests_are_the_same_alone_and_batched_and_survive_preempt
 
 @pytest.mark.parametrize("where", ["forward", "sampler", "proposer"])
 def test_failed_steps_with_trees_replay_exactly(pair, where):
-    from test_step_transaction import Injector, _run_engine
+    from fault_injection import Injector, run_engine
 
     ps = prompts(8)
     # a failed forward or sampler replays the same step (seeded sampling stays exact); a failed
     # proposer leaves its requests without a proposal for one step, which changes which random
     # draws decide their next tokens, so that case is checked with greedy requests
     params = SamplingParams(max_tokens=16, temperature=0.0 if where == "proposer" else 0.9, seed=5)
-    want, faults = _run_engine(_gen(pair, block_size=4, max_num_batched_tokens=24), ps, params)
+    want, faults = run_engine(_gen(pair, block_size=4, max_num_batched_tokens=24), ps, params)
     assert faults == 0
     gen = _gen(pair, block_size=4, max_num_batched_tokens=24)
     eng = gen.engine
@@ -60,7 +60,7 @@ def test_failed_steps_with_trees_replay_exactly(pair, where):
         eng.step_sampler = inj = Injector(eng.step_sampler.__call__, fail_at, kinds)
     else:
         eng.proposer.propose = inj = Injector(eng.proposer.propose, fail_at, kinds)
-    got, faults = _run_engine(gen, ps, params)
+    got, faults = run_engine(gen, ps, params)
     assert inj.raised >= 3 and faults == inj.raised
     assert got == want
     assert eng.core.num_free_blocks() == eng.core.num_total_blocks()

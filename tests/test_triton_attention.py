@@ -16,7 +16,7 @@ from specinfer.attention import get_backend  # noqa: E402
 from specinfer.attention.triton_backend import TritonBackend  # noqa: E402
 from specinfer.kernels.triton import paged_attention, reshape_and_cache  # noqa: E402
 from paged_batch import MIXED, dense_oracle, make_batch, run_backend  # noqa: E402
-from test_hpu_attention import model_logits  # noqa: E402
+from runner_harness import model_logits  # noqa: E402
 from tree_batch import build, mixed_requests  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}

@@ -10,8 +10,7 @@ from specinfer import Generator, SamplingParams
 from specinfer.loader import load_model
 from specinfer.models.int8_linear import Int8Weight, check_quantization, int8_linear
 
-from test_cpu_precision import _twin_dir
-from test_packed_linear import _logits
+from runner_harness import int8_twin_dir, two_run_logits
 
 
 def _w8a8_reference(x, w, b):
@@ -79,14 +78,14 @@ def test_packed_weight_reads_back_exactly_and_frees_the_row_major_copy():
 def test_w8a8_model_computes_its_float_twin_and_speculates(tiny_dir, tmp_path):
     assert check_quantization("w8a8") == "w8a8"
     path, _ = tiny_dir("llama", False, seed=0, scale=3.0)
-    twin = _twin_dir(path, tmp_path)
+    twin = int8_twin_dir(path, tmp_path)
     tokens = [list(range(3, 30)), list(range(40, 45))]
     lm = load_model(str(path), quantization="w8a8")
     from specinfer.platform import resolve_platform
 
     resolve_platform("cpu").prepare_model(lm.model)
     assert lm.model.layers[0].qkv_weight.packed is not None  # packed by the CPU platform
-    got, ref = _logits(lm, tokens), _logits(load_model(str(twin)), tokens)
+    got, ref = two_run_logits(lm, tokens), two_run_logits(load_model(str(twin)), tokens)
     assert (got - ref).norm() / ref.norm() < 0.05  # 0.028 measured (random weights x 3: large activations)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 40, 9)]
