@@ -46,7 +46,11 @@ fn run<W: DenseElem>(
         return Err("offsets: negative".into());
     }
     let offsets: Vec<usize> = routing_offsets.iter().map(|&o| o as usize).collect();
-    let routing = Routing { token, weight, offsets: &offsets };
+    let routing = Routing {
+        token,
+        weight,
+        offsets: &offsets,
+    };
     kernel(Isa::detect(), threads, x, t, &w, act, &routing, out).map_err(|e| e.to_string())
 }
 
@@ -76,17 +80,49 @@ fn moe_experts(
     let act = match activation {
         "silu" => Activation::Silu,
         "gelu_tanh" => Activation::GeluTanh,
-        other => return Err(PyValueError::new_err(format!("activation: {other:?} is not silu or gelu_tanh"))),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "activation: {other:?} is not silu or gelu_tanh"
+            )))
+        }
     };
     let routing = (token_ptr, weight_ptr, offsets_ptr, num_pairs);
     let result = match w_dtype {
         "float32" => py.detach(|| {
-            run::<f32>(x_ptr, t, gate_up_ptr, down_ptr, num_experts, hidden, inter, act, routing, out_ptr, num_threads)
+            run::<f32>(
+                x_ptr,
+                t,
+                gate_up_ptr,
+                down_ptr,
+                num_experts,
+                hidden,
+                inter,
+                act,
+                routing,
+                out_ptr,
+                num_threads,
+            )
         }),
         "bfloat16" => py.detach(|| {
-            run::<Bf16>(x_ptr, t, gate_up_ptr, down_ptr, num_experts, hidden, inter, act, routing, out_ptr, num_threads)
+            run::<Bf16>(
+                x_ptr,
+                t,
+                gate_up_ptr,
+                down_ptr,
+                num_experts,
+                hidden,
+                inter,
+                act,
+                routing,
+                out_ptr,
+                num_threads,
+            )
         }),
-        other => return Err(PyValueError::new_err(format!("w_dtype: {other:?} is not bfloat16 or float32"))),
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "w_dtype: {other:?} is not bfloat16 or float32"
+            )))
+        }
     };
     result.map_err(PyValueError::new_err)
 }

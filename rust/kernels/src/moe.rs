@@ -56,6 +56,7 @@ pub struct Routing<'a> {
 
 /// out `[t, hidden]` = for every token, the sum over its pairs (ascending expert) of
 /// weight * down_e(act(gate_e x) * up_e x). x `[t, hidden]` f32; out is overwritten.
+#[allow(clippy::too_many_arguments)]
 pub fn moe_experts<W: DenseElem>(
     isa: Isa,
     num_threads: usize,
@@ -72,16 +73,48 @@ pub fn moe_experts<W: DenseElem>(
         if ok {
             Ok(())
         } else {
-            Err(KernelError { field, message: format!("moe_experts: {what}") })
+            Err(KernelError {
+                field,
+                message: format!("moe_experts: {what}"),
+            })
         }
     };
-    check(x.len() == t * h && out.len() == t * h, "x", "x and out must be [t, hidden]")?;
-    check(w.gate_up.len() == e * 2 * i * h && w.down.len() == e * h * i, "weights", "expert weights' sizes")?;
-    check(routing.weight.len() == pairs, "weight", "one weight per pair")?;
-    check(routing.offsets.len() == e + 1 && routing.offsets[e] == pairs, "offsets", "must cover the pairs")?;
-    check(routing.offsets.windows(2).all(|o| o[0] <= o[1]), "offsets", "must not decrease")?;
-    check(routing.token.iter().all(|&tok| (tok as usize) < t), "token", "a pair's token is out of range")?;
-    let most = routing.offsets.windows(2).map(|o| o[1] - o[0]).max().unwrap_or(0);
+    check(
+        x.len() == t * h && out.len() == t * h,
+        "x",
+        "x and out must be [t, hidden]",
+    )?;
+    check(
+        w.gate_up.len() == e * 2 * i * h && w.down.len() == e * h * i,
+        "weights",
+        "expert weights' sizes",
+    )?;
+    check(
+        routing.weight.len() == pairs,
+        "weight",
+        "one weight per pair",
+    )?;
+    check(
+        routing.offsets.len() == e + 1 && routing.offsets[e] == pairs,
+        "offsets",
+        "must cover the pairs",
+    )?;
+    check(
+        routing.offsets.windows(2).all(|o| o[0] <= o[1]),
+        "offsets",
+        "must not decrease",
+    )?;
+    check(
+        routing.token.iter().all(|&tok| (tok as usize) < t),
+        "token",
+        "a pair's token is out of range",
+    )?;
+    let most = routing
+        .offsets
+        .windows(2)
+        .map(|o| o[1] - o[0])
+        .max()
+        .unwrap_or(0);
     let mut xs = vec![0f32; most * h];
     let mut gu = vec![0f32; most * 2 * i];
     let mut a = vec![0f32; most * i];
@@ -97,7 +130,17 @@ pub fn moe_experts<W: DenseElem>(
             xs[r * h..(r + 1) * h].copy_from_slice(&x[tok * h..(tok + 1) * h]);
         }
         let wgu = &w.gate_up[ex * 2 * i * h..(ex + 1) * 2 * i * h];
-        dense_linear(isa, num_threads, &xs[..n * h], n, wgu, 2 * i, h, None, &mut gu[..n * 2 * i])?;
+        dense_linear(
+            isa,
+            num_threads,
+            &xs[..n * h],
+            n,
+            wgu,
+            2 * i,
+            h,
+            None,
+            &mut gu[..n * 2 * i],
+        )?;
         for r in 0..n {
             let row = &gu[r * 2 * i..(r + 1) * 2 * i];
             for c in 0..i {
@@ -105,7 +148,17 @@ pub fn moe_experts<W: DenseElem>(
             }
         }
         let wd = &w.down[ex * h * i..(ex + 1) * h * i];
-        dense_linear(isa, num_threads, &a[..n * i], n, wd, h, i, None, &mut y[start * h..end * h])?;
+        dense_linear(
+            isa,
+            num_threads,
+            &a[..n * i],
+            n,
+            wd,
+            h,
+            i,
+            None,
+            &mut y[start * h..end * h],
+        )?;
     }
     out.fill(0.0);
     for p in 0..pairs {
@@ -125,27 +178,47 @@ mod tests {
     use crate::few_rows_linear::test_rand as rand;
 
     /// f64 reference of the same routed MLP.
-    fn reference(x: &[f32], t: usize, gu: &[f32], down: &[f32], e: usize, h: usize, i: usize, act: Activation,
-                 pairs: &[(usize, usize, f32)]) -> Vec<f64> {
+    fn reference(
+        x: &[f32],
+        t: usize,
+        gu: &[f32],
+        down: &[f32],
+        e: usize,
+        h: usize,
+        i: usize,
+        act: Activation,
+        pairs: &[(usize, usize, f32)],
+    ) -> Vec<f64> {
         let _ = e;
         let mut out = vec![0f64; t * h];
         for &(tok, ex, wt) in pairs {
             let xr = &x[tok * h..(tok + 1) * h];
             let mut a = vec![0f64; i];
             for c in 0..i {
-                let g: f64 = (0..h).map(|j| gu[ex * 2 * i * h + c * h + j] as f64 * xr[j] as f64).sum();
-                let u: f64 = (0..h).map(|j| gu[ex * 2 * i * h + (i + c) * h + j] as f64 * xr[j] as f64).sum();
+                let g: f64 = (0..h)
+                    .map(|j| gu[ex * 2 * i * h + c * h + j] as f64 * xr[j] as f64)
+                    .sum();
+                let u: f64 = (0..h)
+                    .map(|j| gu[ex * 2 * i * h + (i + c) * h + j] as f64 * xr[j] as f64)
+                    .sum();
                 a[c] = act.apply(g as f32) as f64 * u;
             }
             for o in 0..h {
-                let d: f64 = (0..i).map(|c| down[ex * h * i + o * i + c] as f64 * a[c]).sum();
+                let d: f64 = (0..i)
+                    .map(|c| down[ex * h * i + o * i + c] as f64 * a[c])
+                    .sum();
                 out[tok * h + o] += wt as f64 * d;
             }
         }
         out
     }
 
-    fn routed(t: usize, e: usize, k: usize, seed: u64) -> (Vec<u32>, Vec<f32>, Vec<usize>, Vec<(usize, usize, f32)>) {
+    fn routed(
+        t: usize,
+        e: usize,
+        k: usize,
+        seed: u64,
+    ) -> (Vec<u32>, Vec<f32>, Vec<usize>, Vec<(usize, usize, f32)>) {
         let r = rand(t * k * 2, seed);
         let mut pairs = vec![];
         for tok in 0..t {
@@ -187,12 +260,25 @@ mod tests {
             for act in [Activation::Silu, Activation::GeluTanh] {
                 let want = reference(&x, t, &gu, &down, e, h, i, act, &pairs);
                 for isa in Isa::supported() {
-                    let w = ExpertWeights { gate_up: &gu[..], down: &down[..], num_experts: e, hidden: h, inter: i };
-                    let routing = Routing { token: &token, weight: &weight, offsets: &offsets };
+                    let w = ExpertWeights {
+                        gate_up: &gu[..],
+                        down: &down[..],
+                        num_experts: e,
+                        hidden: h,
+                        inter: i,
+                    };
+                    let routing = Routing {
+                        token: &token,
+                        weight: &weight,
+                        offsets: &offsets,
+                    };
                     let mut out = vec![0f32; t * h];
                     moe_experts(isa, 2, &x, t, &w, act, &routing, &mut out).unwrap();
                     for (g, r) in out.iter().zip(&want) {
-                        assert!((*g as f64 - r).abs() < 1e-3 * (1.0 + r.abs()), "{isa:?} {act:?} t={t}: {g} vs {r}");
+                        assert!(
+                            (*g as f64 - r).abs() < 1e-3 * (1.0 + r.abs()),
+                            "{isa:?} {act:?} t={t}: {g} vs {r}"
+                        );
                     }
                 }
             }
@@ -207,12 +293,36 @@ mod tests {
         let x = rand(t * h, 7);
         let (token, weight, offsets, pairs) = routed(t, e, k, 11);
         let isa = Isa::detect();
-        let w = ExpertWeights { gate_up: &gu[..], down: &down[..], num_experts: e, hidden: h, inter: i };
+        let w = ExpertWeights {
+            gate_up: &gu[..],
+            down: &down[..],
+            num_experts: e,
+            hidden: h,
+            inter: i,
+        };
         let mut all = vec![0f32; t * h];
-        moe_experts(isa, 2, &x, t, &w, Activation::Silu, &Routing { token: &token, weight: &weight, offsets: &offsets },
-                    &mut all).unwrap();
-        for tok in 0..t {  // the token alone, with the same experts and weights
-            let mut mine: Vec<(usize, f32)> = pairs.iter().filter(|p| p.0 == tok).map(|p| (p.1, p.2)).collect();
+        moe_experts(
+            isa,
+            2,
+            &x,
+            t,
+            &w,
+            Activation::Silu,
+            &Routing {
+                token: &token,
+                weight: &weight,
+                offsets: &offsets,
+            },
+            &mut all,
+        )
+        .unwrap();
+        for tok in 0..t {
+            // the token alone, with the same experts and weights
+            let mut mine: Vec<(usize, f32)> = pairs
+                .iter()
+                .filter(|p| p.0 == tok)
+                .map(|p| (p.1, p.2))
+                .collect();
             mine.sort_by_key(|p| p.0);
             let mut offsets1 = vec![0usize; e + 1];
             for &(ex, _) in &mine {
@@ -224,8 +334,21 @@ mod tests {
             let token1 = vec![0u32; mine.len()];
             let weight1: Vec<f32> = mine.iter().map(|p| p.1).collect();
             let mut one = vec![0f32; h];
-            moe_experts(isa, 1, &x[tok * h..(tok + 1) * h], 1, &w, Activation::Silu,
-                        &Routing { token: &token1, weight: &weight1, offsets: &offsets1 }, &mut one).unwrap();
+            moe_experts(
+                isa,
+                1,
+                &x[tok * h..(tok + 1) * h],
+                1,
+                &w,
+                Activation::Silu,
+                &Routing {
+                    token: &token1,
+                    weight: &weight1,
+                    offsets: &offsets1,
+                },
+                &mut one,
+            )
+            .unwrap();
             assert_eq!(&one[..], &all[tok * h..(tok + 1) * h], "token {tok}");
         }
     }
@@ -235,12 +358,46 @@ mod tests {
         let (e, h, i) = (2, 16, 16);
         let gu = vec![0f32; e * 2 * i * h];
         let down = vec![0f32; e * h * i];
-        let w = ExpertWeights { gate_up: &gu[..], down: &down[..], num_experts: e, hidden: h, inter: i };
+        let w = ExpertWeights {
+            gate_up: &gu[..],
+            down: &down[..],
+            num_experts: e,
+            hidden: h,
+            inter: i,
+        };
         let x = vec![0f32; h];
         let mut out = vec![0f32; h];
-        let bad = Routing { token: &[3], weight: &[1.0], offsets: &[0, 1, 1] };
-        assert!(moe_experts(Isa::detect(), 1, &x, 1, &w, Activation::Silu, &bad, &mut out).is_err());
-        let bad = Routing { token: &[0], weight: &[1.0], offsets: &[0, 0, 0] };
-        assert!(moe_experts(Isa::detect(), 1, &x, 1, &w, Activation::Silu, &bad, &mut out).is_err());
+        let bad = Routing {
+            token: &[3],
+            weight: &[1.0],
+            offsets: &[0, 1, 1],
+        };
+        assert!(moe_experts(
+            Isa::detect(),
+            1,
+            &x,
+            1,
+            &w,
+            Activation::Silu,
+            &bad,
+            &mut out
+        )
+        .is_err());
+        let bad = Routing {
+            token: &[0],
+            weight: &[1.0],
+            offsets: &[0, 0, 0],
+        };
+        assert!(moe_experts(
+            Isa::detect(),
+            1,
+            &x,
+            1,
+            &w,
+            Activation::Silu,
+            &bad,
+            &mut out
+        )
+        .is_err());
     }
 }
