@@ -367,37 +367,24 @@ mod tests {
         };
         let x = vec![0f32; h];
         let mut out = vec![0f32; h];
-        let bad = Routing {
-            token: &[3],
-            weight: &[1.0],
-            offsets: &[0, 1, 1],
-        };
-        assert!(moe_experts(
-            Isa::detect(),
-            1,
-            &x,
-            1,
-            &w,
-            Activation::Silu,
-            &bad,
-            &mut out
-        )
-        .is_err());
-        let bad = Routing {
-            token: &[0],
-            weight: &[1.0],
-            offsets: &[0, 0, 0],
-        };
-        assert!(moe_experts(
-            Isa::detect(),
-            1,
-            &x,
-            1,
-            &w,
-            Activation::Silu,
-            &bad,
-            &mut out
-        )
-        .is_err());
+        // a token out of range; offsets that do not cover the pairs
+        for (token, offsets) in [([3u32], [0usize, 1, 1]), ([0u32], [0usize, 0, 0])] {
+            let bad = Routing {
+                token: &token,
+                weight: &[1.0],
+                offsets: &offsets,
+            };
+            let result = moe_experts(
+                Isa::detect(),
+                1,
+                &x,
+                1,
+                &w,
+                Activation::Silu,
+                &bad,
+                &mut out,
+            );
+            assert!(result.is_err());
+        }
     }
 }
