@@ -13,7 +13,8 @@ import pytest
 
 from specinfer.bench.config import load_config
 from specinfer.bench.engines import HFEngine, SpecinferEngine
-from specinfer.bench.prompting import batches_for, load_task, prompt_encoder
+from specinfer.bench.prompting import batches_for
+from specinfer.prompt_sets import load_task, prompt_encoder
 
 MAX_TOKENS = 32
 ROUNDS = 3

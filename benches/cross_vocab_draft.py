@@ -14,8 +14,8 @@ import statistics
 import time
 
 from specinfer import Generator, SamplingParams
-from specinfer.bench.prompting import prompt_encoder
-from specinfer.bench.prompts import load_prompt_set
+from specinfer.prompt_sets import prompt_encoder
+from specinfer.prompt_sets import load_prompt_set
 
 TARGET = "qwen2.5-coder-1.5b"
 DRAFTS = {"none": None, "qwen-0.5b (same tokenizer)": "qwen2.5-coder-0.5b",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.bench.prompting import prompt_encoder
+from specinfer.prompt_sets import prompt_encoder
 from specinfer.generator import Generator
 from specinfer.training import head_training
 from specinfer.training.distill_data import DistillSequence, build_sequences

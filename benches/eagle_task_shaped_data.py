@@ -29,7 +29,7 @@ def main() -> None:
                                           f"distill-smollm2-135m{'' if native == 'float32' else '-' + native}.pt"))
     args = ap.parse_args()
 
-    from specinfer.bench.prompting import prompt_encoder
+    from specinfer.prompt_sets import prompt_encoder
     from specinfer.generator import Generator
     from specinfer.training import head_training
     from specinfer.training.distill_data import (DistillSequence, build_sequences, cached_sequences,

@@ -19,7 +19,7 @@ import time
 import torch
 
 from specinfer import Generator, SamplingParams
-from specinfer.bench.prompting import load_task
+from specinfer.prompt_sets import load_task
 GEMM_ENV = "SPECINFER_CPU_GEMM"  # models/few_rows_linear.py (not imported: runs on older builds too)
 
 

@@ -27,8 +27,8 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from specinfer import Generator, SamplingParams
-    from specinfer.bench.prompting import prompt_encoder
-    from specinfer.bench.prompts import load_prompt_sets
+    from specinfer.prompt_sets import prompt_encoder
+    from specinfer.prompt_sets import load_prompt_sets
     from specinfer.training.distill_data import build_sequences
     from specinfer.training.eagle_training import EagleTrainer, eagle_acceptance_estimate
     from specinfer.training.head_training import _dense_lm_head

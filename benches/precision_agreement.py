@@ -16,7 +16,7 @@ import time
 import torch
 
 from specinfer import Generator, SamplingParams
-from specinfer.bench.prompting import load_task, prompt_encoder
+from specinfer.prompt_sets import load_task, prompt_encoder
 
 
 def run(model: str, variant: str, prompts, params):

@@ -218,8 +218,8 @@ def main(argv=None) -> int:
     cache_cls = import_arctic(args.arctic_path)
 
     from specinfer import Generator, SamplingParams
-    from specinfer.bench.prompting import prompt_encoder
-    from specinfer.bench.prompts import load_prompt_set
+    from specinfer.prompt_sets import prompt_encoder
+    from specinfer.prompt_sets import load_prompt_set
 
     t0 = time.perf_counter()
     gen = Generator(args.model, max_model_len=2048, seed=0)

@@ -23,8 +23,8 @@ import statistics
 import time
 
 from specinfer import Generator, SamplingParams
-from specinfer.bench.prompting import prompt_encoder
-from specinfer.bench.prompts import load_prompt_set
+from specinfer.prompt_sets import prompt_encoder
+from specinfer.prompt_sets import load_prompt_set
 
 MAX_TOKENS = 160
 METHODS = {

@@ -11,7 +11,7 @@ import pytest
 from specinfer.bench import PRESETS, load_config, load_prompt_sets, theoretical_speedup
 from specinfer.bench.aggregate import build_rows
 from specinfer.bench.config import BenchConfig
-from specinfer.bench.prompts import INPUT_GROUNDED, TASKS
+from specinfer.prompt_sets import INPUT_GROUNDED, TASKS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -60,7 +60,7 @@ def test_input_grounded_tasks_carry_their_source_text():
 
 
 def test_prompt_set_errors_name_the_file(tmp_path):
-    from specinfer.bench.prompts import load_prompt_set
+    from specinfer.prompt_sets import load_prompt_set
 
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\nnot json\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:2"):

@@ -204,7 +204,7 @@ def test_training_prompts_leave_out_what_the_bench_measures():
     import json
     import re
 
-    from specinfer.bench.prompts import DATA_DIR
+    from specinfer.prompt_sets import DATA_DIR
     from specinfer.training.distill_data import EVAL_PROMPTS_PER_TASK, training_texts
 
     texts = [t for t, _ in training_texts(10_000)]
@@ -232,7 +232,7 @@ def test_task_shaped_prompts_have_each_bench_shape_and_leave_out_the_bench_modul
     import sysconfig
     from pathlib import Path
 
-    from specinfer.bench.build_prompts import _docstrings, _functions
+    from specinfer.prompt_sets.build import docstrings_of, functions_of
     from specinfer.training.distill_data import held_out_modules, training_texts
 
     base = training_texts(1000)
@@ -250,7 +250,7 @@ def test_task_shaped_prompts_have_each_bench_shape_and_leave_out_the_bench_modul
     assert {"abc", "argparse", "heapq"} <= held
     for m in sorted(held):
         src = (stdlib / f"{m}.py").read_text(encoding="utf-8")
-        pieces = [code for _, code in _functions(m, src)] + list(_docstrings(m, src))
+        pieces = [code for _, code in functions_of(m, src)] + list(docstrings_of(m, src))
         assert not any(p in t for p in pieces for t in shaped), m
 
 

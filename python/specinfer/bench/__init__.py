@@ -7,7 +7,7 @@ runner (specinfer methods and optional peers), results.json, plots and a printed
 Peers (HF transformers, vLLM) are optional: imported only when a config asks for them.
 """
 from specinfer.bench.config import PRESETS, BenchConfig, MethodConfig, load_config
-from specinfer.bench.prompts import PromptSet, load_prompt_sets
+from specinfer.prompt_sets import PromptSet, load_prompt_sets
 from specinfer.bench.theory import theoretical_speedup
 
 __all__ = ["BenchConfig", "MethodConfig", "PRESETS", "PromptSet", "load_config", "load_prompt_sets",

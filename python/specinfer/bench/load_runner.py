@@ -104,7 +104,7 @@ class ServerProcess:
 def _prompts(cfg: LoadConfig) -> list[str]:
     if cfg.prompts is not None:
         return list(cfg.prompts)
-    from specinfer.bench.prompting import load_task
+    from specinfer.prompt_sets import load_task
 
     sets = [load_task(t).prompts for t in cfg.tasks]
     out = []

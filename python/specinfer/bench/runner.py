@@ -16,7 +16,8 @@ from specinfer.bench.aggregate import build_rows
 from specinfer.bench.config import BenchConfig, load_config
 from specinfer.bench.engines import PeerUnavailable, make_engine
 from specinfer.bench.machine import load_average, machine_info
-from specinfer.bench.prompting import batches_for, load_task, prompt_encoder
+from specinfer.bench.prompting import batches_for
+from specinfer.prompt_sets import load_task, prompt_encoder
 from specinfer.engine.model_loading import shared_models
 
 

@@ -130,15 +130,16 @@ def self_instruct_questions(generator, n: int, *, seed: int = 0, min_tokens: int
 
 
 def _bench_rows() -> list[dict]:
-    data = Path(__file__).resolve().parent.parent / "bench" / "data"
+    from specinfer.prompt_sets import DATA_DIR
+
     rows = []
-    for f in sorted(data.glob("*.jsonl")):
+    for f in sorted(DATA_DIR.glob("*.jsonl")):
         rows += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
     return rows
 
 
 # task-shaped prompts over standard-library modules the bench does not use: the bench's task formats
-# (bench/build_prompts.py) on other functions and docstrings, with other questions beside its own
+# (prompt_sets/build.py) on other functions and docstrings, with other questions beside its own
 TASK_QUESTIONS = (
     "What does the passage say the code is for? Answer in two sentences.",
     "Which names does the passage define or mention, and what is each one for?",
@@ -151,7 +152,7 @@ def task_shaped_texts(held_modules: set[str], per_task: int) -> list[tuple[str, 
     """(text, chat) pairs, deterministic: up to per_task prompts of each bench task shape (code
     completion, code editing, summarization, qa) cut from the standard library's modules in sorted
     order, skipping held_modules (those the bench prompts come from), interleaved by task."""
-    from specinfer.bench.build_prompts import EDITS, QUESTIONS, _docstrings, _functions
+    from specinfer.prompt_sets.build import EDITS, QUESTIONS, docstrings_of, functions_of
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tasks: dict[str, list[str]] = {"cc": [], "ce": [], "sum": [], "qa": []}
@@ -160,8 +161,8 @@ def task_shaped_texts(held_modules: set[str], per_task: int) -> list[tuple[str, 
             continue
         try:
             src = f.read_text(encoding="utf-8")
-            funcs = [x for x in _functions(f.stem, src) if not x[0].name.startswith("__")][:4]
-            docs = list(_docstrings(f.stem, src))[:2]
+            funcs = [x for x in functions_of(f.stem, src) if not x[0].name.startswith("__")][:4]
+            docs = list(docstrings_of(f.stem, src))[:2]
         except (UnicodeDecodeError, OSError, SyntaxError, ValueError):
             continue
         for j, (node, code) in enumerate(funcs):
@@ -232,7 +233,7 @@ def training_prompts(loaded, max_prompts: int, task_shaped_per_task: int = 0,
                      chat_questions: list[str] | None = None) -> list[list[int]]:
     """training_texts as token ids: chat ones through the target's chat template (as the bench
     encodes its prompts), raw ones plainly."""
-    from specinfer.bench.prompting import prompt_encoder
+    from specinfer.prompt_sets import prompt_encoder
 
     chat, raw = prompt_encoder(loaded, True), prompt_encoder(loaded, False)
     return [list(chat(t) if is_chat else raw(t)) for t, is_chat in training_texts(

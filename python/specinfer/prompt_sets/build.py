@@ -1,6 +1,6 @@
 """Regenerate the shipped prompt sets (`data/*.jsonl`) from the Python standard library.
 
-    python -m specinfer.bench.build_prompts [--out DIR]
+    python -m specinfer.prompt_sets.build [--out DIR]
 
 Deterministic for a given Python version: modules are visited in sorted order and the same
 functions and docstrings are picked. The committed files are what the benchmarks use; this
@@ -72,7 +72,7 @@ def _stdlib_sources():
             yield name, path.read_text(encoding="utf-8", errors="replace")
 
 
-def _functions(name: str, source: str):
+def functions_of(name: str, source: str):
     """Top-level and method functions of 8..40 lines, with their source."""
     lines = source.splitlines()
     try:
@@ -86,7 +86,7 @@ def _functions(name: str, source: str):
             yield node, "\n".join(line[indent:] for line in body)
 
 
-def _docstrings(name: str, source: str):
+def docstrings_of(name: str, source: str):
     doc = ast.get_docstring(ast.parse(source))
     if doc and 400 <= len(doc) <= 3000:
         yield doc.strip()
@@ -100,9 +100,9 @@ def _docstrings(name: str, source: str):
 def build() -> dict[str, list[dict]]:
     funcs, passages = [], []
     for name, src in _stdlib_sources():
-        picked = [f for f in _functions(name, src) if not f[0].name.startswith("__")][:2]
+        picked = [f for f in functions_of(name, src) if not f[0].name.startswith("__")][:2]
         funcs += [(name, node, code) for node, code in picked]
-        passages += [(name, d) for d in list(_docstrings(name, src))[:1]]
+        passages += [(name, d) for d in list(docstrings_of(name, src))[:1]]
     sets: dict[str, list[dict]] = {"code_completion": [], "code_editing": [], "summarization": [], "qa": [],
                                    "chat": []}
     for i, (mod, node, code) in enumerate(funcs[0::2][:NUM_PER_TASK]):

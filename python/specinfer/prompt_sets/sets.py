@@ -1,5 +1,5 @@
 """Prompt sets shipped as JSONL (`data/<task>.jsonl`, one {"task", "id", "source", "prompt"} per
-line). See build_prompts.py for how they were derived."""
+line). See build.py for how they were derived."""
 from __future__ import annotations
 
 import json
@@ -50,3 +50,17 @@ def load_prompt_set(task: str, data_dir: str | Path | None = None, limit: int | 
 
 def load_prompt_sets(tasks=TASKS, data_dir=None, limit=None) -> dict[str, PromptSet]:
     return {t: load_prompt_set(t, data_dir, limit) for t in tasks}
+
+
+def load_task(task: str, data_dir=None) -> PromptSet:
+    """A shipped prompt set; "mixed" interleaves all of them (mixed prompt lengths)."""
+    if task != "mixed":
+        return load_prompt_set(task, data_dir)
+    sets = [load_prompt_set(t, data_dir) for t in TASKS]
+    ids, prompts = [], []
+    for i in range(max(len(s) for s in sets)):
+        for s in sets:
+            if i < len(s):
+                ids.append(s.ids[i])
+                prompts.append(s.prompts[i])
+    return PromptSet("mixed", tuple(ids), tuple(prompts))
