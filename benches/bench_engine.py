@@ -12,7 +12,7 @@ import time
 import pytest
 
 from specinfer.bench.config import load_config
-from specinfer.bench.engines import HFEngine, SpecinferEngine
+from specinfer.bench.peers.hf import HFEngine, SpecinferEngine
 from specinfer.bench.prompting import batches_for
 from specinfer.prompt_sets import load_task, prompt_encoder
 

@@ -11,7 +11,7 @@ import pytest
 
 from specinfer.bench.agreement import common_prefix, compare, greedy_agreement
 from specinfer.bench.config import GGUF_TYPES, BenchConfig, load_config
-from specinfer.bench.engines import PeerUnavailable
+from specinfer.bench.peers import PeerUnavailable
 
 
 def _cfg(methods, **kw):
@@ -89,7 +89,7 @@ def no_llama_cpp(monkeypatch):
 
 
 def test_llama_cpp_missing_is_unavailable_before_any_file_is_made(no_llama_cpp, monkeypatch, tmp_path):
-    from specinfer.bench import gguf_files
+    from specinfer.bench.peers import gguf_files
     from specinfer.bench.engines import make_engine
 
     monkeypatch.setattr(gguf_files, "cache_dir", lambda: tmp_path)
@@ -100,7 +100,7 @@ def test_llama_cpp_missing_is_unavailable_before_any_file_is_made(no_llama_cpp, 
 
 
 def test_gguf_resolution(monkeypatch, tmp_path, no_llama_cpp):
-    from specinfer.bench import gguf_files
+    from specinfer.bench.peers import gguf_files
 
     monkeypatch.setattr(gguf_files, "cache_dir", lambda: tmp_path / "cache")
     monkeypatch.delenv(gguf_files.CONVERT_ENV, raising=False)
@@ -260,7 +260,7 @@ def _fake_llama_cpp(calls):
 
 
 def test_llama_cpp_batched_decoding_equals_its_batch_1_path(monkeypatch, tmp_path):
-    from specinfer.bench import llama_cpp_engine
+    from specinfer.bench.peers import llama_cpp as llama_cpp_engine
 
     calls = []
     monkeypatch.setitem(sys.modules, "llama_cpp", _fake_llama_cpp(calls))
@@ -297,7 +297,7 @@ def test_llama_cpp_batched_decoding_equals_its_batch_1_path(monkeypatch, tmp_pat
 
 
 def test_llama_cpp_extra_buffers_off_patches_the_model_params_only_while_loading(monkeypatch, tmp_path):
-    from specinfer.bench import llama_cpp_engine
+    from specinfer.bench.peers import llama_cpp as llama_cpp_engine
 
     lib = types.ModuleType("llama_cpp.llama_cpp")
     lib.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)

@@ -14,7 +14,8 @@ import torch
 from specinfer.bench.agreement import greedy_agreement
 from specinfer.bench.aggregate import build_rows
 from specinfer.bench.config import BenchConfig, load_config
-from specinfer.bench.engines import PeerUnavailable, make_engine
+from specinfer.bench.engines import make_engine
+from specinfer.bench.peers import PeerUnavailable
 from specinfer.bench.machine import load_average, machine_info
 from specinfer.bench.prompting import batches_for
 from specinfer.prompt_sets import load_task, prompt_encoder
@@ -72,7 +73,7 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
         finally:
             for eng in engines.values():
                 eng.close()
-    from specinfer.bench.engines import release_hf_models
+    from specinfer.bench.peers.hf import release_hf_models
 
     release_hf_models()
     rows, costs = build_rows(cfg, runs)

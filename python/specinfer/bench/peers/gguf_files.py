@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specinfer.bench.engines import PeerUnavailable
+from specinfer.bench.peers import PeerUnavailable
 
 CONVERT_ENV = "SPECINFER_BENCH_LLAMA_CPP_CONVERT"
 
@@ -69,7 +69,7 @@ def _convert(model: str, outtype: str, out: Path, convert_script: str | None, lo
             "to llama.cpp's convert_hf_to_gguf.py (vendor/llama.cpp/ in the llama-cpp-python sdist)")
     if not os.path.isfile(script):
         raise PeerUnavailable(f"llama_cpp_convert {script!r} is not a file")
-    from specinfer.bench.engines import export_hf_dir
+    from specinfer.bench.peers.vllm import export_hf_dir
 
     hf_dir = export_hf_dir(model)
     out.parent.mkdir(parents=True, exist_ok=True)

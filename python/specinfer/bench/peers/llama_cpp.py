@@ -17,8 +17,8 @@ import contextlib
 import sys
 
 from specinfer.bench.config import BenchConfig, MethodConfig
-from specinfer.bench.engines import PeerUnavailable
-from specinfer.bench.gguf_files import import_llama_cpp, resolve_gguf
+from specinfer.bench.peers import PeerUnavailable
+from specinfer.bench.peers.gguf_files import import_llama_cpp, resolve_gguf
 
 N_BATCH = 512  # tokens per llama_decode call (PEERS.md: n_batch=512)
 
