@@ -4,7 +4,7 @@
 settings share one loaded, prepared copy (weights are read-only once prepared). The bench runs
 every method inside it: each method then reads the very same weight memory, so a comparison
 between methods does not include where each engine's copy happened to land in physical memory
-(measured on a bandwidth-bound CPU, benches/instance_effect.py: identical engines with their own
+(measured on a bandwidth-bound CPU, benches/experiments/instance_effect.py: identical engines with their own
 copies differed by up to ~2 %, the same in every repeat, and methods of one bench run by 4 %; with
 one shared copy by under 0.6 %), and a run of ten methods holds one target copy instead of ten."""
 from __future__ import annotations

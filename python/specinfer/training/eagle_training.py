@@ -38,7 +38,7 @@ TTT_STEPS = 1  # unrolled steps per training pair by default (1: teacher-forced 
 STEP_WEIGHT = 0.8  # step s's losses weigh STEP_WEIGHT^(s-1) (EAGLE-3's)
 TTT_PAIR_STRIDE = 4  # steps past the first run at every 4th pair
 # FEATURE_NOISE, PROMPT_WEIGHT, TOKEN_LOSS_STRIDE, LABEL_ROWS: ablation knobs for teacher-forced training
-# (ttt_steps 1; benches/head_recipe_ablation.py), left at what measured best (docs/lab/2026-12-notebook.md).
+# (ttt_steps 1; benches/experiments/head_recipe_ablation.py), left at what measured best (docs/lab/2026-12-notebook.md).
 # Uniform noise U(-a, a) added to the input features f_i while training (EAGLE's data noise: the
 # chain's later drafts read the head's own, inexact features); 0: none
 FEATURE_NOISE = 0.0

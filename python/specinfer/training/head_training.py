@@ -14,7 +14,7 @@ vocabulary and training-time-test unrolling; eagle3_training).
 
 Labels: Medusa and the MLP speculator learn the continuation tokens (hard labels, as Medusa-1 and
 IBM's speculators train); EAGLE the target's next-token distribution at every position, prompts
-included (soft labels, as EAGLE trains; benches/eagle_label_ablation.py compares the choices).
+included (soft labels, as EAGLE trains; benches/experiments/eagle_label_ablation.py compares the choices).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ EAGLE_SEQS_PER_BATCH = 4
 WARMUP_STEPS = 20
 DECAY_FROM = 200  # invsqrt: the rate decays from this step on
 # EAGLE on SmolLM2-135M, 800 wsd steps: 6e-3 / 3e-3 / 2e-3 / 1.2e-3 gave teacher-forced first-draft
-# accuracy 0.39 / 0.49 / 0.51 / 0.51 (benches/head_recipe_ablation.py; docs/lab/2026-12-notebook.md)
+# accuracy 0.39 / 0.49 / 0.51 / 0.51 (benches/experiments/head_recipe_ablation.py; docs/lab/2026-12-notebook.md)
 DEFAULT_LR = {"eagle": 2e-3}
 # wsd where it was measured to help: EAGLE (above); Medusa 6000 steps wsd / invsqrt held-out 1.54 / 1.56,
 # MLP speculator 1.52 / 1.48 (+-0.05: no difference), so they keep invsqrt

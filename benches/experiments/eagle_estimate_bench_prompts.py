@@ -3,7 +3,7 @@ continuation) on the bench's prompts (the first 4 of each task, 64 tokens, float
 the estimate on the training distribution's held-out sequences: separates "other text" from "the
 engine" when the engine's acceptance length falls short of the held-out estimate.
 
-    python benches/eagle_estimate_bench_prompts.py [HEAD_DIR ...] [--prompts 4] [--max-tokens 64] [--per-seq 40] [--walk]
+    python benches/experiments/eagle_estimate_bench_prompts.py [HEAD_DIR ...] [--prompts 4] [--max-tokens 64] [--per-seq 40] [--walk]
 
 HEAD_DIR: default the newest cached smollm2-135m-eagle head; several are measured on the same
 sequences. `--prompts 8 --max-tokens 96 --per-seq 100` uses every prompt the training data leaves

@@ -1,8 +1,8 @@
 """The named EAGLE recipe trained on its distillation data plus task-shaped prompts (the bench's task
 formats on standard-library modules the bench does not use: distill_data.task_shaped_texts),
-written to OUT for `benches/eagle_estimate_bench_prompts.py --walk` and the engine bench.
+written to OUT for `benches/experiments/eagle_estimate_bench_prompts.py --walk` and the engine bench.
 
-    python benches/eagle_task_shaped_data.py OUT [--per-task 150] [--steps 3600]
+    python benches/experiments/eagle_task_shaped_data.py OUT [--per-task 150] [--steps 3600]
 
 The extra sequences (the float32-or-bf16 target's greedy continuations, as the named data) are
 cached in OUT/task_shaped_data.pt. Run alone.

@@ -1,6 +1,6 @@
 """Draft-head training recipes side by side on the same distillation data and step count.
 
-    python benches/head_recipe_ablation.py [--method eagle] [--steps 800] [--lr-schedule wsd|invsqrt]
+    python benches/experiments/head_recipe_ablation.py [--method eagle] [--steps 800] [--lr-schedule wsd|invsqrt]
         [--lr LR] [--cls-weight W] [--noise A] [--prompt-weight W] [--label-rows labels|draft] [--token-loss-stride N] [--minutes M] [--init random|last-layer] [--data PATH]
 
 Trains one head with train-heads' own pipeline (head_training.train, bf16 autocast where native)

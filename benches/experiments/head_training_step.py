@@ -1,7 +1,7 @@
 """Milliseconds per EAGLE training step (4 random sequences, loss + backward + AdamW, bf16 autocast
 where native) on the named heads' distillation data, as train-heads runs it.
 
-    python benches/head_training_step.py [--data PATH] [--steps 20] [--label-rows labels|draft] [--token-loss-stride N]
+    python benches/experiments/head_training_step.py [--data PATH] [--steps 20] [--label-rows labels|draft] [--token-loss-stride N]
 
 Compare commits by running it at each (`git checkout e6192d7` for the padded batches, then at
 eb8eebc or later for packed ones). Run alone.

@@ -2,7 +2,7 @@
 what the engine measures, per task (is a gap between the held-out estimate and the bench the
 prompts' or the engine's?).
 
-    python benches/head_estimate_vs_engine.py HEAD_DIR_OR_NAME [--prompts 4] [--max-tokens 64]
+    python benches/experiments/head_estimate_vs_engine.py HEAD_DIR_OR_NAME [--prompts 4] [--max-tokens 64]
 
 For each task: the target's greedy continuations of the bench's first prompts (what the bench
 measures), the estimator's chain acceptance at 12 positions per sequence (eagle_acceptance_estimate,

@@ -1,7 +1,7 @@
 """The named EAGLE head's held-out estimate on the bf16 distillation data's features and on the same
 sequences' features recomputed by the float32 target (what the engine feeds the head by default).
 
-    python benches/eagle_estimate_fp32_features.py [HEAD_DIR]
+    python benches/experiments/eagle_estimate_fp32_features.py [HEAD_DIR]
 
 HEAD_DIR: default the newest cached smollm2-135m-eagle head. Run alone.
 """

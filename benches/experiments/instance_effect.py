@@ -3,7 +3,7 @@ slower than the others (a fixed per-instance effect), and is that gone when they
 (engine/model_loading.shared_models, as the bench runner does)? Prints ms per token per engine and
 each engine's median ratio to the first, own copies then a shared copy, per trial.
 
-    python benches/instance_effect.py [--engines 4] [--repeats 6] [--trials 2]
+    python benches/experiments/instance_effect.py [--engines 4] [--repeats 6] [--trials 2]
 """
 from __future__ import annotations
 

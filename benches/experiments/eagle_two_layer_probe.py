@@ -2,13 +2,13 @@
 public EAGLE-1 layout and the engine hold one layer, so the two-layer head is measured here only,
 in training, never exported.)
 
-    python benches/eagle_two_layer_probe.py --layers 1|2 [--steps 800] [--lr 2e-3]
+    python benches/experiments/eagle_two_layer_probe.py --layers 1|2 [--steps 800] [--lr 2e-3]
 
 Layer 2 is a standard pre-norm Llama decoder layer (input RMSNorm, attention, post-attention
 RMSNorm, MLP) over layer 1's output, its o and down projections zero at the start (so it starts
 as the one-layer head). Same data (the named head's cache), recipe and seed as the named head;
 reports the held-out chain estimate (train-heads') and the teacher-forced first-draft accuracy
-over every held-out continuation position (benches/head_recipe_ablation.py's measure). Run alone.
+over every held-out continuation position (benches/experiments/head_recipe_ablation.py's measure). Run alone.
 """
 from __future__ import annotations
 

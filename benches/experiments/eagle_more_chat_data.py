@@ -6,7 +6,7 @@ head by the named head's recipe (its steps, schedule and draft vocabulary) into 
 report. Bench it beside the named head with `speculative.model` = OUT (docs/lab/2026-12-notebook.md, "More
 chat data for the EAGLE head").
 
-    python benches/eagle_more_chat_data.py bench_out/eagle_chat
+    python benches/experiments/eagle_more_chat_data.py bench_out/eagle_chat
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """EAGLE-1 training labels, side by side on the same distillation data and step count.
 
-    python benches/eagle_label_ablation.py VARIANT [--steps 800] [--lr LR] [--data heads/eagle/distill_data.pt]
+    python benches/experiments/eagle_label_ablation.py VARIANT [--steps 800] [--lr LR] [--data heads/eagle/distill_data.pt]
 
 VARIANT: `soft` (what train-heads does: the target's next-token distribution at every position),
 `greedy` (the target's greedy token at every position) or `continuation` (the continuation tokens

@@ -2,7 +2,7 @@
 hidden states one forward per sequence vs packed forwards of about 1024 / 2048 / 4096 tokens
 (distill_data.packed_target_states, what build_sequences does), bf16 SmolLM2-135M.
 
-    python benches/distill_states_packing.py [N_PROMPTS] [FIRST]
+    python benches/experiments/distill_states_packing.py [N_PROMPTS] [FIRST]
 
 N_PROMPTS (default 64) training prompts from index FIRST (default 700: instruction-wrapped
 standard-library chunks). Run alone.
