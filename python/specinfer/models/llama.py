@@ -425,25 +425,16 @@ def _moe_slots(cfg: ModelConfig, p: str, moe: SparseMoE) -> dict:
     """HF names of one MoE layer's tensors -> (our tensor, row slice): Mixtral's block_sparse_moe
     (w1 gate, w3 up, w2 down) or Qwen's mlp (gate_proj, up_proj, down_proj; Qwen2-MoE's shared expert)."""
     I = moe.inter
-    gate, up = slice(0, I), slice(I, 2 * I)
     gate_up, down = moe.gate_up, moe.down  # views of the stacks (or int8 weights), taken once
-    slots = {}
-    if cfg.architecture == "mixtral":
-        m = p + "block_sparse_moe."
-        slots[m + "gate.weight"] = (moe.router, None)
-        for e in range(moe.num_experts):
-            x = f"{m}experts.{e}."
-            slots[x + "w1.weight"] = (gate_up[e], gate)
-            slots[x + "w3.weight"] = (gate_up[e], up)
-            slots[x + "w2.weight"] = (down[e], None)
-        return slots
-    m = p + "mlp."
-    slots[m + "gate.weight"] = (moe.router, None)
+    mixtral = cfg.architecture == "mixtral"
+    m = p + ("block_sparse_moe." if mixtral else "mlp.")
+    gate_name, up_name, down_name = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    slots = {m + "gate.weight": (moe.router, None)}
     for e in range(moe.num_experts):
         x = f"{m}experts.{e}."
-        slots[x + "gate_proj.weight"] = (gate_up[e], gate)
-        slots[x + "up_proj.weight"] = (gate_up[e], up)
-        slots[x + "down_proj.weight"] = (down[e], None)
+        slots[x + gate_name + ".weight"] = (gate_up[e], slice(0, I))
+        slots[x + up_name + ".weight"] = (gate_up[e], slice(I, 2 * I))
+        slots[x + down_name + ".weight"] = (down[e], None)
     if moe.shared_gate_up is not None:
         S = moe.shared_inter
         slots[m + "shared_expert.gate_proj.weight"] = (moe.shared_gate_up, slice(0, S))

@@ -10,6 +10,9 @@ use specinfer_kernels::moe::{moe_experts as kernel, Activation, ExpertWeights, R
 use specinfer_kernels::simd::Isa;
 use specinfer_kernels::{Bf16, DenseElem};
 
+/// The routed pairs' buffers: (token_ptr, weight_ptr, offsets_ptr, num_pairs).
+type Pairs = (usize, usize, usize, usize);
+
 #[allow(clippy::too_many_arguments)]
 fn run<W: DenseElem>(
     x: usize,
@@ -20,7 +23,7 @@ fn run<W: DenseElem>(
     h: usize,
     i: usize,
     act: Activation,
-    (token, weight, offsets, pairs): (usize, usize, usize, usize),
+    (token, weight, offsets, pairs): Pairs,
     out: usize,
     threads: usize,
 ) -> Result<(), String> {
@@ -87,43 +90,43 @@ fn moe_experts(
         }
     };
     let routing = (token_ptr, weight_ptr, offsets_ptr, num_pairs);
-    let result = match w_dtype {
-        "float32" => py.detach(|| {
-            run::<f32>(
-                x_ptr,
-                t,
-                gate_up_ptr,
-                down_ptr,
-                num_experts,
-                hidden,
-                inter,
-                act,
-                routing,
-                out_ptr,
-                num_threads,
-            )
-        }),
-        "bfloat16" => py.detach(|| {
-            run::<Bf16>(
-                x_ptr,
-                t,
-                gate_up_ptr,
-                down_ptr,
-                num_experts,
-                hidden,
-                inter,
-                act,
-                routing,
-                out_ptr,
-                num_threads,
-            )
-        }),
+    type Run = fn(
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        usize,
+        Activation,
+        Pairs,
+        usize,
+        usize,
+    ) -> Result<(), String>;
+    let run: Run = match w_dtype {
+        "float32" => run::<f32>,
+        "bfloat16" => run::<Bf16>,
         other => {
             return Err(PyValueError::new_err(format!(
                 "w_dtype: {other:?} is not bfloat16 or float32"
             )))
         }
     };
+    let result = py.detach(|| {
+        run(
+            x_ptr,
+            t,
+            gate_up_ptr,
+            down_ptr,
+            num_experts,
+            hidden,
+            inter,
+            act,
+            routing,
+            out_ptr,
+            num_threads,
+        )
+    });
     result.map_err(PyValueError::new_err)
 }
 
