@@ -192,7 +192,7 @@ def test_generate_batch_reports_bad_lines_and_completes_the_others(tiny, referen
 def test_generate_with_the_target_as_its_own_draft_accepts_everything(tiny, tmp_path):
     src = tmp_path / "p.jsonl"
     src.write_text("\n".join(json.dumps({"prompt": p}) for p in ["t1 t2 t3", "t7 t7", "t100 t3 t9 t4"]))
-    proc = run_cli("generate", tiny, "--input", src, "--draft", tiny, "-k", 3, "--max-tokens", 9, "--ignore-eos")
+    proc = run_cli("generate", tiny, "--input", src, "--draft-model", tiny, "-k", 3, "--max-tokens", 9, "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     results = [json.loads(s) for s in proc.stdout.splitlines()]  # no --output: JSONL on stdout
     assert [len(r["token_ids"]) for r in results] == [9, 9, 9]
@@ -203,13 +203,15 @@ def test_generate_with_the_target_as_its_own_draft_accepts_everything(tiny, tmp_
 @pytest.mark.parametrize("args, fragments", [
     (["nosuch-model", "--prompt", "hi"], ["'nosuch-model'", "smollm2-135m"]),
     (["{tiny}", "--prompt", "hi", "-k", "0"], ["num_speculative_tokens", "got 0"]),
-    (["{tiny}", "--prompt", "hi", "--draft", "no/such/draft"], ["draft model 'no/such/draft'"]),
-    (["{tiny}", "--prompt", "hi", "--method", "draft_model"], ["--draft"]),
+    (["{tiny}", "--prompt", "hi", "--draft-model", "no/such/draft"], ["draft model 'no/such/draft'"]),
+    (["{tiny}", "--prompt", "hi", "--method", "draft_model"], ["--draft-model"]),
+    # llama.cpp's --draft is a token count: ours is refused by name, never taken as --draft-model
+    (["{tiny}", "--prompt", "hi", "--draft", "{tiny}"], ["--draft is now --draft-model"]),
     (["{tiny}", "--prompt", "hi", "--top-p", "0"], ["top_p"]),
     (["{tiny}", "--prompt", "hi", "--temperature", "warm"], ["--temperature", "invalid float value"]),
     (["{tiny}", "--input", "{tmp}/missing.jsonl"], ["missing.jsonl", "no such file"]),
     (["{tiny}", "--input", "{tmp}/ok.jsonl", "--output", "{tmp}/no/such/dir/out.jsonl"], ["cannot write", "does not exist"]),
-    (["{tiny}", "--input", "{tmp}/ok.jsonl", "--output", "{tmp}"], ["cannot write", "is a directory"]),
+    (["{tiny}", "--input", "{tmp}/ok.jsonl", "--out", "{tmp}"], ["cannot write", "is a directory"]),
 ])
 def test_generate_bad_arguments_are_one_line_errors(tiny, tmp_path, args, fragments):
     (tmp_path / "ok.jsonl").write_text('{"prompt": "t1"}\n{"prompt": broken\n')

@@ -143,13 +143,13 @@ class OrderedWriter:
             return
         target = Path(path)
         if target.is_dir():
-            raise CliError(f"cannot write --output {path!r}: it is a directory")
+            raise CliError(f"cannot write --out {path!r}: it is a directory")
         if not target.parent.is_dir():
-            raise CliError(f"cannot write --output {path!r}: directory {str(target.parent)!r} does not exist")
+            raise CliError(f"cannot write --out {path!r}: directory {str(target.parent)!r} does not exist")
         try:
             fd, self._tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
         except OSError as e:
-            raise CliError(f"cannot write --output {path!r}: {e.strerror}") from None
+            raise CliError(f"cannot write --out {path!r}: {e.strerror}") from None
         self._file = os.fdopen(fd, "w", encoding="utf-8")
 
     def write_ready(self, items: list[BatchItem]) -> None:

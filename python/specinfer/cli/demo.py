@@ -56,7 +56,11 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="target model (pack name, HF directory or .gguf; "
                    "default: smollm2-135m)")
     p.add_argument("--method", default="ngram", choices=["ngram", "draft_model"], help="proposer (default: ngram)")
-    p.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model")
+    p.add_argument("--draft-model", dest="draft", default=None, metavar="MODEL",
+                   help="draft model for --method draft_model")
+    from specinfer.cli.options import add_renamed_flag
+
+    add_renamed_flag(p, "--draft", "--draft-model MODEL (llama.cpp's --draft is a token count: -k here)")
     p.add_argument("-k", "--num-speculative-tokens", type=int, default=5, metavar="K",
                    help="draft tokens per verification (default: 5)")
     p.add_argument("--max-tokens", type=int, default=160, metavar="N", help="tokens per prompt at most "
@@ -112,7 +116,7 @@ def run(args) -> int:
     spec = SpeculativeConfig(method=args.method, num_speculative_tokens=args.num_speculative_tokens,
                              model=args.draft if args.method == "draft_model" else None)
     if args.draft and args.method != "draft_model":
-        raise CliError("--draft is only used by --method draft_model")
+        raise CliError("--draft-model is only used by --method draft_model")
     if args.threads != "auto":
         _threads(args.threads, 1)
     import torch

@@ -16,14 +16,14 @@ Input JSONL (--input): one request per line,
   {"prompt": "text"} | {"prompt_token_ids": [1, 2, 3]} | {"messages": [{"role": "user", "content": "hi"}]}
 with an optional "id" and per-request overrides of the sampling flags:
   max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, min_tokens, speculate.
-Output JSONL (--output, or stdout): one object per input line, in order, with line, prompt, text,
+Output JSONL (--out, or stdout): one object per input line, in order, with line, prompt, text,
 token_ids, finish_reason, stop_reason and the acceptance counts (num_drafts, num_draft_tokens,
 num_accepted_tokens, acceptance_rate); a line that could not run gets {"line": N, "error": ...}
-and the exit status is 1. A single --prompt without --output streams its text to stdout.
+and the exit status is 1. A single --prompt without --out streams its text to stdout.
 
 Examples:
   specinfer generate smollm2-135m --chat --prompt "Fix the typo: teh cat" --method ngram -k 4
-  specinfer generate qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --input prompts.jsonl --output out.jsonl
+  specinfer generate qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b --input prompts.jsonl --out out.jsonl
 """
 
 
@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeatable)")
     src.add_argument("--input", metavar="FILE", help="JSONL requests, one per line ('-' = stdin)")
-    g.add_argument("--output", metavar="FILE", help="write JSONL results here (default: stdout)")
+    g.add_argument("--out", "--output", dest="output", metavar="FILE",
+                   help="write JSONL results here (default: stdout); --output is the same flag")
     g.add_argument("--json", action="store_true", help="print JSONL even for a single --prompt")
     g.add_argument("--chat", action="store_true", help="wrap each text prompt as a user message in the "
                    "model's chat template")

@@ -60,18 +60,31 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the most logprobs a request may ask for (default: 20, as vLLM)")
 
 
+def add_renamed_flag(group, old: str, new: str) -> None:
+    """`old` is refused with the name that replaced it (never taken as an abbreviation of a longer
+    flag, which argparse would otherwise do silently)."""
+
+    class Renamed(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            parser.error(f"{old} is now {new}")
+
+    group.add_argument(old, action=Renamed, nargs="?", help=argparse.SUPPRESS)
+
+
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
     from specinfer.spec_decode.registry import ACCEPTANCE_METHODS, POLICIES, SCORERS, proposer_names
 
-    g = p.add_argument_group("speculative decoding (off unless --speculative-config, --method, --draft or -k is "
-                             "given)")
+    g = p.add_argument_group("speculative decoding (off unless --speculative-config, --method, --draft-model or -k "
+                             "is given)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='the whole SpeculativeConfig as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         "(instead of the flags below)")
     g.add_argument("--method", choices=[*proposer_names(), "none"], default=None,
-                   help="proposer (default: draft_model with --draft, else ngram with -k, else none)")
-    g.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --method draft_model "
-                   "(pack name, HF directory or .gguf; another tokenizer than the target's drafts through text)")
+                   help="proposer (default: draft_model with --draft-model, else ngram with -k, else none)")
+    g.add_argument("--draft-model", dest="draft", default=None, metavar="MODEL", help="draft model for --method "
+                   "draft_model (pack name, HF directory or .gguf; another tokenizer than the target's drafts "
+                   "through text)")
+    add_renamed_flag(g, "--draft", "--draft-model MODEL (llama.cpp's --draft is a token count: -k here)")
     g.add_argument("--head", default=None, metavar="DIR", help="draft-head checkpoint directory for --method "
                    "mlp_speculator, medusa, eagle or eagle3 (their public layouts), or a named head "
                    "(smollm2-135m-eagle, -medusa, -mlp: trained once on first use, then cached)")
@@ -140,7 +153,7 @@ def speculative_config(args):
     draft_quant = getattr(args, "draft_quantization", None)
     if method == "none":
         if args.draft:
-            raise CliError("--draft needs speculation; drop --method none")
+            raise CliError("--draft-model needs speculation; drop --method none")
         if draft_quant is not None:
             raise CliError("--draft-quantization needs a draft model or head")
         if getattr(args, "ngram_first", None):
@@ -151,9 +164,9 @@ def speculative_config(args):
     if draft_tp is not None and method != "draft_model":
         raise CliError(f"--draft-tensor-parallel-size is only used by --method draft_model (got --method {method})")
     if args.draft and method != "draft_model":
-        raise CliError(f"--draft is only used by --method draft_model (got --method {method})")
+        raise CliError(f"--draft-model is only used by --method draft_model (got --method {method})")
     if method == "draft_model" and not args.draft:
-        raise CliError("--method draft_model needs --draft MODEL")
+        raise CliError("--method draft_model needs --draft-model MODEL")
     check_model(args.draft, "draft model")
     from specinfer.spec_decode.config import SpeculativeConfig
     from specinfer.spec_decode.registry import MODEL_METHODS
@@ -182,7 +195,7 @@ def _speculative_config_json(args):
 
     from specinfer.spec_decode.config import SpeculativeConfig
 
-    clashing = [flag for flag, value in (("--method", args.method), ("--draft", args.draft),
+    clashing = [flag for flag, value in (("--method", args.method), ("--draft-model", args.draft),
                                          ("-k", args.num_speculative_tokens),
                                          ("--spec-policy", getattr(args, "spec_policy", None)),
                                          ("--draft-tensor-parallel-size",
