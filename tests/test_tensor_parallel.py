@@ -197,7 +197,7 @@ def test_cli_flags_reach_the_engine(tiny_dir):
     p = argparse.ArgumentParser()
     options.add_speculative_arguments(p)
     options.add_engine_arguments(p)
-    args = p.parse_args(["--tensor-parallel-size", "2", "--draft", str(target), "--draft-tensor-parallel-size", "1"])
+    args = p.parse_args(["--tensor-parallel-size", "2", "--draft-model", str(target), "--draft-tensor-parallel-size", "1"])
     assert options.engine_kwargs(args)["tensor_parallel_size"] == 2
     assert options.speculative_config(args).draft_tensor_parallel_size == 1
     with pytest.raises(CliError, match="--tensor-parallel-size must be >= 1"):
