@@ -22,9 +22,11 @@ _GGUF_ARCH = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"
               "phi3": "phi3", "mixtral": "llama", "llama": "llama"}
 
 
-def write_gguf(model_dir: Path, path: Path, *, expert_type: str = "f32") -> None:
+def write_gguf(model_dir: Path, path: Path, *, expert_type: str = "f32", gemm_types: tuple[str, ...] = ()) -> None:
     """model_dir: a tiny_models checkpoint (model.safetensors, config.json, word tokenizer);
-    expert_type "q8_0" stores the stacked expert tensors as Q8_0."""
+    expert_type "q8_0" stores the stacked expert tensors as Q8_0; gemm_types (e.g. ("q4_0",
+    "q5_1")) stores the GEMM weights and the embedding in those block types, round-robin tensor
+    by tensor (the `gguf` package's quantizers: the 32-value formats)."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     sd = load_file(str(Path(model_dir) / "model.safetensors"))
     ours = cfg["model_type"]
@@ -79,10 +81,16 @@ def write_gguf(model_dir: Path, path: Path, *, expert_type: str = "f32") -> None
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
+    turn = [0]
+
     def put(name, array, kind="f32"):
-        if kind == "q8_0":
-            w.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        gemm = (name.endswith(".weight") and array.ndim >= 2 and "norm" not in name and "gate_inp" not in name)
+        if gemm and gemm_types and kind == "f32":
+            kind = gemm_types[turn[0] % len(gemm_types)]
+            turn[0] += 1
+        if kind != "f32":
+            t = gguf.GGMLQuantizationType[kind.upper()]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(array, dtype=np.float32), t), raw_dtype=t)
         else:
             w.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
 

@@ -48,6 +48,11 @@ class Generator:
     or "hpu_flat". `gpu_memory_utilization` (CUDA only) is the share of the device's total memory
     the engine may fill, weights included.
     `max_logprobs` caps SamplingParams.logprobs (vLLM's default, 20); a larger request is refused.
+    `quantization="auto"` (the default) runs a `.gguf` model on CPU as stored (`"gguf"`: every GEMM
+    weight and the embedding in the file's own block formats, Q4_0 .. Q8_0 and Q4_K .. Q6_K, read
+    from its memory map and multiplied by the Rust kernels of models/gguf_linear.py, activations
+    quantized per block as llama.cpp does; attention batch-invariant so greedy speculation stays
+    exact), and anything else dense; a `dtype=` or `quantization=None` dequantizes a GGUF file.
     `quantization="int8"` keeps GEMM weights int8 (CPU; GGUF Q8_0 as stored, other weights
     quantized per 32 inputs) and runs them through the int8 kernel; `quantization="w8a8"` also
     rounds the activations to int8 per group of 32 (as llama.cpp does for Q8_0): faster from a few
@@ -72,7 +77,7 @@ class Generator:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
-                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
+                 attention_backend=None, gpu_memory_utilization=0.9, quantization="auto",
                  tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False,
                  overlap_steps=True):
         speculative = _resolve_named_head(speculative, model)

@@ -23,10 +23,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default: auto, "
                    "fp32 on CPU)")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "w8a8"],
-                   help="int8: weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored); w8a8: the same "
-                   "weights times activations rounded to int8 per group of 32 (faster; batch-invariant attention keeps "
-                   "greedy speculation exact) (default: none)")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "w8a8"],
+                   help="auto: a .gguf model on CPU runs as stored (gguf), anything else dense; gguf: every GGUF "
+                   "tensor kept in its stored block format (Q4_0..Q8_0, Q4_K..Q6_K); none: dequantized; int8: "
+                   "weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored); w8a8: the same weights times "
+                   "activations rounded to int8 per group of 32 (default: auto)")
     g.add_argument("--batch-invariant", action="store_true",
                    help="every token's logits the same bits whatever its step holds, so speculative output equals "
                    "non-speculative output bit for bit (CPU, float32, bfloat16 or w8a8; slower prefill)")

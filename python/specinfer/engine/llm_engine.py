@@ -28,6 +28,7 @@ from specinfer.engine.batch import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.engine.interrupts import deferred_keyboard_interrupt
 from specinfer.engine.kv_cache import activation_bytes, budget_blocks, bytes_per_block, choose_num_blocks
+from specinfer.engine.model_loading import resolve_quantization
 from specinfer.engine.propose_step import StepProposing
 from specinfer.engine.request_error import RequestError
 from specinfer.engine.request_state import RequestState
@@ -77,7 +78,7 @@ class LLMEngine:
     def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
                  num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
                  enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
-                 attention_backend=None, gpu_memory_utilization=0.9, quantization=None,
+                 attention_backend=None, gpu_memory_utilization=0.9, quantization="auto",
                  tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False,
                  overlap_steps=True):
         if not isinstance(overlap_steps, bool):
@@ -99,7 +100,13 @@ class LLMEngine:
         self.platform = resolve_platform(device)
         attention_backend = self.platform.choose_attention_backend(attention_backend)  # before any load
         self.dtype = resolve_dtype(dtype, self.platform)
-        self.quantization = check_quantization(quantization)  # weights of target and draft; KV stays dtype
+        # weights of target and draft ("auto": a .gguf file's tensors as stored on CPU); KV stays dtype
+        tp = self.parallel.tensor_parallel_size
+
+        def weights_for(path, setting):
+            return resolve_quantization(setting, path, self.platform.device, dtype=dtype, tensor_parallel_size=tp)
+
+        self.quantization = weights_for(model, quantization)
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False (got {batch_invariant!r})")
         if batch_invariant:
@@ -115,17 +122,22 @@ class LLMEngine:
         self.executor = make_executor(self.parallel, self.platform)
 
         # a draft model's or head's weights: the target's quantization unless speculative.quantization says
-        draft_quant = self.quantization
+        # (a draft model: as the target's setting says for its own file, e.g. "auto" keeps a .gguf draft stored)
+        draft_setting = quantization
         if self.spec is not None and self.spec.quantization is not None:
-            draft_quant = check_quantization(self.spec.quantization)
-        # heads keep weight-only int8 under a "w8a8" target (their drafts are verified either way)
-        head_quant = "int8" if draft_quant == "w8a8" else draft_quant
-        if (self.spec is not None and self.spec.quantization is None and self.quantization is None
+            draft_setting = check_quantization(self.spec.quantization)
+        if self.spec is not None and self.spec.draft_tensor_parallel_size:
+            tp = self.spec.draft_tensor_parallel_size
+        draft_quant = self.quantization if draft_setting in ("auto", "gguf") else draft_setting
+        # heads keep weight-only int8 under a "w8a8" target (their drafts are verified either way); heads
+        # are dense checkpoints, never GGUF
+        head_quant = {"w8a8": "int8", "gguf": None}.get(draft_quant, draft_quant)
+        if (self.spec is not None and self.spec.quantization is None and self.quantization in (None, "gguf")
                 and self.device.type == "cpu" and self.dtype == torch.float32):
             head_quant = "auto"  # a float32 target on CPU: int8 heads where they fit (head_quantization.py)
 
         def load(path, role="target"):
-            quant = self.quantization if role == "target" else draft_quant
+            quant = self.quantization if role == "target" else weights_for(path, draft_setting)
             return self.executor.load_model(path, role, dtype=self.dtype, quantization=quant)
 
         self.loaded = load(model)

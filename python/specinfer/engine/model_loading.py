@@ -39,6 +39,34 @@ def shared_models():
                 _shared = None
 
 
+def resolve_quantization(quantization, model, device, *, dtype="auto", tensor_parallel_size: int = 1):
+    """The weight form a model loads with. "auto" (the default): a .gguf file on CPU keeps its
+    tensors as stored ("gguf": models/gguf_linear.py) unless a dtype was asked for or the model
+    is sharded over ranks; anything else loads dense (None). An explicit "gguf" for a model that
+    is not a .gguf file, off CPU or sharded is refused by name."""
+    import torch
+
+    from specinfer.models.int8_linear import check_quantization
+
+    device_type = torch.device(device).type if not isinstance(device, str) or device != "auto" else "cpu"
+    if quantization == "auto":
+        if dtype not in ("auto", None) or device_type != "cpu" or tensor_parallel_size > 1:
+            return None
+        return "gguf" if _resolve(model).suffix == ".gguf" else None
+    quantization = check_quantization(quantization)
+    if quantization == "gguf":
+        path = _resolve(model)
+        if path.suffix != ".gguf":
+            raise ValueError(f"quantization='gguf' keeps a GGUF file's tensors as stored; {str(model)!r} is not a "
+                             f".gguf file (use quantization=None, 'int8' or 'w8a8')")
+        if device_type != "cpu":
+            raise ValueError(f"quantization='gguf' runs on CPU only (device={device!s})")
+        if tensor_parallel_size > 1:
+            raise ValueError("quantization='gguf' does not shard over tensor-parallel ranks yet; use "
+                             "quantization=None (dequantized) with tensor_parallel_size > 1")
+    return quantization
+
+
 def load_any(model, *, dtype, device, platform=None, quantization=None):
     """Load and, given the platform, prepare the model for serving (e.g. packed CPU GEMMs)."""
     path = _resolve(model)

@@ -283,19 +283,38 @@ def q8_0_blocks(data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
     return QuantizedTensor(torch.from_numpy(q), torch.from_numpy(scales), _Q8_0_BLOCK)
 
 
+def _stored(t, expected: tuple[int, ...], path: str, unpermute: int | None = None):
+    """A 2-D tensor as stored (a view of the file's memory map; llama-arch Q/K rows reordered
+    back into a copy: `unpermute` = its head count)."""
+    from specinfer.models.gguf_linear import StoredTensor
+
+    try:
+        st = StoredTensor.from_bytes(t.data, t.tensor_type, expected)
+    except ValueError as e:
+        raise ValueError(f"{path}: tensor {t.name!r} cannot be kept as stored ({e})") from e
+    if unpermute is not None:
+        order = unpermute_rows(torch.arange(expected[0]).unsqueeze(1), unpermute).reshape(-1).numpy()
+        st = st.take_rows(order)
+    return st
+
+
 def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
                   quantization: str | None = None,
-                  destinations: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                  destinations: dict[str, torch.Tensor] | None = None,
+                  stored: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors in `dtype`; with quantization="int8", Q8_0 GEMM weights as QuantizedTensor
     (kept int8) and every other tensor in float32 (the model quantizes GEMM weights one by one).
-    A tensor whose float32 parameter memory is in `destinations` (model.float32_destinations)
-    and needs no row permutation is dequantized straight into it and yielded as LOADED_IN_PLACE."""
+    A tensor named in `stored` (model.stored_destinations, quantization="gguf") is handed over as
+    stored (StoredTensor: its bytes in the file's memory map). A tensor whose float32 parameter
+    memory is in `destinations` (model.float32_destinations) and needs no row permutation is
+    dequantized straight into it and yielded as LOADED_IN_PLACE."""
     from gguf import GGMLQuantizationType
 
     from specinfer.loader.gguf_dequant import dequantize, dequantize_into
     from specinfer.models.llama import LOADED_IN_PLACE
 
     destinations = destinations or {}
+    stored = stored or set()
 
     permuted = cfg.architecture in ("llama", "mixtral")
     for t in reader.tensors:
@@ -305,6 +324,22 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
         if name is None:
             raise ValueError(f"{path}: unexpected GGUF tensor {t.name!r}")
         expected = tuple(int(d) for d in reversed(t.shape))
+        if ".<experts>." in name and stored:  # [experts, rows, cols]: each expert's rows as stored
+            E, rows, cols = expected
+            names = expert_names(name, cfg.architecture, E)
+            if all(n in stored for n in names):
+                per_expert = np.asarray(t.data).reshape(E, -1)
+                for e, e_name in enumerate(names):
+                    yield e_name, _stored(_Slice(t, per_expert[e]), (rows, cols), path)
+                continue
+        if name in stored and len(expected) == 2:
+            heads = None
+            if permuted and ".attn_q." in t.name:
+                heads = cfg.num_heads
+            elif permuted and ".attn_k." in t.name:
+                heads = cfg.num_kv_heads
+            yield name, _stored(t, expected, path, heads)
+            continue
         if ".<experts>." in name and quantization in ("int8", "w8a8") and t.tensor_type == GGMLQuantizationType.Q8_0:
             E, rows, cols = expected  # Q8_0 experts stay int8: each expert's blocks, no dequantization
             raw = np.ascontiguousarray(t.data).reshape(E, -1)
@@ -361,6 +396,13 @@ def _gguf_weights(reader, cfg: ModelConfig, dtype: torch.dtype, path: str,
         yield name, (w if quantization else w.to(dtype))
 
 
+class _Slice:
+    """One expert's part of a stacked tensor, with the fields _stored reads."""
+
+    def __init__(self, t, data):
+        self.name, self.tensor_type, self.data = t.name, t.tensor_type, data
+
+
 _ROPE_FACTOR_TENSORS = {"rope_factors_short.weight": "short", "rope_factors_long.weight": "long"}
 
 
@@ -374,7 +416,8 @@ def load_gguf(path: str, *, dtype: torch.dtype, device, quantization: str | None
     cfg = gguf_config(meta, tensor_names, path, factors or None)
     tokenizer, add_bos = build_gguf_tokenizer(meta, path)
     model = LlamaForCausalLM(cfg, dtype=dtype, device=device, quantization=quantization)
-    model.load_weights(_gguf_weights(reader, cfg, dtype, path, model.quantization, model.float32_destinations()),
+    model.load_weights(_gguf_weights(reader, cfg, dtype, path, model.quantization, model.float32_destinations(),
+                                     model.stored_destinations()),
                        source=path, norms_include_offset=True)  # llama.cpp stores Gemma's norms as 1 + w
     model.eval()
     return LoadedModel(

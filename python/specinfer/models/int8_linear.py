@@ -35,7 +35,7 @@ GROUP_SIZE = 32  # inputs per scale (GGUF Q8_0 block)
 # compute bound and go through a float GEMM over the weight dequantized for that call.
 KERNEL_MAX_ROWS = 32
 TILE = 16  # output rows per packed tile (rust/kernels/src/int8_pack.rs)
-QUANTIZATIONS = ("int8", "w8a8")
+QUANTIZATIONS = ("int8", "w8a8", "gguf")  # "gguf": models/gguf_linear.py
 
 
 def check_quantization(quantization: str | None) -> str | None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
+from specinfer.models.gguf_linear import GgufWeight, gguf_linear
 from specinfer.models.int8_linear import Int8Weight, check_quantization, int8_linear
 from specinfer.models.moe import SparseMoE
 from specinfer.models.panel_linear import PanelWeight
@@ -33,6 +34,8 @@ from specinfer.models.rope import apply_rope, rope_factors, rope_table
 
 
 _rms_norm = rms_norm
+_QUANTIZED_LINEAR = {"int8": int8_linear, "w8a8": int8_linear, "gguf": gguf_linear}
+_QUANTIZED_WEIGHTS = (Int8Weight, GgufWeight)
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -47,9 +50,12 @@ def _param(*shape: int, dtype, device) -> nn.Parameter:
 
 
 def _gemm_weight(n: int, k: int, *, dtype, device, quantization: str | None):
-    """A [n, k] GEMM weight: a dense parameter, or int8 + scales with quantization="int8"."""
+    """A [n, k] GEMM weight: a dense parameter, int8 + scales with quantization="int8"/"w8a8", or
+    a GGUF file's stored rows with quantization="gguf"."""
     if quantization in ("int8", "w8a8"):
         return Int8Weight(n, k, device=device)
+    if quantization == "gguf":
+        return GgufWeight(n, k)
     return _param(n, k, dtype=dtype, device=device)
 
 
@@ -60,7 +66,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype, device, quantization: str | None = None):
         super().__init__()
         # swapped by LlamaForCausalLM.pack_linear_weights; int8 weights have their own kernel
-        self.linear = int8_linear if quantization in ("int8", "w8a8") else dense_linear
+        self.linear = _QUANTIZED_LINEAR.get(quantization, dense_linear)
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
@@ -90,7 +96,7 @@ class DecoderLayer(nn.Module):
                                  cfg.norm_topk_prob, lambda n, k: _gemm_weight(n, k, **gemm),
                                  lambda *shape: _param(*shape, dtype=dtype, device=device),
                                  cfg.shared_expert_intermediate_size,
-                                 quantized=quantization in ("int8", "w8a8"), activation=cfg.hidden_act)
+                                 quantized=quantization is not None, activation=cfg.hidden_act)
             self.gate_up_weight = self.down_weight = None
         else:
             self.gate_up_weight = _gemm_weight(2 * cfg.intermediate_size, h, **gemm)  # rows: gate | up
@@ -169,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = quantization = check_quantization(quantization)
         if quantization is not None and torch.device(device).type != "cpu":
             raise ValueError(f"quantization={quantization!r} runs on CPU only (device={device!s})")
-        self.linear = int8_linear if quantization else dense_linear  # swapped by pack_linear_weights
+        self.linear = _QUANTIZED_LINEAR.get(quantization, dense_linear)  # swapped by pack_linear_weights
         self.packed = False
         gemm = dict(dtype=dtype, device=device, quantization=quantization)
         self.embed_tokens = _gemm_weight(cfg.vocab_size, cfg.hidden_size, **gemm)
@@ -205,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         return self._lookup(input_ids)
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.embed_tokens, Int8Weight):
+        if isinstance(self.embed_tokens, _QUANTIZED_WEIGHTS):
             x = self.embed_tokens.embedding(input_ids).to(self.dtype)
         else:
             x = F.embedding(input_ids, self.embed_tokens)
@@ -261,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         if getattr(w, "is_mkldnn", False) or isinstance(w, PanelWeight):  # packed by the CPU platform:
             # the dense tied table, or unpacked
             w = self.embed_tokens if self.config.tie_word_embeddings else w.to_dense()
-        if isinstance(w, Int8Weight):
+        if isinstance(w, _QUANTIZED_WEIGHTS):
             return w.dequantize(ids)
         return w[ids].float()
 
@@ -312,7 +318,7 @@ class LlamaForCausalLM(nn.Module):
             if w is None or id(w) in seen:
                 continue
             seen.add(id(w))
-            total += w.nbytes if isinstance(w, (Int8Weight, PanelWeight)) else w.numel() * w.element_size()
+            total += w.nbytes if isinstance(w, (*_QUANTIZED_WEIGHTS, PanelWeight)) else w.numel() * w.element_size()
         return total
 
     def _slots(self) -> dict[str, tuple[torch.Tensor, slice | None]]:
@@ -374,6 +380,11 @@ class LlamaForCausalLM(nn.Module):
                     out[name] = dest
         return out
 
+    def stored_destinations(self) -> set[str]:
+        """HF names of the tensors a GGUF loader hands over as stored (StoredTensor) under
+        quantization="gguf": every GEMM weight's."""
+        return {name for name, (target, _) in self._slots().items() if isinstance(target, GgufWeight)}
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, source: str = "checkpoint",
                      norms_include_offset: bool = False) -> None:
@@ -401,7 +412,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"{source}: unexpected tensor {name!r} for {self.config.architecture}")
             target, rows = slots[name]
-            if isinstance(target, Int8Weight):
+            if isinstance(target, _QUANTIZED_WEIGHTS):
                 want = target.rows_shape(rows)
             else:
                 dest = target if rows is None else target[rows]
@@ -410,8 +421,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(want)}")
             if offset and name.endswith("norm.weight"):
                 tensor = tensor + offset
-            if isinstance(target, Int8Weight):
-                target.load(rows, tensor)  # float: quantized here; QuantizedTensor (GGUF Q8_0): copied
+            if isinstance(target, _QUANTIZED_WEIGHTS):
+                # Int8Weight: float quantized here, QuantizedTensor (GGUF Q8_0) copied; GgufWeight:
+                # the StoredTensor kept as it is
+                target.load(rows, tensor)
             else:
                 dest.copy_(tensor)
             loaded.add(name)

@@ -32,8 +32,8 @@ class CpuPlatform(Platform):
         weight-only int8 (its kernel scales differently from 3 rows on) are refused."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"batch_invariant=True needs dtype float32 or bfloat16 on CPU (got {dtype})")
-        if quantization not in (None, "w8a8"):
-            raise ValueError(f"batch_invariant=True needs float32 or quantization='w8a8' weights "
+        if quantization not in (None, "w8a8", "gguf"):
+            raise ValueError(f"batch_invariant=True needs float32 or quantization='w8a8' / 'gguf' weights "
                              f"(got quantization={quantization!r})")
 
     def prepare_model(self, model) -> None:
@@ -49,7 +49,7 @@ class CpuPlatform(Platform):
         if getattr(model, "quantization", None) is not None:
             model.pack_linear_weights(None, None)
             # w8a8 rounds GEMM inputs to a grid: always batch-invariant attention (model_runner.py)
-            model.batch_invariant = self.batch_invariant or model.quantization == "w8a8"
+            model.batch_invariant = self.batch_invariant or model.quantization in ("w8a8", "gguf")
             return
         if self.batch_invariant:  # one GEMM arithmetic for every row count, row-invariant attention
             from specinfer.models.panel_linear import pack_panels, panel_linear

@@ -4,6 +4,7 @@
 //! `gguf_dequant` (GGUF block formats to f32).
 
 mod cpu_attention;
+mod cpu_gguf;
 mod cpu_linear;
 mod cpu_moe;
 mod cpu_norm;
@@ -16,6 +17,7 @@ use pyo3::prelude::*;
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     scheduler_core::register(m)?;
     cpu_attention::register(m)?;
+    cpu_gguf::register(m)?;
     cpu_linear::register(m)?;
     cpu_moe::register(m)?;
     cpu_norm::register(m)?;

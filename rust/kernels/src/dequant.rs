@@ -176,6 +176,31 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Dequantize the rows `ids` of a tensor of `cols`-value rows (`src` all its rows' blocks) into
+/// `out [ids.len() * cols]`: an embedding lookup in a stored table. Ids are checked against
+/// the table's row count.
+pub fn gather_rows(t: GgmlType, src: &[u8], cols: usize, ids: &[i64], out: &mut [f32]) -> Result<(), String> {
+    let (per, bytes) = t.block();
+    if cols == 0 || cols % per != 0 {
+        return Err(format!("{t:?}: a row of {cols} values is not a whole number of {per}-value blocks"));
+    }
+    let row_bytes = cols / per * bytes;
+    let rows = src.len() / row_bytes;
+    if out.len() != ids.len() * cols {
+        return Err(format!("out holds {} values, not {} x {cols}", out.len(), ids.len()));
+    }
+    for (o, &id) in out.chunks_exact_mut(cols).zip(ids) {
+        if id < 0 || id as usize >= rows {
+            return Err(format!("row {id} is outside the table's {rows} rows"));
+        }
+        let row = &src[id as usize * row_bytes..(id as usize + 1) * row_bytes];
+        for (ob, sb) in o.chunks_exact_mut(per).zip(row.chunks_exact(bytes)) {
+            block(t, sb, ob);
+        }
+    }
+    Ok(())
+}
+
 /// Dequantize `rows` rows of `cols` values each: `src` holds the rows' blocks back to back
 /// (`cols / values-per-block` blocks a row), `out` `rows * cols` f32, row-major. Rows are split
 /// over `num_threads` threads.

@@ -26,6 +26,7 @@ pub mod dense_linear;
 pub mod dequant;
 pub mod elem;
 pub mod few_rows_linear;
+pub mod gguf_linear;
 pub mod int8_linear;
 pub mod int8_pack;
 pub mod moe;

@@ -1,0 +1,200 @@
+"""GEMM weights kept in a GGUF file's own block formats (`quantization="gguf"`, the default for a
+`.gguf` model on CPU): Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (and F32 / F16 / BF16
+tensors as they are), read straight from the file's memory map — never inflated, never copied
+except the rows of llama-arch Q and K, which llama.cpp stored permuted (a row reorder: the
+blocks themselves are copied as they are).
+
+The Rust kernel `specinfer._core.gguf_linear` (rust/kernels/src/gguf_linear/) quantizes each
+activation row per block the way llama.cpp does for these formats (blocks of 32 for the 32-value
+formats, of 256 for the K formats) and sums every block exactly in int32 (AVX2), one output at
+a time from one weight row and one activation row, so a token's outputs do not depend on the
+batch it shares a call with: greedy speculative decoding stays token-for-token exact (the
+model's attention runs batch-invariant, as under w8a8).
+
+    w = GgufWeight(n, k)                 # filled by load(rows, StoredTensor) row range by range
+    y = gguf_linear(x, w, bias)          # same contract as F.linear
+    e = w.embedding(ids)                 # rows dequantized (an embedding table)
+
+A weight is a list of parts, one per stored tensor it was filled from: a fused q|k|v weight is
+three parts, of different types in llama.cpp's mixes (Q4_K_M keeps some attn_v in Q6_K); one
+kernel call computes all their columns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specinfer._core import gguf_linear as _gguf_linear_kernel
+from specinfer._core import gguf_rows as _gguf_rows
+
+# ggml type id -> (values, bytes) per block, for the types the kernel multiplies
+BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+          12: (256, 144), 13: (256, 176), 14: (256, 210)}
+TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
+              13: "Q5_K", 14: "Q6_K"}
+
+
+def row_bytes(type_id: int, cols: int) -> int:
+    per, nbytes = BLOCKS[type_id]
+    if cols % per:
+        raise ValueError(f"a row of {cols} values is not a whole number of {TYPE_NAMES[type_id]} blocks ({per})")
+    return cols // per * nbytes
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A 2-D GGUF tensor as stored: `data` uint8 [rows, row_bytes] (a view of the file's memory
+    map, or a copy of reordered rows), `cols` values a row, ggml `type_id`."""
+
+    type_id: int
+    data: np.ndarray
+    cols: int
+
+    def __post_init__(self):
+        if self.type_id not in BLOCKS:
+            raise ValueError(f"ggml type {self.type_id} cannot be kept as stored (supported: "
+                             f"{', '.join(TYPE_NAMES.values())})")
+        rb = row_bytes(self.type_id, self.cols)
+        if self.data.dtype != np.uint8 or self.data.ndim != 2 or self.data.shape[1] != rb:
+            raise ValueError(f"stored {TYPE_NAMES[self.type_id]} tensor: data {self.data.dtype}"
+                             f"{list(self.data.shape)} is not uint8 [rows, {rb}]")
+        if not self.data.flags.c_contiguous:
+            raise ValueError("stored tensor data must be contiguous")
+
+    @classmethod
+    def from_bytes(cls, data: np.ndarray, type_id: int, shape: tuple[int, int]) -> StoredTensor:
+        rows, cols = shape
+        return cls(type_id, np.ascontiguousarray(data).view(np.uint8).reshape(rows, row_bytes(type_id, cols)), cols)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.data.shape[0], self.cols))
+
+    @property
+    def type_name(self) -> str:
+        return TYPE_NAMES[self.type_id]
+
+    def take_rows(self, order) -> StoredTensor:
+        """The rows in `order` (a copy of their blocks)."""
+        return StoredTensor(self.type_id, np.ascontiguousarray(self.data[np.asarray(order)]), self.cols)
+
+    def rows(self, start: int, stop: int) -> StoredTensor:
+        return StoredTensor(self.type_id, self.data[start:stop], self.cols)
+
+
+class GgufWeight:
+    """A [N, K] GEMM weight held as stored GGUF rows: parts covering rows 0..N in order, each
+    filled by `load(rows, StoredTensor)`."""
+
+    dtype = torch.uint8
+    device = torch.device("cpu")
+
+    def __init__(self, n: int, k: int):
+        self._shape = torch.Size((n, k))
+        self._parts: dict[int, StoredTensor] = {}  # first row -> part
+        self._kernel_parts = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    @property
+    def parts(self) -> list[tuple[int, StoredTensor]]:
+        return sorted(self._parts.items())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.nbytes for p in self._parts.values())
+
+    @property
+    def type_names(self) -> list[str]:
+        return [p.type_name for _, p in self.parts]
+
+    def rows_shape(self, rows: slice | None) -> tuple[int, int]:
+        n, k = self._shape
+        start, stop, _ = (rows or slice(None)).indices(n)
+        return (stop - start, k)
+
+    def load(self, rows: slice | None, tensor) -> None:
+        if not isinstance(tensor, StoredTensor):
+            raise ValueError("quantization='gguf' keeps a GGUF file's tensors as stored; this weight got a "
+                             f"{type(tensor).__name__} (load a .gguf file, or use quantization=None / 'int8')")
+        n, k = self._shape
+        start, stop, _ = (rows or slice(None)).indices(n)
+        if tuple(tensor.shape) != (stop - start, k):
+            raise ValueError(f"stored tensor {tuple(tensor.shape)} does not fill rows {start}:{stop} of {n} x {k}")
+        self._parts[start] = tensor
+        self._kernel_parts = None
+
+    def _kernel_args(self) -> list[tuple[int, int, int]]:
+        if self._kernel_parts is None:
+            at = 0
+            for start, p in self.parts:
+                if start != at:
+                    raise RuntimeError(f"GGUF weight {tuple(self._shape)}: rows {at}:{start} were never loaded")
+                at += p.data.shape[0]
+            if at != self._shape[0]:
+                raise RuntimeError(f"GGUF weight {tuple(self._shape)}: rows {at}: were never loaded")
+            self._kernel_parts = [(p.type_id, p.data.ctypes.data, p.data.shape[0]) for _, p in self.parts]
+        return self._kernel_parts
+
+    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:  # -> float32[len, K]
+        n, k = self._shape
+        ids = torch.arange(n) if rows is None else (torch.arange(n)[rows] if isinstance(rows, slice) else rows)
+        return self.embedding(ids.reshape(-1))
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:  # int64[T] -> float32[T, K]
+        n, k = self._shape
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), k, dtype=torch.float32)
+        if ids.numel() == 0:
+            return out
+        self._kernel_args()  # every row loaded
+        parts = self.parts
+        if len(parts) == 1:
+            p = parts[0][1]
+            _gguf_rows(p.data.ctypes.data, p.data.nbytes, p.type_id, k, ids.data_ptr(), ids.numel(), out.data_ptr())
+            return out
+        for start, p in parts:  # rows of several parts: each part's ids in turn
+            stop = start + p.data.shape[0]
+            sel = ((ids >= start) & (ids < stop)).nonzero().reshape(-1)
+            if sel.numel():
+                local = (ids[sel] - start).contiguous()
+                part_out = torch.empty(sel.numel(), k, dtype=torch.float32)
+                _gguf_rows(p.data.ctypes.data, p.data.nbytes, p.type_id, k, local.data_ptr(), local.numel(),
+                           part_out.data_ptr())
+                out[sel] = part_out
+        if ((ids < 0) | (ids >= n)).any():
+            raise ValueError(f"embedding ids outside 0..{n - 1}")
+        return out
+
+    def row_slice(self, start: int, stop: int) -> GgufWeight:
+        """Rows start:stop as a weight sharing this one's memory (tensor-parallel shards)."""
+        n, k = self._shape
+        out = GgufWeight(stop - start, k)
+        for p_start, p in self.parts:
+            p_stop = p_start + p.data.shape[0]
+            lo, hi = max(start, p_start), min(stop, p_stop)
+            if lo < hi:
+                out.load(slice(lo - start, hi - start), p.rows(lo - p_start, hi - p_start))
+        return out
+
+
+def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype; float32 inside."""
+    N, K = weight.shape
+    assert x.shape[-1] == K, f"gguf_linear: x has {x.shape[-1]} features, the weight takes {K}"
+    assert x.device.type == "cpu", "gguf_linear: CPU tensors only"
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K).to(torch.float32).contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=torch.float32)
+    b = None
+    if bias is not None:
+        b = bias.to(torch.float32).contiguous()
+        assert b.shape == (N,), f"gguf_linear: bias shape {tuple(b.shape)} is not ({N},)"
+    _gguf_linear_kernel(x2.data_ptr(), M, K, weight._kernel_args(), out.data_ptr(),
+                        0 if b is None else b.data_ptr(), torch.get_num_threads())
+    return out.to(x.dtype).view(*lead, N)

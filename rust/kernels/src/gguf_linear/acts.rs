@@ -1,0 +1,154 @@
+//! The activation rows of one call, in the forms the formats' dot products read, each row
+//! quantized on its own (so a row's form does not depend on the other rows of the batch):
+//!
+//! - [`Q8Rows`] (the 32-value formats; llama.cpp's `block_q8_0` / `block_q8_1`): per block of
+//!   32, `d = amax / 127`, `q = round(x * (127 / amax))` (nearest, ties to even), and
+//!   `s = d * sum(q)` for the formats with a minimum (Q4_1, Q5_1). Scales f32 (llama.cpp: f16).
+//! - [`Q8KRows`] (the K formats; `block_q8_K`): per block of 256, the same rule, plus the sums
+//!   of `q` over each 16 values (`bsums`) for the K formats' minimums and offsets.
+//! - F32 (float weights): the rows as given.
+
+use rayon::prelude::*;
+
+use crate::threads::pool;
+
+/// Which forms a call needs (a set of flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Forms(u8);
+
+impl Forms {
+    pub const NONE: Forms = Forms(0);
+    pub const F32: Forms = Forms(1);
+    pub const Q8: Forms = Forms(2);
+    pub const Q8K: Forms = Forms(4);
+
+    pub fn has(self, f: Forms) -> bool {
+        self.0 & f.0 != 0
+    }
+}
+
+impl std::ops::BitOr for Forms {
+    type Output = Forms;
+    fn bitor(self, o: Forms) -> Forms {
+        Forms(self.0 | o.0)
+    }
+}
+
+/// Blocks of 32: `qs [m * k]`, `d [m * k / 32]`, `s [m * k / 32]` (= d * sum of the block's qs).
+#[derive(Debug, Default)]
+pub struct Q8Rows {
+    pub qs: Vec<i8>,
+    pub d: Vec<f32>,
+    pub s: Vec<f32>,
+}
+
+/// Blocks of 256: `qs [m * k]`, `d [m * k / 256]`, `bsums [m * k / 16]` (i16 sums of 16 qs).
+#[derive(Debug, Default)]
+pub struct Q8KRows {
+    pub qs: Vec<i8>,
+    pub d: Vec<f32>,
+    pub bsums: Vec<i16>,
+}
+
+/// A call's activations: `x [m, k]` f32 and the quantized forms its parts need.
+#[derive(Debug)]
+pub struct Acts<'a> {
+    pub x: &'a [f32],
+    pub m: usize,
+    pub k: usize,
+    pub q8: Option<Q8Rows>,
+    pub q8k: Option<Q8KRows>,
+}
+
+/// Quantize one block of values into `q`: -> d (0 for an all-zero block).
+#[inline]
+pub fn quantize_block(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0.0f32, |a, &v| a.max(v.abs()));
+    if amax == 0.0 {
+        q.fill(0);
+        return 0.0;
+    }
+    let id = 127.0 / amax;
+    for (o, &v) in q.iter_mut().zip(x) {
+        *o = (v * id).round_ties_even().clamp(-127.0, 127.0) as i8;
+    }
+    amax / 127.0
+}
+
+impl<'a> Acts<'a> {
+    /// Quantize `x [m, k]` into `forms` (rows in parallel on `num_threads` threads).
+    pub fn new(x: &'a [f32], m: usize, k: usize, forms: Forms, num_threads: usize) -> Acts<'a> {
+        let q8 = (forms.has(Forms::Q8) && k % 32 == 0).then(|| q8_rows(x, m, k, num_threads));
+        let q8k = (forms.has(Forms::Q8K) && k % 256 == 0).then(|| q8k_rows(x, m, k, num_threads));
+        Acts { x, m, k, q8, q8k }
+    }
+
+    /// Row `mi` of x.
+    #[inline(always)]
+    pub fn row(&self, mi: usize) -> &[f32] {
+        &self.x[mi * self.k..(mi + 1) * self.k]
+    }
+}
+
+fn par_rows(m: usize, k: usize, num_threads: usize, f: impl Fn(usize) + Sync + Send) {
+    // quantizing is cheap next to the GEMM: threads only for many rows
+    match pool(num_threads).filter(|_| num_threads > 1 && m * k >= 1 << 16) {
+        Some(p) => p.install(|| (0..m).into_par_iter().for_each(&f)),
+        None => (0..m).for_each(f),
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Ptr<T>(*mut T);
+unsafe impl<T> Send for Ptr<T> {}
+unsafe impl<T> Sync for Ptr<T> {}
+impl<T> Ptr<T> {
+    /// `len` elements from `at` (rows of one activation row: disjoint between rows).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, at: usize, len: usize) -> &mut [T] {
+        std::slice::from_raw_parts_mut(self.0.add(at), len)
+    }
+}
+
+fn q8_rows(x: &[f32], m: usize, k: usize, num_threads: usize) -> Q8Rows {
+    let nb = k / 32;
+    let mut r = Q8Rows {
+        qs: vec![0; m * k],
+        d: vec![0.0; m * nb],
+        s: vec![0.0; m * nb],
+    };
+    let (qs, d, s) = (Ptr(r.qs.as_mut_ptr()), Ptr(r.d.as_mut_ptr()), Ptr(r.s.as_mut_ptr()));
+    par_rows(m, k, num_threads, |mi| {
+        // SAFETY: row mi's ranges are disjoint from every other row's.
+        let (qs, d, s) = unsafe { (qs.slice(mi * k, k), d.slice(mi * nb, nb), s.slice(mi * nb, nb)) };
+        for b in 0..nb {
+            let q = &mut qs[32 * b..32 * b + 32];
+            d[b] = quantize_block(&x[mi * k + 32 * b..mi * k + 32 * b + 32], q);
+            s[b] = d[b] * q.iter().map(|&v| v as i32).sum::<i32>() as f32;
+        }
+    });
+    r
+}
+
+fn q8k_rows(x: &[f32], m: usize, k: usize, num_threads: usize) -> Q8KRows {
+    let nb = k / 256;
+    let mut r = Q8KRows {
+        qs: vec![0; m * k],
+        d: vec![0.0; m * nb],
+        bsums: vec![0; m * k / 16],
+    };
+    let (qs, d, bs) = (Ptr(r.qs.as_mut_ptr()), Ptr(r.d.as_mut_ptr()), Ptr(r.bsums.as_mut_ptr()));
+    par_rows(m, k, num_threads, |mi| {
+        // SAFETY: row mi's ranges are disjoint from every other row's.
+        let (qs, d, bs) =
+            unsafe { (qs.slice(mi * k, k), d.slice(mi * nb, nb), bs.slice(mi * k / 16, k / 16)) };
+        for b in 0..nb {
+            let q = &mut qs[256 * b..256 * b + 256];
+            d[b] = quantize_block(&x[mi * k + 256 * b..mi * k + 256 * b + 256], q);
+        }
+        for (g, sum) in bs.iter_mut().enumerate() {
+            *sum = qs[16 * g..16 * g + 16].iter().map(|&v| v as i16).sum();
+        }
+    });
+    r
+}

@@ -1,0 +1,226 @@
+//! GGUF block formats as stored, times activations (`quantization="gguf"`):
+//! `out[m, n] = x[m, k] · W^T (+ bias)` where the weight rows are the file's own blocks
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; F32, F16, BF16), never inflated. A weight
+//! may be several *parts* (q | k | v stored as three tensors, of different types in llama.cpp's
+//! mixes); their outputs are the output's columns in order, computed in one parallel call.
+//!
+//! Activations are quantized per call the way llama.cpp does for these formats' dot products
+//! ([`acts`]): blocks of 32 (int8 + f32 scale, and the scaled sum the formats with a minimum
+//! need) for the 32-value formats, blocks of 256 (int8 + f32 scale + sums of 16) for the K
+//! formats; float parts take the activations as f32. Every block's product is then exact in
+//! int32 and scaled once in f32.
+//!
+//! Batch invariance: every output `out[m, n]` is one call of its format's dot function over
+//! weight row `n` and activation row `m` (rows taken up to [`ROWS`] at a time, each row's
+//! arithmetic the same whatever the others), and each activation row is quantized on its own.
+//! A decode, a 1 + k verification run and a prefill chunk therefore agree bit for bit on the
+//! rows they share, which keeps greedy speculative decoding token-for-token exact.
+//!
+//! Format files: [`q32`] (Q4_0 .. Q8_0), [`kquants`] (Q4_K, Q5_K, Q6_K), [`float`] (F32, F16,
+//! BF16); each has a portable path and an AVX2 path, chosen by [`Path`].
+
+pub mod acts;
+mod float;
+mod kquants;
+mod q32;
+
+use crate::dequant::GgmlType;
+use crate::paged_attention::AttentionError as KernelError;
+use crate::simd::Isa;
+use crate::threads;
+
+pub use acts::Acts;
+
+/// Activation rows one dot call handles (each with its own accumulators).
+pub const ROWS: usize = 4;
+
+/// `out[i] = dot(weight row at w, activation row m0 + i)` for `i < mc` (`1 <= mc <= ROWS`). `w`
+/// points at the row's first block; the row holds `acts.k` values.
+pub type DotFn = unsafe fn(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &mut [f32; ROWS]);
+
+/// The code path an instruction set runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Path {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Path {
+    pub fn of(isa: Isa) -> Path {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(isa, Isa::Avx2 | Isa::Avx512) && Isa::Avx2.is_supported() {
+            return Path::Avx2;
+        }
+        let _ = isa;
+        Path::Scalar
+    }
+}
+
+/// The dot function of type `ty` on `path`; None for a type this kernel does not multiply.
+pub fn dot_fn(ty: GgmlType, path: Path) -> Option<DotFn> {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => float::select(ty, path),
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+            q32::select(ty, path)
+        }
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select(ty, path),
+    }
+}
+
+/// Which activation forms a type's dot function reads.
+pub fn needs(ty: GgmlType) -> acts::Forms {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => acts::Forms::F32,
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+            acts::Forms::Q8
+        }
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => acts::Forms::Q8K,
+    }
+}
+
+/// Bytes of one row of `k` values of type `ty`; None when `k` is not a whole number of blocks.
+pub fn row_bytes(ty: GgmlType, k: usize) -> Option<usize> {
+    let (per, bytes) = ty.block();
+    (k % per == 0).then_some(k / per * bytes)
+}
+
+/// One stored tensor (or a row range of one): `n` rows of type `ty`, `data` their blocks back
+/// to back (`n * row_bytes(ty, k)` bytes).
+#[derive(Clone, Copy, Debug)]
+pub struct Part<'a> {
+    pub ty: GgmlType,
+    pub data: &'a [u8],
+    pub n: usize,
+}
+
+fn err<T>(field: &'static str, message: impl Into<String>) -> Result<T, KernelError> {
+    Err(KernelError {
+        field,
+        message: message.into(),
+    })
+}
+
+/// Check the parts against `k` (each a whole number of rows of whole blocks); -> total rows.
+pub fn check_parts(parts: &[Part<'_>], k: usize) -> Result<usize, KernelError> {
+    let mut n = 0;
+    for (i, p) in parts.iter().enumerate() {
+        let Some(rb) = row_bytes(p.ty, k) else {
+            return err(
+                "weight",
+                format!("part {i} ({:?}): k = {k} is not a whole number of {}-value blocks", p.ty, p.ty.block().0),
+            );
+        };
+        if p.data.len() != p.n * rb {
+            return err(
+                "weight",
+                format!("part {i} ({:?}) has {} bytes, expected {} rows x {rb}", p.ty, p.data.len(), p.n),
+            );
+        }
+        n += p.n;
+    }
+    Ok(n)
+}
+
+/// Rows of one part per work item (a multiple of 4; items are the unit threads take).
+fn rows_per_item(n_total: usize, num_threads: usize) -> usize {
+    let want = n_total.div_ceil(8 * num_threads.max(1));
+    want.clamp(8, 256).next_multiple_of(4)
+}
+
+/// Activation rows per pass over an item's weight rows (its weights stay in cache meanwhile).
+const M_BLOCK: usize = 32;
+
+/// out `[m, n]` = x `[m, k]` · W^T (+ bias `[n]`), W the parts' rows in order; x, bias and out
+/// row-major contiguous.
+#[allow(clippy::too_many_arguments)]
+pub fn gguf_linear(
+    isa: Isa,
+    num_threads: usize,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    parts: &[Part<'_>],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let n = check_parts(parts, k)?;
+    crate::few_rows_linear::check_io(isa, x, m, k, n, bias, out)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let path = Path::of(isa);
+    let mut forms = acts::Forms::NONE;
+    let mut fns = Vec::with_capacity(parts.len());
+    for p in parts {
+        let Some(f) = dot_fn(p.ty, path) else {
+            return err("weight", format!("type {:?} has no dot kernel", p.ty));
+        };
+        fns.push(f);
+        forms = forms | needs(p.ty);
+    }
+    let acts = Acts::new(x, m, k, forms, num_threads);
+    // work items: (part, first row, rows, first output column)
+    let per = rows_per_item(n, num_threads);
+    let mut items = Vec::new();
+    let mut col = 0;
+    for (pi, p) in parts.iter().enumerate() {
+        let mut r = 0;
+        while r < p.n {
+            let rows = per.min(p.n - r);
+            items.push((pi, r, rows, col + r));
+            r += rows;
+        }
+        col += p.n;
+    }
+    let out_ptr = OutPtr(out.as_mut_ptr());
+    let run = |&(pi, r0, rows, c0): &(usize, usize, usize, usize)| {
+        let p = &parts[pi];
+        let rb = row_bytes(p.ty, k).unwrap_or(0);
+        let f = fns[pi];
+        let mut tmp = [0.0f32; ROWS];
+        let mut mb = 0;
+        while mb < m {
+            let me = (mb + M_BLOCK).min(m);
+            for r in r0..r0 + rows {
+                let c = c0 + (r - r0);
+                let b = bias.map(|b| b[c]);
+                // SAFETY: row r of the part lies within p.data (checked); items write disjoint columns.
+                let w = unsafe { p.data.as_ptr().add(r * rb) };
+                let mut m0 = mb;
+                while m0 < me {
+                    let mc = (me - m0).min(ROWS);
+                    unsafe { f(w, &acts, m0, mc, &mut tmp) };
+                    for (i, &v) in tmp.iter().enumerate().take(mc) {
+                        let v = match b {
+                            Some(b) => v + b,
+                            None => v,
+                        };
+                        unsafe { *out_ptr.at((m0 + i) * n + c) = v };
+                    }
+                    m0 += mc;
+                }
+            }
+            mb = me;
+        }
+    };
+    threads::for_each_item(num_threads, &items, run);
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: work items write disjoint output columns.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// (A method, so closures capture the Sync wrapper, not its raw pointer field.)
+    #[inline(always)]
+    unsafe fn at(self, i: usize) -> *mut f32 {
+        self.0.add(i)
+    }
+}
+
+#[cfg(test)]
+mod tests;
