@@ -103,3 +103,20 @@ def test_stream_whose_requests_vanished_raises_instead_of_spinning(target):
     with pytest.raises(RuntimeError, match="stopped with requests unfinished"):
         next(it)
     assert time.perf_counter() - t0 < 5
+
+
+def test_outputs_reach_the_generator_when_a_foreign_loop_steps_the_engine(target):
+    """A server loop sharing the engine (serve's EngineLoop) steps it and drops outputs of
+    requests it does not track: a Generator's outputs go to the Generator's mailboxes instead
+    (add_request sink=), whoever steps. (Under load, the server's loop once took a Generator
+    request's last output: "the engine stopped with requests unfinished".)"""
+    gen = Generator(str(target), block_size=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    want = gen.generate(_prompts(2, seed=3), params, use_tqdm=False)
+    groups = gen._add_all(_prompts(2, seed=3), params, stream=False)
+    names = {n for g in groups for n in g}
+    while gen.engine.has_unfinished_requests():
+        assert gen.engine.step() == []  # the foreign stepper sees none of the Generator's outputs
+    got = {o.request_id: o for o in gen._next_outputs(names) if o.finished}
+    assert set(got) == names
+    assert [got[g[0]].token_ids for g in groups] == [o.token_ids for o in want]

@@ -136,9 +136,10 @@ class Generator:
                         with self._mail_lock:
                             self._mailboxes[name] = deque()
                         names.append(name)
+                        # outputs reach the mailbox whoever steps the engine (a server loop may share it)
                         self.engine.add_request(name, p, sp if sp.n == 1 else sp.sample_params(j),
                                                 prompt_token_ids=ids, stream=stream, whole_batch=not stream,
-                                                share_prompt_with=group[0] if j else None)
+                                                share_prompt_with=group[0] if j else None, sink=self._post)
             except BaseException:
                 self._abort(names)
                 raise
@@ -163,12 +164,14 @@ class Generator:
                     return mine
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("the engine stopped with requests unfinished")
-                outputs = self.engine.step(final_only=True)
-                with self._mail_lock:
-                    for out in outputs:
-                        box = self._mailboxes.get(out.request_id)
-                        if box is not None:
-                            box.append(out)
+                for out in self.engine.step(final_only=True):  # ours went to _post; others' are not ours
+                    self._post(out)
+
+    def _post(self, out: RequestOutput) -> None:
+        with self._mail_lock:
+            box = self._mailboxes.get(out.request_id)
+            if box is not None:
+                box.append(out)
 
     def _collect(self, name_set: set[str]) -> list[RequestOutput]:
         with self._mail_lock:

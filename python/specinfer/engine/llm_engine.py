@@ -211,6 +211,7 @@ class LLMEngine:
         self.num_mixed_steps = 0  # steps where prefill chunks and verification runs shared a forward
         self._requests: dict[int, RequestState] = {}
         self._by_name: dict[str, int] = {}
+        self._sinks: dict[str, object] = {}  # request name -> callable taking its outputs (add_request sink=)
         self._ids = itertools.count()
         self._lock = threading.RLock()  # one thread at a time: step, add_request, abort
         self._undelivered: list[RequestOutput] = []  # outputs of a committed step that then failed
@@ -306,7 +307,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     prompt_token_ids: list[int] | None = None, stream: bool = False,
-                    whole_batch: bool = False, share_prompt_with: str | None = None) -> None:
+                    whole_batch: bool = False, share_prompt_with: str | None = None, sink=None) -> None:
         """Validate and queue one request. `prompt_token_ids`, when given, is what runs (`prompt` is
         then only echoed back); it is validated like a token-id prompt. Raises ValueError naming the
         field; on any error nothing of the request is left behind. With stream=True,
@@ -316,7 +317,10 @@ class LLMEngine:
         where drafts can shorten the run (spec_decode/policy.py).
         share_prompt_with: the name of a request with the same prompt (sample 0 of n): while its
         prompt is not yet computed, this one waits outside the core, then enters and finds the
-        prompt's full blocks in the prefix cache instead of computing them again."""
+        prompt's full blocks in the prefix cache instead of computing them again.
+        sink: a callable taking this request's outputs: whichever caller steps the engine (a
+        Generator, the server's loop sharing it), they go to the sink and not into the list that
+        step() returns (without one, outputs go to whoever stepped)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a str (got {type(request_id).__name__})")
@@ -341,6 +345,8 @@ class LLMEngine:
                 st.grammar = self.grammars.matcher(params.structured_outputs)
             self._requests[core_id] = st
             self._by_name[request_id] = core_id
+            if sink is not None:
+                self._sinks[request_id] = sink
             eos = list(self.loaded.eos_token_ids)
             # ignore_eos ignores every EOS id of the model; otherwise the first is the core's EOS and
             # the others stop like stop_token_ids do
@@ -367,6 +373,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         with self._lock:
             core_id = self._by_name.pop(request_id, None)
+            self._sinks.pop(request_id, None)
             if core_id is None:
                 return None
             if not self._drop_held(core_id):
@@ -408,11 +415,27 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one step; return outputs of the requests it touched (only finished ones when
-        final_only, which spares building cumulative outputs for every running request).
+        final_only, which spares building cumulative outputs for every running request), except
+        those of requests added with a sink, which go to their sink.
 
         The overlapped loop (overlap_steps=True, the default) returns a step's outputs from the next
         call: their output work (detokenizing, stop strings, RequestOutputs, metrics) runs while
         that call's forward is on the device. The serial loop returns them from the same call."""
+        outputs = self._step(final_only)
+        if not self._sinks:
+            return outputs
+        kept = []
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                kept.append(out)
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            sink(out)
+        return kept
+
+    def _step(self, final_only: bool) -> list[RequestOutput]:
         with self._lock:
             outputs, self._undelivered = self._undelivered, []
             tail, self._tail = self._tail, None  # the previous step's output work, if deferred
