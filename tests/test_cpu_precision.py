@@ -122,4 +122,8 @@ def test_quantization_option_is_validated_and_reaches_the_cli():
     args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "hi", "--quantization", "int8"])
     assert engine_kwargs(args)["quantization"] == "int8"
     args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "hi"])
+    assert engine_kwargs(args)["quantization"] == "auto"  # a .gguf model on CPU: as stored
+    args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "hi", "--quantization", "none"])
     assert engine_kwargs(args)["quantization"] is None
+    args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "hi", "--quantization", "gguf"])
+    assert engine_kwargs(args)["quantization"] == "gguf"

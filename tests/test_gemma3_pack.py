@@ -1,7 +1,8 @@
 """The gemma3-270m pack (a real Gemma 3 270M, llama.cpp's Q4_K_M GGUF; installed by
 scripts/setup.sh): it loads, its SentencePiece tokenizer encodes as transformers' does, its greedy
-output equals HF transformers' on the same weights (transformers dequantizes the same file), and
-speculative decoding on it changes nothing."""
+output dequantized equals HF transformers' on the same weights (transformers dequantizes the same
+file), and speculative decoding on it as stored (Q4_K / Q6_K / Q8_0 blocks, the default) changes
+nothing."""
 import os
 
 import pytest
@@ -31,8 +32,17 @@ def hf(pack):
 
 
 @pytest.fixture(scope="module")
-def gen(pack):
-    return Generator(pack, max_model_len=512)
+def gen(pack):  # dequantized, as transformers runs it
+    return Generator(pack, max_model_len=512, quantization=None)
+
+
+@pytest.fixture(scope="module")
+def stored(pack):  # the default: the file's blocks as stored
+    gen = Generator(pack, max_model_len=512)
+    assert gen.engine.quantization == "gguf"
+    types = {t for layer in gen.engine.loaded.model.layers for t in layer.down_weight.type_names}
+    assert types <= {"Q4_K", "Q5_K", "Q6_K", "Q8_0"} and types & {"Q4_K", "Q6_K"}
+    return gen
 
 
 def test_config_is_gemma3(gen):
@@ -62,10 +72,10 @@ def test_greedy_equals_transformers(gen, hf):
 @pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4, "policy": "fixed"},
                                   {"method": "layer_skip", "exit_layer": 12, "num_speculative_tokens": 3,
                                    "policy": "fixed"}])
-def test_speculation_changes_nothing(pack, gen, spec):
+def test_speculation_changes_nothing(pack, stored, spec):
     prompts = ["The capital of France is", "1, 2, 3, 4, 5, 6, 7, 8,"]
     sp = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in gen.generate(prompts, sp, use_tqdm=False)]
+    want = [o.token_ids for o in stored.generate(prompts, sp, use_tqdm=False)]
     spec_gen = Generator(pack, max_model_len=512, speculative=spec)
     assert [o.token_ids for o in spec_gen.generate(prompts, sp, use_tqdm=False)] == want
     assert spec_gen.spec_metrics()["num_draft_tokens"] > 0
