@@ -257,7 +257,8 @@ fn random_rows_every_split_same_bits() {
 /// --nocapture`): one 4096 x 4096 layer per format, m = 1 and 16, one thread; GB/s of weight
 /// bytes, AVX2 against scalar. "hot": the same weight again and again (it fits a 32 MB L3);
 /// "cold": rotating over copies totalling > 64 MB (weights streamed from memory, as in a
-/// model's decode). A plain read of the same bytes gives the machine's ceiling.
+/// model's decode). A plain read of the same bytes (summing them as u64, the same
+/// software prefetch) gives the machine's ceiling.
 #[test]
 #[ignore]
 fn kquants_speed() {
@@ -289,9 +290,15 @@ fn kquants_speed() {
                 &mut || {
                     let d = &set[which % set.len()];
                     which += 1;
-                    let mut s = 0u64;
-                    for c in d.chunks_exact(8) {
-                        s = s.wrapping_add(u64::from_le_bytes(c.try_into().unwrap()));
+                    let mut s = [0u64; 8];
+                    for (i, c) in d.chunks_exact(64).enumerate() {
+                        // the same software prefetch distance as the kernels
+                        crate::simd::prefetch_l2(
+                            d.as_ptr().wrapping_add(64 * i + 4096) as *const i8
+                        );
+                        for (a, v) in s.iter_mut().zip(c.chunks_exact(8)) {
+                            *a = a.wrapping_add(u64::from_le_bytes(v.try_into().unwrap()));
+                        }
                     }
                     std::hint::black_box(s);
                 },
@@ -305,13 +312,39 @@ fn kquants_speed() {
         for m in [1usize, 16] {
             let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
             let mut out = vec![0.0f32; m * n];
-            // "l2": the first 128 rows only (in L2 after the first call: compute alone)
+            // the dot functions alone on the first 128 rows (in L2 after the first pass)
             let l2_rows = 128;
-            for (label, set, rows) in [
-                ("l2", &copies[..1], l2_rows),
-                ("hot", &copies[..1], n),
-                ("cold", &copies[..], n),
-            ] {
+            let acts = Acts::new(&x, m, k, Forms::Q8K, 1);
+            let mut ns = [0.0f64; 2];
+            for (i, path) in paths().into_iter().rev().enumerate() {
+                let f = select(ty, path).unwrap();
+                let gbs = best(
+                    &mut || {
+                        let mut o = [0.0f32; ROWS];
+                        for r in 0..l2_rows {
+                            let mut m0 = 0;
+                            while m0 < m {
+                                let mc = (m - m0).min(ROWS);
+                                // SAFETY: row r lies within data; m0 + mc <= m.
+                                unsafe {
+                                    f(data.as_ptr().add(r * (bytes / n)), &acts, m0, mc, &mut o)
+                                };
+                                m0 += mc;
+                            }
+                        }
+                        std::hint::black_box(o);
+                    },
+                    bytes / n * l2_rows,
+                );
+                ns[i] = ty.block().1 as f64 / gbs / m as f64;
+            }
+            println!(
+                "{ty:?} l2   m={m:2}: dot alone {:5.2} ns per super-block and row ({:?}), scalar {:5.1} ns",
+                ns[0],
+                paths().last().unwrap(),
+                ns[1]
+            );
+            for (label, set, rows) in [("hot", &copies[..1], n), ("cold", &copies[..], n)] {
                 let used = bytes / n * rows;
                 let mut gbs = [0.0f64; 2];
                 for (i, isa) in [Isa::Avx2, Isa::Scalar].into_iter().enumerate() {
