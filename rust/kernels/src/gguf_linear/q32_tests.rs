@@ -71,8 +71,9 @@ fn seen_x(ty: GgmlType, x: &[f32], m: usize, k: usize) -> Vec<f32> {
 /// The shared test's `check_type` for one of the formats here.
 fn check_type(ty: GgmlType, isa: Isa) {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ty as u64);
-    // k = 256 (even block count), 480 (odd: the AVX2 path's tail block), 768
-    for &(n, k) in &[(1usize, 256usize), (13, 480), (37, 768)] {
+    // blocks per row: 8 (one AVX2 octet), 1 (a single tail block), 15 (an octet, three tail
+    // pairs, a single block), 24
+    for &(n, k) in &[(1usize, 256usize), (3, 32), (13, 480), (37, 768)] {
         let data = random_rows(ty, n, k, &mut rng);
         let mut w = vec![0.0f32; n * k];
         dequantize(ty, &data, n, k, &mut w, 1).unwrap();
@@ -123,16 +124,17 @@ fn q32_formats_on_every_path_match_the_dequantized_reference() {
 }
 
 /// Weights and activations at the ends of their ranges (the largest `vpmaddubsw` pairs, Q8_0's
-/// -128): every path gives the exact integer dot times the scales (powers of two: no rounding).
+/// -128), the row one byte off alignment: every path gives the exact dot within f32 rounding.
 #[test]
 fn q32_formats_are_exact_at_the_range_ends() {
-    let k = 96;
+    let k = 352; // 11 blocks: an AVX2 octet, a pair and a single block
     for ty in TYPES {
         let (_, bytes) = ty.block();
         // per-block fill bytes: all ones (largest values), all zeros (most negative for the
         // symmetric formats), 0x80 (Q8_0: -128)
         for fill in [0xFFu8, 0x00, 0x80] {
-            let mut data = vec![fill; k / 32 * bytes];
+            let mut buf = vec![fill; k / 32 * bytes + 1];
+            let data = &mut buf[1..];
             for blk in data.chunks_exact_mut(bytes) {
                 put_f16(blk, 0, 0.25);
                 if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
@@ -140,7 +142,7 @@ fn q32_formats_are_exact_at_the_range_ends() {
                 }
             }
             let mut w = vec![0.0f32; k];
-            dequantize(ty, &data, 1, k, &mut w, 1).unwrap();
+            dequantize(ty, data, 1, k, &mut w, 1).unwrap();
             // activations +-1 (q = +-127, d = 1/127) with signs to make the dot large or mixed
             for pattern in 0..3 {
                 let x: Vec<f32> = (0..k)
@@ -158,11 +160,7 @@ fn q32_formats_are_exact_at_the_range_ends() {
                     .collect();
                 let xs = seen_x(ty, &x, 1, k);
                 let exact: f64 = w.iter().zip(&xs).map(|(&a, &b)| a as f64 * b as f64).sum();
-                let part = [Part {
-                    ty,
-                    data: &data,
-                    n: 1,
-                }];
+                let part = [Part { ty, data, n: 1 }];
                 for isa in Isa::supported() {
                     let got = run(isa, 1, &x, 1, k, &part, None)[0] as f64;
                     assert!(
@@ -175,44 +173,95 @@ fn q32_formats_are_exact_at_the_range_ends() {
     }
 }
 
+/// This thread's CPU time in seconds (time slices lost to other processes on a shared machine
+/// do not count).
+fn thread_seconds() -> f64 {
+    #[repr(C)]
+    struct Timespec {
+        sec: i64,
+        nsec: i64,
+    }
+    extern "C" {
+        fn clock_gettime(clock: i32, t: *mut Timespec) -> i32;
+    }
+    const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+    let mut t = Timespec { sec: 0, nsec: 0 };
+    // SAFETY: a valid out pointer; Linux's clock id.
+    assert_eq!(unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut t) }, 0);
+    t.sec as f64 + t.nsec as f64 * 1e-9
+}
+
 /// Weight GB/s of each format's AVX2 and scalar paths on one thread, a 4096 x 4096 layer,
-/// 1 and 16 activation rows: `cargo test -p specinfer_kernels --release q32 -- --ignored --nocapture`.
+/// 1 and 16 activation rows (thread CPU time): "hot" the best of calls on one weight (in cache
+/// when the last level holds it), "cold" the mean over rounds of copies larger than the caches
+/// (streamed from memory). `Q32_TYPES=Q4_0,Q8_0` restricts the formats, `Q32_COLD=0` skips
+/// the cold rounds and the scalar path:
+/// `cargo test -p specinfer_kernels --release q32_throughput -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn q32_throughput() {
-    use std::time::Instant;
     let (n, k) = (4096usize, 4096usize);
+    let only = std::env::var("Q32_TYPES").ok();
+    let full = std::env::var("Q32_COLD").map_or(true, |v| v != "0");
     let mut rng = Rng(42);
     let x: Vec<f32> = (0..16 * k).map(|_| rng.unit()).collect();
-    let time = |isa: Isa, m: usize, part: &[Part<'_>], reps: usize| -> f64 {
+    // seconds per call: the best of `reps` calls on copy 0 (hot), or of `reps` rounds over all
+    // the copies (cold)
+    let time = |isa: Isa, m: usize, copies: &[Vec<u8>], ty: GgmlType, reps: usize| -> f64 {
         let mut out = vec![0.0f32; m * n];
-        gguf_linear(isa, 1, &x[..m * k], m, k, part, None, &mut out).unwrap();
+        let call = |d: &Vec<u8>, out: &mut Vec<f32>| {
+            let part = [Part { ty, data: d, n }];
+            gguf_linear(isa, 1, &x[..m * k], m, k, &part, None, out).unwrap();
+        };
+        call(&copies[0], &mut out);
         let mut best = f64::INFINITY;
         for _ in 0..reps {
-            let t = Instant::now();
-            gguf_linear(isa, 1, &x[..m * k], m, k, part, None, &mut out).unwrap();
-            best = best.min(t.elapsed().as_secs_f64());
+            let t = thread_seconds();
+            copies.iter().for_each(|d| call(d, &mut out));
+            best = best.min((thread_seconds() - t) / copies.len() as f64);
         }
         best
     };
     for ty in TYPES {
+        if only
+            .as_ref()
+            .is_some_and(|o| !o.split(',').any(|t| t == format!("{ty:?}")))
+        {
+            continue;
+        }
         let data = random_rows(ty, n, k, &mut rng);
         let gb = data.len() as f64 / 1e9;
-        let part = [Part { ty, data: &data, n }];
+        let rounds = if full {
+            (256 << 20) / data.len() + 1
+        } else {
+            1
+        };
+        let copies: Vec<Vec<u8>> = (0..rounds).map(|_| data.clone()).collect();
         for m in [1usize, 16] {
-            let avx2 = if Isa::Avx2.is_supported() {
-                time(Isa::Avx2, m, &part, 20)
+            let reps = if m == 1 { 100 } else { 20 };
+            let (hot, cold) = if !Isa::Avx2.is_supported() {
+                (f64::NAN, f64::NAN)
+            } else if full {
+                (
+                    time(Isa::Avx2, m, &copies[..1], ty, reps),
+                    time(Isa::Avx2, m, &copies, ty, 3),
+                )
+            } else {
+                (time(Isa::Avx2, m, &copies[..1], ty, reps), f64::NAN)
+            };
+            let scalar = if full {
+                time(Isa::Scalar, m, &copies[..1], ty, 3)
             } else {
                 f64::NAN
             };
-            let scalar = time(Isa::Scalar, m, &part, 3);
             println!(
-                "{ty:?} m={m:2}: avx2 {:6.2} GB/s ({:7.3} ms), scalar {:6.2} GB/s ({:8.3} ms), x{:.1}",
-                gb / avx2,
-                avx2 * 1e3,
+                "{ty:?} m={m:2}: avx2 hot {:6.2} GB/s ({:6.3} ms), cold {:6.2} GB/s | scalar hot {:5.2} GB/s ({:7.2} ms) | avx2/scalar x{:.1}",
+                gb / hot,
+                hot * 1e3,
+                gb / cold,
                 gb / scalar,
                 scalar * 1e3,
-                scalar / avx2
+                scalar / hot
             );
         }
     }
