@@ -179,15 +179,27 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
 /// Dequantize the rows `ids` of a tensor of `cols`-value rows (`src` all its rows' blocks) into
 /// `out [ids.len() * cols]`: an embedding lookup in a stored table. Ids are checked against
 /// the table's row count.
-pub fn gather_rows(t: GgmlType, src: &[u8], cols: usize, ids: &[i64], out: &mut [f32]) -> Result<(), String> {
+pub fn gather_rows(
+    t: GgmlType,
+    src: &[u8],
+    cols: usize,
+    ids: &[i64],
+    out: &mut [f32],
+) -> Result<(), String> {
     let (per, bytes) = t.block();
     if cols == 0 || cols % per != 0 {
-        return Err(format!("{t:?}: a row of {cols} values is not a whole number of {per}-value blocks"));
+        return Err(format!(
+            "{t:?}: a row of {cols} values is not a whole number of {per}-value blocks"
+        ));
     }
     let row_bytes = cols / per * bytes;
     let rows = src.len() / row_bytes;
     if out.len() != ids.len() * cols {
-        return Err(format!("out holds {} values, not {} x {cols}", out.len(), ids.len()));
+        return Err(format!(
+            "out holds {} values, not {} x {cols}",
+            out.len(),
+            ids.len()
+        ));
     }
     for (o, &id) in out.chunks_exact_mut(cols).zip(ids) {
         if id < 0 || id as usize >= rows {

@@ -117,10 +117,20 @@ fn q8_rows(x: &[f32], m: usize, k: usize, num_threads: usize) -> Q8Rows {
         d: vec![0.0; m * nb],
         s: vec![0.0; m * nb],
     };
-    let (qs, d, s) = (Ptr(r.qs.as_mut_ptr()), Ptr(r.d.as_mut_ptr()), Ptr(r.s.as_mut_ptr()));
+    let (qs, d, s) = (
+        Ptr(r.qs.as_mut_ptr()),
+        Ptr(r.d.as_mut_ptr()),
+        Ptr(r.s.as_mut_ptr()),
+    );
     par_rows(m, k, num_threads, |mi| {
         // SAFETY: row mi's ranges are disjoint from every other row's.
-        let (qs, d, s) = unsafe { (qs.slice(mi * k, k), d.slice(mi * nb, nb), s.slice(mi * nb, nb)) };
+        let (qs, d, s) = unsafe {
+            (
+                qs.slice(mi * k, k),
+                d.slice(mi * nb, nb),
+                s.slice(mi * nb, nb),
+            )
+        };
         for b in 0..nb {
             let q = &mut qs[32 * b..32 * b + 32];
             d[b] = quantize_block(&x[mi * k + 32 * b..mi * k + 32 * b + 32], q);
@@ -137,11 +147,20 @@ fn q8k_rows(x: &[f32], m: usize, k: usize, num_threads: usize) -> Q8KRows {
         d: vec![0.0; m * nb],
         bsums: vec![0; m * k / 16],
     };
-    let (qs, d, bs) = (Ptr(r.qs.as_mut_ptr()), Ptr(r.d.as_mut_ptr()), Ptr(r.bsums.as_mut_ptr()));
+    let (qs, d, bs) = (
+        Ptr(r.qs.as_mut_ptr()),
+        Ptr(r.d.as_mut_ptr()),
+        Ptr(r.bsums.as_mut_ptr()),
+    );
     par_rows(m, k, num_threads, |mi| {
         // SAFETY: row mi's ranges are disjoint from every other row's.
-        let (qs, d, bs) =
-            unsafe { (qs.slice(mi * k, k), d.slice(mi * nb, nb), bs.slice(mi * k / 16, k / 16)) };
+        let (qs, d, bs) = unsafe {
+            (
+                qs.slice(mi * k, k),
+                d.slice(mi * nb, nb),
+                bs.slice(mi * k / 16, k / 16),
+            )
+        };
         for b in 0..nb {
             let q = &mut qs[256 * b..256 * b + 256];
             d[b] = quantize_block(&x[mi * k + 256 * b..mi * k + 256 * b + 256], q);

@@ -24,7 +24,13 @@ unsafe fn weight<const T: u8>(w: *const u8, e: usize) -> f32 {
     }
 }
 
-unsafe fn dot<const T: u8>(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &mut [f32; ROWS]) {
+unsafe fn dot<const T: u8>(
+    w: *const u8,
+    acts: &Acts<'_>,
+    m0: usize,
+    mc: usize,
+    out: &mut [f32; ROWS],
+) {
     let k = acts.k;
     let mut acc = [[0.0f32; 8]; ROWS];
     let mut e = 0;

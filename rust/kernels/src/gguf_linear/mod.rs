@@ -36,7 +36,8 @@ pub const ROWS: usize = 4;
 
 /// `out[i] = dot(weight row at w, activation row m0 + i)` for `i < mc` (`1 <= mc <= ROWS`). `w`
 /// points at the row's first block; the row holds `acts.k` values.
-pub type DotFn = unsafe fn(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &mut [f32; ROWS]);
+pub type DotFn =
+    unsafe fn(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &mut [f32; ROWS]);
 
 /// The code path an instruction set runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,13 +109,22 @@ pub fn check_parts(parts: &[Part<'_>], k: usize) -> Result<usize, KernelError> {
         let Some(rb) = row_bytes(p.ty, k) else {
             return err(
                 "weight",
-                format!("part {i} ({:?}): k = {k} is not a whole number of {}-value blocks", p.ty, p.ty.block().0),
+                format!(
+                    "part {i} ({:?}): k = {k} is not a whole number of {}-value blocks",
+                    p.ty,
+                    p.ty.block().0
+                ),
             );
         };
         if p.data.len() != p.n * rb {
             return err(
                 "weight",
-                format!("part {i} ({:?}) has {} bytes, expected {} rows x {rb}", p.ty, p.data.len(), p.n),
+                format!(
+                    "part {i} ({:?}) has {} bytes, expected {} rows x {rb}",
+                    p.ty,
+                    p.data.len(),
+                    p.n
+                ),
             );
         }
         n += p.n;

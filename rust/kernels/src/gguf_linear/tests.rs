@@ -48,8 +48,12 @@ pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Ve
         match ty {
             GgmlType::F32 => blk.copy_from_slice(&rng.unit().to_le_bytes()),
             GgmlType::F16 => put_f16(blk, 0, rng.unit()),
-            GgmlType::Bf16 => blk.copy_from_slice(&((rng.unit().to_bits() >> 16) as u16).to_le_bytes()),
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs()),
+            GgmlType::Bf16 => {
+                blk.copy_from_slice(&((rng.unit().to_bits() >> 16) as u16).to_le_bytes())
+            }
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
+                put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs())
+            }
             GgmlType::Q4_1 | GgmlType::Q5_1 => {
                 put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs());
                 put_f16(blk, 2, 0.1 * rng.unit());
@@ -77,12 +81,22 @@ fn seen_x(ty: GgmlType, x: &[f32], m: usize, k: usize) -> Vec<f32> {
         return (0..m * k).map(|i| q8.qs[i] as f32 * q8.d[i / 32]).collect();
     }
     if let Some(q8k) = &acts.q8k {
-        return (0..m * k).map(|i| q8k.qs[i] as f32 * q8k.d[i / 256]).collect();
+        return (0..m * k)
+            .map(|i| q8k.qs[i] as f32 * q8k.d[i / 256])
+            .collect();
     }
     x.to_vec()
 }
 
-fn run(isa: Isa, threads: usize, x: &[f32], m: usize, k: usize, parts: &[Part<'_>], bias: Option<&[f32]>) -> Vec<f32> {
+fn run(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    parts: &[Part<'_>],
+    bias: Option<&[f32]>,
+) -> Vec<f32> {
     let n: usize = parts.iter().map(|p| p.n).sum();
     let mut out = vec![f32::NAN; m * n];
     gguf_linear(isa, threads, x, m, k, parts, bias, &mut out).unwrap();
@@ -115,7 +129,10 @@ fn check_type(ty: GgmlType, isa: Isa) {
                     "{ty:?} {isa:?} n={n} k={k} [{mi},{ni}]: {got} vs exact {exact} (mag {mag})"
                 );
                 // activation rounding: each value moves by at most half a step (amax / 254)
-                assert!((got - true_val).abs() <= 0.02 * mag + 1e-6, "{ty:?} [{mi},{ni}]: {got} vs {true_val}");
+                assert!(
+                    (got - true_val).abs() <= 0.02 * mag + 1e-6,
+                    "{ty:?} [{mi},{ni}]: {got} vs {true_val}"
+                );
             }
         }
         for rows in (1..=64).chain([m]) {
@@ -144,9 +161,19 @@ fn parts_of_different_types_fill_their_columns() {
     let mut rng = Rng(7);
     let k = 512;
     let types = [GgmlType::Q4K, GgmlType::Q8_0, GgmlType::Q6K, GgmlType::F32];
-    let datas: Vec<(GgmlType, usize, Vec<u8>)> =
-        types.iter().enumerate().map(|(i, &ty)| (ty, 5 + 3 * i, random_rows(ty, 5 + 3 * i, k, &mut rng))).collect();
-    let parts: Vec<Part<'_>> = datas.iter().map(|(ty, n, d)| Part { ty: *ty, data: d, n: *n }).collect();
+    let datas: Vec<(GgmlType, usize, Vec<u8>)> = types
+        .iter()
+        .enumerate()
+        .map(|(i, &ty)| (ty, 5 + 3 * i, random_rows(ty, 5 + 3 * i, k, &mut rng)))
+        .collect();
+    let parts: Vec<Part<'_>> = datas
+        .iter()
+        .map(|(ty, n, d)| Part {
+            ty: *ty,
+            data: d,
+            n: *n,
+        })
+        .collect();
     let m = 6;
     let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
     let isa = Isa::detect();
@@ -157,7 +184,10 @@ fn parts_of_different_types_fill_their_columns() {
         let alone = run(isa, 1, &x, m, k, &[*p], None);
         for mi in 0..m {
             for c in 0..p.n {
-                assert_eq!(alone[mi * p.n + c].to_bits(), all[mi * n_total + col + c].to_bits());
+                assert_eq!(
+                    alone[mi * p.n + c].to_bits(),
+                    all[mi * n_total + col + c].to_bits()
+                );
             }
         }
         col += p.n;
@@ -167,13 +197,21 @@ fn parts_of_different_types_fill_their_columns() {
 #[test]
 fn bad_shapes_are_refused() {
     let data = vec![0u8; 34 * 2];
-    let part = [Part { ty: GgmlType::Q8_0, data: &data, n: 1 }];
+    let part = [Part {
+        ty: GgmlType::Q8_0,
+        data: &data,
+        n: 1,
+    }];
     let mut out = vec![0.0; 1];
     let e = gguf_linear(Isa::Scalar, 1, &[0.0; 64], 1, 64, &part, None, &mut out);
     assert!(e.is_ok());
     let e = gguf_linear(Isa::Scalar, 1, &[0.0; 48], 1, 48, &part, None, &mut out).unwrap_err();
     assert!(e.message.contains("not a whole number"), "{}", e.message);
-    let part = [Part { ty: GgmlType::Q8_0, data: &data, n: 2 }];
+    let part = [Part {
+        ty: GgmlType::Q8_0,
+        data: &data,
+        n: 2,
+    }];
     let mut out = vec![0.0; 2];
     let e = gguf_linear(Isa::Scalar, 1, &[0.0; 64], 1, 64, &part, None, &mut out).unwrap_err();
     assert!(e.message.contains("bytes"), "{}", e.message);
