@@ -15,6 +15,16 @@ pub(super) fn select(ty: GgmlType, _path: Path) -> Option<DotFn> {
     })
 }
 
+pub(super) fn select_rows(ty: GgmlType, _path: Path) -> Option<super::RowsFn> {
+    use super::rows_fn;
+    Some(match ty {
+        GgmlType::F32 => rows_fn!(dot::<0>),
+        GgmlType::F16 => rows_fn!(dot::<1>),
+        GgmlType::Bf16 => rows_fn!(dot::<2>),
+        _ => return None,
+    })
+}
+
 #[inline(always)]
 unsafe fn weight<const T: u8>(w: *const u8, e: usize) -> f32 {
     match T {

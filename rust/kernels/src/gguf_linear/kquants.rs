@@ -32,6 +32,22 @@ use super::{Acts, DotFn, Path, ROWS};
 use crate::dequant::GgmlType;
 use half::f16;
 
+pub(super) fn select_rows(ty: GgmlType, path: Path) -> Option<super::RowsFn> {
+    use super::rows_fn;
+    Some(match (ty, path) {
+        (GgmlType::Q4K, Path::Scalar) => rows_fn!(q45k_scalar::<false>),
+        (GgmlType::Q5K, Path::Scalar) => rows_fn!(q45k_scalar::<true>),
+        (GgmlType::Q6K, Path::Scalar) => rows_fn!(q6k_scalar),
+        #[cfg(target_arch = "x86_64")]
+        (GgmlType::Q4K, Path::Avx2) => rows_fn!(q4k_avx2, "avx2,fma,f16c"),
+        #[cfg(target_arch = "x86_64")]
+        (GgmlType::Q5K, Path::Avx2) => rows_fn!(q5k_avx2, "avx2,fma,f16c"),
+        #[cfg(target_arch = "x86_64")]
+        (GgmlType::Q6K, Path::Avx2) => rows_fn!(q6k_avx2, "avx2,fma,f16c"),
+        _ => return None,
+    })
+}
+
 pub(super) fn select(ty: GgmlType, path: Path) -> Option<DotFn> {
     Some(match (ty, path) {
         (GgmlType::Q4K, Path::Scalar) => q45k_scalar::<false>,

@@ -39,6 +39,49 @@ pub const ROWS: usize = 4;
 pub type DotFn =
     unsafe fn(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &mut [f32; ROWS]);
 
+/// `out[i * ldo + r] = dot(weight row r (at w + r * row_bytes), activation row m0 + i)` for
+/// `r < rows`, `i < mc`: one call per work item and group of activation rows, so the per-row
+/// call and the format's constants are paid once per item, not once per weight row.
+pub type RowsFn = unsafe fn(
+    w: *const u8,
+    row_bytes: usize,
+    rows: usize,
+    acts: &Acts<'_>,
+    m0: usize,
+    mc: usize,
+    out: *mut f32,
+    ldo: usize,
+);
+
+/// A [`RowsFn`] looping a format's [`DotFn`] over rows, compiled with the dot function's
+/// target features so that it is inlined into the loop.
+macro_rules! rows_fn {
+    ($dot:expr $(, $feat:literal)?) => {{
+        $(#[target_feature(enable = $feat)])?
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn rows(
+            w: *const u8,
+            row_bytes: usize,
+            rows: usize,
+            acts: &$crate::gguf_linear::Acts<'_>,
+            m0: usize,
+            mc: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
+            let mut tmp = [0.0f32; $crate::gguf_linear::ROWS];
+            for r in 0..rows {
+                $dot(w.add(r * row_bytes), acts, m0, mc, &mut tmp);
+                for (i, &v) in tmp.iter().enumerate().take(mc) {
+                    *out.add(i * ldo + r) = v;
+                }
+            }
+        }
+        rows as $crate::gguf_linear::RowsFn
+    }};
+}
+pub(crate) use rows_fn;
+
 /// The code path an instruction set runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Path {
@@ -66,6 +109,17 @@ pub fn dot_fn(ty: GgmlType, path: Path) -> Option<DotFn> {
             q32::select(ty, path)
         }
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select(ty, path),
+    }
+}
+
+/// The rows function of type `ty` on `path`.
+pub fn rows_fn_of(ty: GgmlType, path: Path) -> Option<RowsFn> {
+    match ty {
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => float::select_rows(ty, path),
+        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
+            q32::select_rows(ty, path)
+        }
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select_rows(ty, path),
     }
 }
 
@@ -163,7 +217,7 @@ pub fn gguf_linear(
     let mut forms = acts::Forms::NONE;
     let mut fns = Vec::with_capacity(parts.len());
     for p in parts {
-        let Some(f) = dot_fn(p.ty, path) else {
+        let Some(f) = rows_fn_of(p.ty, path) else {
             return err("weight", format!("type {:?} has no dot kernel", p.ty));
         };
         fns.push(f);
@@ -188,30 +242,28 @@ pub fn gguf_linear(
         let p = &parts[pi];
         let rb = row_bytes(p.ty, k).unwrap_or(0);
         let f = fns[pi];
-        let mut tmp = [0.0f32; ROWS];
-        let mut mb = 0;
-        while mb < m {
-            let me = (mb + M_BLOCK).min(m);
-            for r in r0..r0 + rows {
-                let c = c0 + (r - r0);
-                let b = bias.map(|b| b[c]);
-                // SAFETY: row r of the part lies within p.data (checked); items write disjoint columns.
-                let w = unsafe { p.data.as_ptr().add(r * rb) };
+        // SAFETY: rows r0 .. r0 + rows of the part lie within p.data (checked); items write
+        // disjoint output columns c0 .. c0 + rows.
+        unsafe {
+            let w = p.data.as_ptr().add(r0 * rb);
+            let mut mb = 0;
+            while mb < m {
+                let me = (mb + M_BLOCK).min(m);
                 let mut m0 = mb;
                 while m0 < me {
                     let mc = (me - m0).min(ROWS);
-                    unsafe { f(w, &acts, m0, mc, &mut tmp) };
-                    for (i, &v) in tmp.iter().enumerate().take(mc) {
-                        let v = match b {
-                            Some(b) => v + b,
-                            None => v,
-                        };
-                        unsafe { *out_ptr.at((m0 + i) * n + c) = v };
-                    }
+                    f(w, rb, rows, &acts, m0, mc, out_ptr.at(m0 * n + c0), n);
                     m0 += mc;
                 }
+                mb = me;
             }
-            mb = me;
+            if let Some(b) = bias {
+                for mi in 0..m {
+                    for r in 0..rows {
+                        *out_ptr.at(mi * n + c0 + r) += b[c0 + r];
+                    }
+                }
+            }
         }
     };
     threads::for_each_item(num_threads, &items, run);
