@@ -320,3 +320,216 @@ def test_llama_cpp_extra_buffers_off_patches_the_model_params_only_while_loading
         llama_cpp_engine.LlamaCppEngine(cfg, cfg.methods[1], (0,), max_model_len=16).close()
     assert seen == [True, False]
     assert lib.llama_model_default_params().use_extra_bufts is True  # restored after loading
+
+
+# ---------------------------------------------------------------- GGUF as stored vs llama.cpp on the same files
+@pytest.mark.parametrize("method,batch_sizes,field", [
+    ({"name": "x", "engine": "llama_cpp", "mode": "assisted"}, [1], "mode"),
+    ({"name": "x", "engine": "llama_cpp", "mode": "draft_model"}, [1], "needs draft_model"),
+    ({"name": "x", "engine": "llama_cpp", "mode": "prompt_lookup", "draft_model": "d"}, [1], "draft_model"),
+    ({"name": "x", "engine": "llama_cpp", "draft_model": "d"}, [1], "draft_model"),
+    ({"name": "x", "engine": "llama_cpp", "mode": "prompt_lookup", "num_speculative_tokens": 0}, [1],
+     "num_speculative_tokens"),
+    ({"name": "x", "engine": "llama_cpp", "mode": "prompt_lookup"}, [1, 16], "'x'.*'prompt_lookup'.*batch 1"),
+    ({"name": "x", "engine": "llama_cpp", "mode": "draft_model", "draft_model": "d"}, [16],
+     "'x'.*'draft_model'.*batch 1"),
+    ({"name": "x", "engine": "llama_cpp", "quantization": "gguf"}, [1], "quantization"),
+])
+def test_llama_cpp_modes_are_validated_by_name(method, batch_sizes, field):
+    with pytest.raises(ValueError, match=field):
+        _cfg([{"name": "base"}, method], batch_sizes=batch_sizes)
+
+
+def test_gguf_quantization_and_llama_cpp_modes_are_accepted():
+    cfg = _cfg([{"name": "gguf", "quantization": "gguf", "role": "baseline"},
+                {"name": "plain", "engine": "llama_cpp", "gguf_type": "pack"},
+                {"name": "lookup", "engine": "llama_cpp", "mode": "prompt_lookup", "num_speculative_tokens": 8},
+                {"name": "draft", "engine": "llama_cpp", "mode": "draft_model", "draft_model": "qwen2.5-coder-0.5b"}],
+               llama_cpp_bin="/opt/llama.cpp/bin")
+    assert cfg.baseline.name == "gguf" and cfg.methods[0].quantization == "gguf"
+    assert [m.k for m in cfg.methods] == [None, None, 8, 4]
+    assert cfg.llama_cpp_bin == "/opt/llama.cpp/bin"
+    assert BenchConfig.from_dict(cfg.to_dict()) == cfg
+    # plain llama.cpp still runs at any batch size
+    assert _cfg(cfg.to_dict()["methods"][:2], batch_sizes=[1, 16]).batch_sizes == (1, 16)
+
+
+def test_gguf_llamacpp_configs():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "benches" / "configs"
+    cfgs = {p.stem: load_config(p) for p in sorted(root.glob("gguf-llamacpp-*.json"))}
+    assert set(cfgs) == {"gguf-llamacpp-smollm2", "gguf-llamacpp-qwen", "gguf-llamacpp-batch16"}
+    for name, cfg in cfgs.items():
+        assert cfg.baseline.name == "specinfer-gguf" and cfg.baseline.quantization == "gguf"
+        assert cfg.max_tokens == 64 and cfg.ignore_eos and cfg.threads == 1 and cfg.temperature == 0.0
+        assert all(m.quantization == "gguf" for m in cfg.methods if m.engine == "specinfer")
+        assert all(m.gguf_type == "pack" for m in cfg.methods if m.engine == "llama_cpp")
+    assert cfgs["gguf-llamacpp-batch16"].batch_sizes == (16,)
+    assert {m.mode for m in cfgs["gguf-llamacpp-batch16"].methods} == {"plain"}
+    qwen = cfgs["gguf-llamacpp-qwen"]
+    assert qwen.model == "qwen2.5-coder-1.5b" and "code_editing" in qwen.tasks and qwen.batch_sizes == (1,)
+    modes = {(m.engine, m.mode, (m.speculative or {}).get("method")) for m in qwen.methods}
+    assert {("llama_cpp", "prompt_lookup", None), ("llama_cpp", "draft_model", None),
+            ("specinfer", "plain", "ngram"), ("specinfer", "plain", "draft_model")} <= modes
+    assert all(m.draft_model == "qwen2.5-coder-0.5b" for m in qwen.methods if m.mode == "draft_model")
+
+
+def _smollm2_prompts(llm):
+    texts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef add(a, b):\n",
+             "The cat sat on the mat. The dog sat on the log. The cat sat on the"]
+    return [list(llm.tokenize(t.encode(), add_bos=True, special=True)) for t in texts]
+
+
+def test_llama_cpp_prompt_lookup_is_greedy_decoding_on_the_smollm2_pack():
+    """Where llama_cpp imports: llama-cpp-python's prompt lookup gives its plain greedy output on
+    the SmolLM2 pack (2 prompts, 8 tokens) and really drafted; elsewhere it is unavailable, by name."""
+    from specinfer.bench.peers.llama_cpp import LlamaCppEngine
+
+    methods = [{"name": "base", "quantization": "gguf", "role": "baseline"},
+               {"name": "plain", "engine": "llama_cpp", "gguf_type": "pack"},
+               {"name": "lookup", "engine": "llama_cpp", "gguf_type": "pack", "mode": "prompt_lookup",
+                "num_speculative_tokens": 4}]
+    cfg = _cfg(methods, model="smollm2-135m", max_tokens=8, ignore_eos=True)
+    try:
+        plain = LlamaCppEngine(cfg, cfg.methods[1], (2,), max_model_len=128)
+    except PeerUnavailable as e:
+        assert "llama_cpp is not importable" in str(e)
+        with pytest.raises(PeerUnavailable, match="not importable"):
+            LlamaCppEngine(cfg, cfg.methods[2], (2,), max_model_len=128)
+        return
+    lookup = LlamaCppEngine(cfg, cfg.methods[2], (2,), max_model_len=128)
+    drafted = []
+    inner = lookup.llm.draft_model
+
+    def counting(ids, **kw):
+        out = inner(ids, **kw)
+        drafted.append(len(out))
+        return out
+
+    lookup.llm.draft_model = counting
+    prompts = _smollm2_prompts(plain.llm)
+    for p in prompts:
+        n_plain, _ = plain.run([p], cfg)
+        n_lookup, metrics = lookup.run([p], cfg)
+        assert n_plain == n_lookup == 8 and metrics is None
+        assert lookup.last_token_ids == plain.last_token_ids
+    assert sum(drafted) > 0 and max(drafted) <= 4
+    with pytest.raises(PeerUnavailable, match="batch 1"):
+        lookup.run(prompts, cfg)
+    plain.close()
+    lookup.close()
+
+
+# ---------------------------------------------------------------- llama.cpp's native draft-model speculation
+_SPEC_METHODS = [{"name": "base", "quantization": "gguf", "role": "baseline"},
+                 {"name": "draft", "engine": "llama_cpp", "gguf_type": "pack", "mode": "draft_model",
+                  "draft_model": "smollm2-135m", "num_speculative_tokens": 3}]
+
+
+def test_llama_cpp_draft_model_without_the_binary_is_unavailable_by_name(monkeypatch, tmp_path):
+    from specinfer.bench.engines import make_engine
+    from specinfer.bench.peers.llama_cpp_native import BIN_ENV
+
+    monkeypatch.delenv(BIN_ENV, raising=False)
+    cfg = _cfg(_SPEC_METHODS, model="smollm2-135m")
+    with pytest.raises(PeerUnavailable, match=BIN_ENV):
+        make_engine(cfg, cfg.methods[1], max_prompt_len=8, eos_token_ids=(2,))
+    monkeypatch.setenv(BIN_ENV, str(tmp_path))  # a directory without llama-speculative
+    with pytest.raises(PeerUnavailable, match=f"no executable llama-speculative.*{BIN_ENV}"):
+        make_engine(cfg, cfg.methods[1], max_prompt_len=8, eos_token_ids=(2,))
+
+
+_FAKE_SPECULATIVE = r"""#!/bin/sh
+# records its arguments and prints what llama-speculative prints
+printf '%s\n' "$@" > "$(dirname "$0")/args.txt"
+while [ "$1" != "-f" ]; do shift; done
+printf '\n\n' ; head -c -1 "$2"; printf ' generated text\n\n\n\n'
+cat >&2 <<'ERR'
+llama_model_loader: loaded meta data
+0.01.940.922 I encoded   NPROMPT tokens in    0.250 seconds, speed:   40.000 t/s
+0.01.940.961 I decoded   11 tokens in    0.500 seconds, speed:   22.000 t/s
+0.01.940.984 I
+0.01.941.006 I n_draft   = 3
+0.01.941.027 I n_predict = 11
+0.01.941.049 I n_drafted = 9
+0.01.941.071 I n_accept  = 7
+0.01.941.093 I accept    = 77.778%
+ERR
+"""
+
+
+def test_llama_cpp_native_engine_on_a_fake_binary(monkeypatch, tmp_path):
+    """The command line (greedy, threads, draft max, -n), the prompt given as text that tokenizes
+    to our ids, llama.cpp's own timers reported as last_elapsed_s, and a prompt that does not
+    tokenize the same refused."""
+    from specinfer.bench.engines import make_engine
+    from specinfer.bench.peers.llama_cpp_native import BIN_ENV, _tokenizer
+    from specinfer.packs import resolve_pack
+
+    tok, add_bos, bos = _tokenizer(str(resolve_pack("smollm2-135m")))
+    ids = tok.encode("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n").ids
+    script = tmp_path / "llama-speculative"
+    script.write_text(_FAKE_SPECULATIVE.replace("NPROMPT", str(len(ids))))
+    script.chmod(0o755)
+    monkeypatch.setenv(BIN_ENV, str(tmp_path))
+    cfg = _cfg(_SPEC_METHODS, model="smollm2-135m", max_tokens=10, ignore_eos=True, threads=2)
+    eng = make_engine(cfg, cfg.methods[1], max_prompt_len=len(ids), eos_token_ids=(2,))
+    assert type(eng).__name__ == "LlamaCppNativeEngine"
+    n, metrics = eng.run([ids], cfg)
+    args = (tmp_path / "args.txt").read_text().split("\n")
+    opt = {a: b for a, b in zip(args, args[1:])}
+    assert n == 11 and metrics is None and eng.last_elapsed_s == pytest.approx(0.75)
+    assert eng.last_stats == {"prompt_tokens": len(ids), "prompt_s": 0.25, "decode_tokens": 11, "decode_s": 0.5,
+                              "n_draft": 3, "n_drafted": 9, "n_accept": 7}
+    assert opt["--temp"] == "0" and opt["--top-k"] == "1" and opt["--sampling-seq"] == "k"
+    assert opt["-n"] == "9" and opt["--spec-draft-n-max"] == "3" and "--ignore-eos" in args
+    assert opt["-t"] == opt["-tb"] == opt["-td"] == opt["-tbd"] == "2"
+    assert opt["-md"] == opt["-m"] == str(resolve_pack("smollm2-135m")) and int(opt["-c"]) >= len(ids) + 10
+    assert eng.last_texts == [" generated text"] and eng.last_token_ids == []
+    with pytest.raises(PeerUnavailable, match="not the same prompt"):
+        eng.run([ids + ids], cfg)
+    with pytest.raises(PeerUnavailable, match="batch 1"):
+        eng.run([ids, ids], cfg)
+    eng.close()
+
+
+def test_llama_cpp_native_draft_model_runs_greedy_where_the_binary_is():
+    """Where $SPECINFER_LLAMA_CPP_BIN names llama.cpp's binaries: llama-speculative on the SmolLM2
+    pack drafted by itself (2 prompts, 8 tokens) emits at least 8 tokens, accepts drafts, times
+    itself, and (where llama_cpp imports too) its text starts with llama.cpp's plain greedy text.
+    Elsewhere the peer is unavailable, by the variable's name."""
+    import os
+
+    from specinfer.bench.engines import make_engine
+    from specinfer.bench.peers.llama_cpp_native import BIN_ENV
+
+    cfg = _cfg(_SPEC_METHODS + [{"name": "plain", "engine": "llama_cpp", "gguf_type": "pack"}],
+               model="smollm2-135m", max_tokens=8, ignore_eos=True)
+    if not os.environ.get(BIN_ENV):
+        with pytest.raises(PeerUnavailable, match=BIN_ENV):
+            make_engine(cfg, cfg.methods[1], max_prompt_len=64, eos_token_ids=(2,))
+        return
+    eng = make_engine(cfg, cfg.methods[1], max_prompt_len=64, eos_token_ids=(2,))
+    try:
+        plain = make_engine(cfg, cfg.methods[2], max_prompt_len=64, eos_token_ids=(2,))
+    except PeerUnavailable:
+        plain = None
+    # prompts without a near tie in their first tokens: llama-speculative evaluates the prompt as
+    # n - 1 tokens then 1, which can flip a near tie that a one-batch prefill resolves the other way
+    # ("The cat sat on the mat. The dog": " was" 23.155 vs " ran" 23.128 there, the other way here)
+    texts = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+             "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"]
+    for text in texts:
+        ids = eng.tok.encode(text).ids
+        n, _ = eng.run([ids], cfg)
+        s = eng.last_stats
+        assert 8 <= n <= 8 + 3 and s["decode_tokens"] == n and s["n_drafted"] > 0 and s["n_accept"] > 0
+        assert eng.last_elapsed_s == pytest.approx(s["prompt_s"] + s["decode_s"]) and eng.last_elapsed_s > 0
+        if plain is not None:
+            plain.run([ids], cfg)
+            expected = plain.llm.detokenize(plain.last_token_ids[0]).decode("utf-8", errors="replace")
+            assert eng.last_texts[0].startswith(expected)
+    eng.close()
+    if plain is not None:
+        plain.close()

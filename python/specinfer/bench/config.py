@@ -8,8 +8,12 @@ from pathlib import Path
 
 ENGINES = ("specinfer", "hf", "vllm", "llama_cpp")
 HF_MODES = ("plain", "assisted", "prompt_lookup")
+# llama.cpp: plain decoding; llama-cpp-python's prompt lookup (LlamaPromptLookupDecoding as the Llama's
+# draft_model); llama.cpp's own draft-model speculation (the native llama-speculative binary). Batch 1 only.
+LLAMA_CPP_MODES = ("plain", "prompt_lookup", "draft_model")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "w8a8")  # specinfer's int8 options (models/int8_linear.py), without importing it
+# specinfer's weight forms (models/int8_linear.py), without importing it; "gguf": a .gguf file's blocks as stored
+QUANTIZATIONS = ("int8", "w8a8", "gguf")
 # llama.cpp weights: f32 / f16 GGUF converted from the HF export of the same weights, llama.cpp's
 # own Q8_0 quantized from that f32 file, or "pack": the model's GGUF file itself (native types)
 GGUF_TYPES = ("f32", "f16", "q8_0", "pack")
@@ -20,7 +24,11 @@ class MethodConfig:
     """One way of decoding the prompts. engine "specinfer": `speculative` is a SpeculativeConfig
     dict (None: plain decoding); `model` overrides the target (a "draft alone" run measures the
     draft's cost). engine "hf": transformers `generate` in `mode` plain / assisted (with
-    `draft_model`) / prompt_lookup. engine "vllm": vLLM (recorded as unavailable when absent).
+    `draft_model`) / prompt_lookup. engine "llama_cpp": `mode` plain / prompt_lookup (llama-cpp-python's
+    LlamaPromptLookupDecoding, `num_speculative_tokens` per proposal) / draft_model (llama.cpp's own
+    llama-speculative binary with `draft_model`, a pack name or .gguf file, drafting up to
+    `num_speculative_tokens`); the speculative modes run batch 1 only. engine "vllm": vLLM
+    (recorded as unavailable when absent).
     role "baseline": the no-speculation reference of speedups (default: the first specinfer
     method without `speculative` and without `model`); role "cost": the draft model alone, whose
     speed against the baseline gives the draft/target cost ratio c."""
@@ -30,10 +38,10 @@ class MethodConfig:
     model: str | None = None
     mode: str = "plain"
     draft_model: str | None = None
-    num_speculative_tokens: int = 4  # hf assisted / prompt lookup: tokens per proposal
+    num_speculative_tokens: int = 4  # hf / llama_cpp speculative modes: tokens per proposal (draft max)
     role: str | None = None
     dtype: str | None = None  # None: the config's dtype
-    quantization: str | None = None  # specinfer only: "int8"
+    quantization: str | None = None  # specinfer only: "int8", "w8a8", "gguf"
     gguf_type: str | None = None  # llama_cpp only; None: "f32"
     batch_invariant: bool = False  # specinfer only: Generator(batch_invariant=True)
     overlap_steps: bool = True  # specinfer only: False runs the serial step loop
@@ -47,6 +55,20 @@ class MethodConfig:
             raise ValueError(f"method {self.name!r}: mode {self.mode!r} is unknown; choose one of {HF_MODES}")
         if self.engine == "hf" and self.mode == "assisted" and not self.draft_model:
             raise ValueError(f"method {self.name!r}: mode 'assisted' needs draft_model")
+        if self.engine == "llama_cpp":
+            if self.mode not in LLAMA_CPP_MODES:
+                raise ValueError(f"method {self.name!r}: mode {self.mode!r} is unknown for engine 'llama_cpp'; "
+                                 f"choose one of {LLAMA_CPP_MODES}")
+            if self.mode == "draft_model" and not self.draft_model:
+                raise ValueError(f"method {self.name!r}: llama_cpp mode 'draft_model' needs draft_model "
+                                 "(a pack name or .gguf file)")
+            if self.mode != "draft_model" and self.draft_model:
+                raise ValueError(f"method {self.name!r}: draft_model is used by llama_cpp mode 'draft_model' only "
+                                 f"(mode is {self.mode!r})")
+        if (not isinstance(self.num_speculative_tokens, int) or isinstance(self.num_speculative_tokens, bool)
+                or self.num_speculative_tokens < 1):
+            raise ValueError(f"method {self.name!r}: num_speculative_tokens must be an integer >= 1 "
+                             f"(got {self.num_speculative_tokens!r})")
         if self.role not in (None, "baseline", "cost"):
             raise ValueError(f"method {self.name!r}: role must be 'baseline', 'cost' or null (got {self.role!r})")
         if self.speculative is not None and not isinstance(self.speculative, dict):
@@ -79,7 +101,7 @@ class MethodConfig:
     def k(self) -> int | None:
         if self.engine == "specinfer":
             return int(self.speculative.get("num_speculative_tokens", 4)) if self.speculative else None
-        if self.engine == "hf" and self.mode != "plain":
+        if self.engine in ("hf", "llama_cpp") and self.mode != "plain":
             return self.num_speculative_tokens
         return None
 
@@ -116,6 +138,9 @@ class BenchConfig:
     # llama.cpp's extra CPU buffer types (weight repacking, AMX); False = llama-cli's --no-repack. Keep
     # True for measurements; False only to run a build whose AMX kernels trap (docs/lab/2026-12-notebook.md)
     llama_cpp_extra_buffers: bool = True
+    # the directory of llama.cpp's native binaries (llama-speculative: llama_cpp methods in mode
+    # "draft_model"); default $SPECINFER_LLAMA_CPP_BIN
+    llama_cpp_bin: str | None = None
     notes: str = ""
 
     def __post_init__(self):
@@ -138,6 +163,11 @@ class BenchConfig:
             raise ValueError(f"config.temperature must be >= 0 (got {self.temperature!r})")
         if self.baseline is None:
             raise ValueError("config.methods needs a no-speculation specinfer method (the baseline)")
+        big = [b for b in self.batch_sizes if b > 1]
+        for m in self.methods:
+            if m.engine == "llama_cpp" and m.mode != "plain" and big:
+                raise ValueError(f"method {m.name!r}: llama_cpp mode {m.mode!r} runs batch 1 only "
+                                 f"(config.batch_sizes has {big}); put it in a batch-1 config")
 
     @property
     def baseline(self) -> MethodConfig | None:

@@ -158,11 +158,19 @@ def _timed_runs(cfg: BenchConfig, engines, prompt_ids, log):
         calls = batches_for(prompt_ids[task], b, cfg.num_prompts)
         load = load_average()
         tokens, metrics, error, child_cpu, token_ids = 0, None, None, 0.0, []
+        # a peer that times itself (llama_cpp_native: llama.cpp's own timers, without process start
+        # and model load) sets last_elapsed_s per call; its sum replaces the runner's clock
+        own_s, own_clock, peer_stats = 0.0, True, []
         w0, c0 = time.perf_counter(), time.process_time()
         try:
             for i, call in enumerate(calls):
                 n, mm = eng.run(call, cfg, seed=rep * 1000 + i)
                 child_cpu += getattr(eng, "last_child_cpu_s", 0.0)  # a peer in its own process
+                elapsed = getattr(eng, "last_elapsed_s", None)
+                own_clock = own_clock and elapsed is not None
+                own_s += elapsed or 0.0
+                if getattr(eng, "last_stats", None) is not None:
+                    peer_stats.append(eng.last_stats)
                 tokens += n
                 metrics = _merge_metrics(metrics, mm)
                 if rep == 0:
@@ -170,12 +178,17 @@ def _timed_runs(cfg: BenchConfig, engines, prompt_ids, log):
         except PeerUnavailable as e:
             error = str(e)
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0 + child_cpu
+        runner_wall = wall
+        if own_clock and calls:
+            wall = own_s
         if error is not None:
             yield dict(method=m.name, task=task, batch_size=b, repeat=rep, error=error)
             continue
         run = dict(method=m.name, task=task, batch_size=b, repeat=rep, num_requests=sum(map(len, calls)),
                    tokens=tokens, wall_s=wall, cpu_s=cpu, tokens_per_s=tokens / wall if wall else None,
                    load_average=load, metrics=metrics)
+        if own_clock and calls:
+            run.update(timed_by="engine", runner_wall_s=runner_wall, peer_stats=peer_stats)
         if rep == 0:
             run["token_ids"] = token_ids
         yield run

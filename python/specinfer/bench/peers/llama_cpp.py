@@ -7,6 +7,12 @@ prompt token ids as every other method, and no reuse of one prompt's KV by the n
 - batch b > 1: llama.cpp's own batched decoding (as its `batched` example): a second context with
   `n_seq_max = b` on the same model, one `llama_decode` per step over every unfinished sequence,
   llama.cpp's greedy sampler on each sequence's logits; the KV memory is cleared before each call.
+- mode "prompt_lookup" (batch 1): llama-cpp-python's `LlamaPromptLookupDecoding(num_pred_tokens=k)`
+  (its default max_ngram_size 2) as the Llama's `draft_model`: `generate` evaluates the last token
+  plus up to k looked-up tokens in one `llama_decode` and keeps them while the greedy samples agree.
+  llama-cpp-python then computes logits for every position, the prompt's included (logits_all).
+- mode "draft_model": llama.cpp's own speculation through its native binary, in
+  llama_cpp_native.py; constructing this class for that mode returns that engine.
 
 Token counts include the EOS token (as specinfer, HF and vLLM count it); with `ignore_eos` every
 sequence runs to max_tokens.
@@ -46,8 +52,16 @@ def _model_params(llama_cpp, *, use_extra_bufts: bool):
 
 
 class LlamaCppEngine:
+    def __new__(cls, cfg: BenchConfig, method: MethodConfig, *args, **kwargs):
+        if method.mode == "draft_model":  # llama.cpp's draft-model speculation: the native binary
+            from specinfer.bench.peers.llama_cpp_native import LlamaCppNativeEngine
+
+            return LlamaCppNativeEngine(cfg, method, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, cfg: BenchConfig, method: MethodConfig, eos_token_ids, max_model_len: int, log=lambda m: None):
         self.llama_cpp = import_llama_cpp()  # first: a missing llama_cpp is reported before any file is made
+        self.mode = method.mode
         model = method.model or cfg.model
         gguf_type = method.gguf_type or "f32"
         if method.model and method.model.endswith(".gguf"):
@@ -56,16 +70,23 @@ class LlamaCppEngine:
         self.eos = set(eos_token_ids)
         self.threads = cfg.threads
         self.max_model_len = max_model_len
+        extra = {}
+        if method.mode == "prompt_lookup":
+            try:
+                from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+            except ImportError as e:
+                raise PeerUnavailable(f"llama_cpp has no LlamaPromptLookupDecoding ({e})") from None
+            extra["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=method.num_speculative_tokens)
         try:
             with _model_params(self.llama_cpp, use_extra_bufts=cfg.llama_cpp_extra_buffers):
                 self.llm = self.llama_cpp.Llama(model_path=self.path, n_threads=cfg.threads,
                                                 n_threads_batch=cfg.threads, n_ctx=max_model_len, n_batch=N_BATCH,
-                                                n_ubatch=N_BATCH, seed=0, verbose=False)
+                                                n_ubatch=N_BATCH, seed=0, verbose=False, **extra)
         except (ValueError, RuntimeError) as e:  # llama.cpp refused the file or the context
             raise PeerUnavailable(f"llama.cpp could not load {self.path}: {e}") from None
         self._batched = {}  # batch size -> (context, llama_batch, sampler)
         for b in cfg.batch_sizes:  # made now, so that no timed run pays for a context
-            if b > 1:
+            if b > 1 and self.mode == "plain":
                 self._context_for(b)
         self.last_token_ids: list[list[int]] = []
 
@@ -74,6 +95,8 @@ class LlamaCppEngine:
             raise PeerUnavailable("the llama.cpp peer runs greedy decoding only (config.temperature > 0)")
         if len(prompts) == 1:
             outs = [self._generate_one(prompts[0], cfg)]
+        elif self.mode != "plain":
+            raise PeerUnavailable(f"llama.cpp mode {self.mode!r} runs batch 1 only (got {len(prompts)} prompts)")
         else:
             outs = self._generate_batched(prompts, cfg)
         self.last_token_ids = outs
