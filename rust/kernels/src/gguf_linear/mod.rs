@@ -192,6 +192,9 @@ fn rows_per_item(n_total: usize, num_threads: usize) -> usize {
     want.clamp(8, 256).next_multiple_of(4)
 }
 
+/// Weight bytes (times activation rows / 8) from which a call is split over threads.
+const PARALLEL_MIN_BYTES: usize = 2 << 20;
+
 /// Activation rows per pass over an item's weight rows (its weights stay in cache meanwhile).
 const M_BLOCK: usize = 32;
 
@@ -223,6 +226,15 @@ pub fn gguf_linear(
         fns.push(f);
         forms = forms | needs(p.ty);
     }
+    // small calls on one thread: waking the pool's workers for a call costs tens of µs, more
+    // than splitting a weight of under ~2 MB saves (a decode of SmolLM2-135M on 2 threads was
+    // 1.5x slower than on one when every GEMM went to the pool)
+    let bytes: usize = parts.iter().map(|p| p.data.len()).sum();
+    let num_threads = if bytes.saturating_mul(1 + m / 8) < PARALLEL_MIN_BYTES {
+        1
+    } else {
+        num_threads
+    };
     let acts = Acts::new(x, m, k, forms, num_threads);
     // work items: (part, first row, rows, first output column)
     let per = rows_per_item(n, num_threads);
