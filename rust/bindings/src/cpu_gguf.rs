@@ -4,24 +4,15 @@
 //! memory map, or copies of permuted rows) and contiguous float32 activations / outputs; this
 //! layer derives every length from the shapes it is given and the kernel re-checks them.
 
+use crate::cpu_linear::parse_isa;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use specinfer_kernels::dequant::{self, GgmlType};
 use specinfer_kernels::gguf_linear::{self as kernel, Part};
-use specinfer_kernels::Isa;
 
 fn ggml_type(type_id: u32) -> PyResult<GgmlType> {
     GgmlType::from_id(type_id)
         .ok_or_else(|| PyValueError::new_err(format!("ggml type {type_id} is not supported here")))
-}
-
-fn parse_isa(isa: Option<&str>) -> PyResult<Isa> {
-    match isa {
-        None => Ok(Isa::detect()),
-        Some(name) => Isa::from_name(name).ok_or_else(|| {
-            PyValueError::new_err(format!("isa: unknown {name:?} (scalar, avx2, avx512)"))
-        }),
-    }
 }
 
 /// out[m, n] = x[m, k] · W^T (+ bias[n]), W the rows of `parts` in order, each part

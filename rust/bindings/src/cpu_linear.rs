@@ -180,7 +180,7 @@ pub fn int8_pack(
     Ok(())
 }
 
-fn parse_isa(isa: Option<&str>) -> PyResult<Isa> {
+pub(crate) fn parse_isa(isa: Option<&str>) -> PyResult<Isa> {
     match isa {
         None => Ok(Isa::detect()),
         Some(name) => Isa::from_name(name).ok_or_else(|| {

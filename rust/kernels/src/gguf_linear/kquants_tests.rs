@@ -4,42 +4,11 @@
 //! and `m0`; and an ignored timing of a 4096 x 4096 layer.
 
 use super::super::acts::{Acts, Forms};
+use super::super::tests::{dequant_rows, put_f16, random_rows, seen_x, Rng};
 use super::super::{gguf_linear, row_bytes, Part, Path, ROWS};
 use super::select;
-use crate::dequant::{dequantize, GgmlType};
+use crate::dequant::GgmlType;
 use crate::simd::Isa;
-use half::f16;
-
-/// A tiny deterministic generator (xorshift; the shared tests' own, whose field is private).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
-
-/// Random but valid rows (as the shared tests' `random_rows`): random bytes, sane f16 scales.
-fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
-    let rb = row_bytes(ty, k).unwrap();
-    let mut data: Vec<u8> = (0..n * rb).map(|_| rng.next() as u8).collect();
-    let (_, bytes) = ty.block();
-    for blk in data.chunks_exact_mut(bytes) {
-        match ty {
-            GgmlType::Q6K => put_f16(blk, 208, 0.001 + 0.002 * rng.unit().abs()),
-            _ => {
-                put_f16(blk, 0, 0.001 + 0.002 * rng.unit().abs());
-                put_f16(blk, 2, 0.001 + 0.002 * rng.unit().abs());
-            }
-        }
-    }
-    data
-}
 
 const TYPES: [GgmlType; 3] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
 
@@ -53,109 +22,13 @@ fn paths() -> Vec<Path> {
     p
 }
 
-fn run(
-    isa: Isa,
-    threads: usize,
-    x: &[f32],
-    m: usize,
-    k: usize,
-    parts: &[Part<'_>],
-    bias: Option<&[f32]>,
-) -> Vec<f32> {
-    let n: usize = parts.iter().map(|p| p.n).sum();
-    let mut out = vec![f32::NAN; m * n];
-    gguf_linear(isa, threads, x, m, k, parts, bias, &mut out).unwrap();
-    out
-}
-
-fn dequant_rows(ty: GgmlType, data: &[u8], n: usize, k: usize) -> Vec<f32> {
-    let mut w = vec![0.0f32; n * k];
-    dequantize(ty, data, n, k, &mut w, 1).unwrap();
-    w
-}
-
-/// The activation rows as the dot products see them (dequantized from their Q8_K form).
-fn seen_x(x: &[f32], m: usize, k: usize) -> Vec<f32> {
-    let acts = Acts::new(x, m, k, Forms::Q8K, 1);
-    let q8k = acts.q8k.as_ref().unwrap();
-    (0..m * k)
-        .map(|i| q8k.qs[i] as f32 * q8k.d[i / 256])
-        .collect()
-}
-
-/// The shared test's check (`tests::check_type`) for one K format on one instruction set.
-fn check_type(ty: GgmlType, isa: Isa) {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ty as u64);
-    for &(n, k) in &[(1usize, 256usize), (13, 512), (37, 768)] {
-        let data = random_rows(ty, n, k, &mut rng);
-        let w = dequant_rows(ty, &data, n, k);
-        let m = 67;
-        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
-        let bias: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
-        let part = [Part { ty, data: &data, n }];
-        let full = run(isa, 2, &x, m, k, &part, Some(&bias));
-        let xs = seen_x(&x, m, k);
-        for mi in 0..m {
-            for ni in 0..n {
-                let (mut exact, mut true_val, mut mag) = (bias[ni] as f64, bias[ni] as f64, 0.0f64);
-                for e in 0..k {
-                    exact += w[ni * k + e] as f64 * xs[mi * k + e] as f64;
-                    true_val += w[ni * k + e] as f64 * x[mi * k + e] as f64;
-                    mag += (w[ni * k + e] as f64 * x[mi * k + e] as f64).abs();
-                }
-                let got = full[mi * n + ni] as f64;
-                assert!(
-                    (got - exact).abs() <= 1e-5 * mag + 1e-6,
-                    "{ty:?} {isa:?} n={n} k={k} [{mi},{ni}]: {got} vs exact {exact} (mag {mag})"
-                );
-                assert!(
-                    (got - true_val).abs() <= 0.02 * mag + 1e-6,
-                    "{ty:?} [{mi},{ni}]: {got} vs {true_val}"
-                );
-            }
-        }
-        for rows in (1..=64).chain([m]) {
-            for threads in [1, 2] {
-                let part_out = run(isa, threads, &x[..rows * k], rows, k, &part, Some(&bias));
-                assert!(
-                    part_out.iter().zip(&full[..rows * n]).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{ty:?} {isa:?}: {rows} rows on {threads} threads differ from the rows of a {m}-row call"
-                );
-            }
-        }
-    }
-}
-
-#[test]
-fn k_formats_on_the_scalar_path_match_the_dequantized_reference() {
-    for ty in TYPES {
-        check_type(ty, Isa::Scalar);
-    }
-}
-
-#[test]
-fn k_formats_on_the_avx2_path_match_the_dequantized_reference() {
-    if !Isa::Avx2.is_supported() {
-        eprintln!("AVX2 not supported here: skipped");
-        return;
-    }
-    assert_eq!(Path::of(Isa::Avx2), paths()[1]);
-    for ty in TYPES {
-        check_type(ty, Isa::Avx2);
-    }
-}
-
-fn put_f16(b: &mut [u8], at: usize, v: f32) {
-    b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
-}
-
 /// Every dot function of `ty`, called directly on `data` (n rows) with every (m0, mc) split of
 /// the activation rows: each row's value within f32 rounding of the exact dot, and the same
 /// bits whatever split it came in.
 fn check_direct(ty: GgmlType, data: &[u8], n: usize, x: &[f32], m: usize, k: usize) {
     let rb = row_bytes(ty, k).unwrap();
     let w = dequant_rows(ty, data, n, k);
-    let xs = seen_x(x, m, k);
+    let xs = seen_x(ty, x, m, k);
     let acts = Acts::new(x, m, k, Forms::Q8K, 1);
     for path in paths() {
         let f = select(ty, path).unwrap();

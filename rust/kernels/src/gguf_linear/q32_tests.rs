@@ -1,11 +1,11 @@
-//! The 32-value formats on every path: against the dequantized reference and batch invariant
-//! (the shared test's checks, restricted to these formats), exact at the extremes of the
-//! integer ranges, and (ignored) timed on a 4096 x 4096 layer.
+//! The 32-value formats on every path: exact at the extremes of the integer ranges, and
+//! (ignored) timed on a 4096 x 4096 layer (the reference and batch-invariance checks of every
+//! format are the shared tests').
 
-use super::super::{gguf_linear, needs, row_bytes, Acts, Part};
+use super::super::tests::{put_f16, random_rows, run, seen_x, Rng};
+use super::super::{gguf_linear, Part};
 use crate::dequant::{dequantize, GgmlType};
 use crate::simd::Isa;
-use half::f16;
 
 const TYPES: [GgmlType; 5] = [
     GgmlType::Q4_0,
@@ -14,114 +14,6 @@ const TYPES: [GgmlType; 5] = [
     GgmlType::Q5_1,
     GgmlType::Q8_0,
 ];
-
-/// A tiny deterministic generator (xorshift; the shared tests' own has a private seed).
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
-
-fn put_f16(b: &mut [u8], at: usize, v: f32) {
-    b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
-}
-
-/// Random but valid rows: random bytes with sane scales (and minimums).
-fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
-    let rb = row_bytes(ty, k).unwrap();
-    let mut data: Vec<u8> = (0..n * rb).map(|_| rng.next() as u8).collect();
-    for blk in data.chunks_exact_mut(ty.block().1) {
-        put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs());
-        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
-            put_f16(blk, 2, 0.1 * rng.unit());
-        }
-    }
-    data
-}
-
-fn run(
-    isa: Isa,
-    threads: usize,
-    x: &[f32],
-    m: usize,
-    k: usize,
-    parts: &[Part<'_>],
-    bias: Option<&[f32]>,
-) -> Vec<f32> {
-    let n: usize = parts.iter().map(|p| p.n).sum();
-    let mut out = vec![f32::NAN; m * n];
-    gguf_linear(isa, threads, x, m, k, parts, bias, &mut out).unwrap();
-    out
-}
-
-/// The activation rows as the dot products see them (dequantized from their quantized form).
-fn seen_x(ty: GgmlType, x: &[f32], m: usize, k: usize) -> Vec<f32> {
-    let acts = Acts::new(x, m, k, needs(ty), 1);
-    let q8 = acts.q8.as_ref().unwrap();
-    (0..m * k).map(|i| q8.qs[i] as f32 * q8.d[i / 32]).collect()
-}
-
-/// The shared test's `check_type` for one of the formats here.
-fn check_type(ty: GgmlType, isa: Isa) {
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ty as u64);
-    // blocks per row: 8 (one AVX2 octet), 1 (a single tail block), 15 (an octet, three tail
-    // pairs, a single block), 24
-    for &(n, k) in &[(1usize, 256usize), (3, 32), (13, 480), (37, 768)] {
-        let data = random_rows(ty, n, k, &mut rng);
-        let mut w = vec![0.0f32; n * k];
-        dequantize(ty, &data, n, k, &mut w, 1).unwrap();
-        let m = 67;
-        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
-        let bias: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
-        let part = [Part { ty, data: &data, n }];
-        let full = run(isa, 2, &x, m, k, &part, Some(&bias));
-        let xs = seen_x(ty, &x, m, k);
-        for mi in 0..m {
-            for ni in 0..n {
-                let (mut exact, mut true_val, mut mag) = (bias[ni] as f64, bias[ni] as f64, 0.0f64);
-                for e in 0..k {
-                    exact += w[ni * k + e] as f64 * xs[mi * k + e] as f64;
-                    true_val += w[ni * k + e] as f64 * x[mi * k + e] as f64;
-                    mag += (w[ni * k + e] as f64 * x[mi * k + e] as f64).abs();
-                }
-                let got = full[mi * n + ni] as f64;
-                assert!(
-                    (got - exact).abs() <= 1e-5 * mag + 1e-6,
-                    "{ty:?} {isa:?} n={n} k={k} [{mi},{ni}]: {got} vs exact {exact} (mag {mag})"
-                );
-                assert!(
-                    (got - true_val).abs() <= 0.02 * mag + 1e-6,
-                    "{ty:?} [{mi},{ni}]: {got} vs {true_val}"
-                );
-            }
-        }
-        for rows in (1..=64).chain([m]) {
-            for threads in [1, 2] {
-                let part_out = run(isa, threads, &x[..rows * k], rows, k, &part, Some(&bias));
-                assert!(
-                    part_out.iter().zip(&full[..rows * n]).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{ty:?} {isa:?}: {rows} rows on {threads} threads differ from the rows of a {m}-row call"
-                );
-            }
-        }
-    }
-}
-
-#[test]
-fn q32_formats_on_every_path_match_the_dequantized_reference() {
-    for isa in Isa::supported() {
-        for ty in TYPES {
-            check_type(ty, isa);
-        }
-    }
-}
 
 /// Weights and activations at the ends of their ranges (the largest `vpmaddubsw` pairs, Q8_0's
 /// -128), the row one byte off alignment: every path gives the exact dot within f32 rounding.

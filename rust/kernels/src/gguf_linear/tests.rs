@@ -22,7 +22,7 @@ pub(super) const TYPES: [GgmlType; 11] = [
 ];
 
 /// A tiny deterministic generator (xorshift).
-pub(super) struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 impl Rng {
     pub(super) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
@@ -35,7 +35,7 @@ impl Rng {
     }
 }
 
-fn put_f16(b: &mut [u8], at: usize, v: f32) {
+pub(super) fn put_f16(b: &mut [u8], at: usize, v: f32) {
     b[at..at + 2].copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes());
 }
 
@@ -68,14 +68,14 @@ pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Ve
     data
 }
 
-fn dequant_rows(ty: GgmlType, data: &[u8], n: usize, k: usize) -> Vec<f32> {
+pub(super) fn dequant_rows(ty: GgmlType, data: &[u8], n: usize, k: usize) -> Vec<f32> {
     let mut w = vec![0.0f32; n * k];
     dequantize(ty, data, n, k, &mut w, 1).unwrap();
     w
 }
 
 /// The activation rows as the dot products see them (dequantized from their quantized form).
-fn seen_x(ty: GgmlType, x: &[f32], m: usize, k: usize) -> Vec<f32> {
+pub(super) fn seen_x(ty: GgmlType, x: &[f32], m: usize, k: usize) -> Vec<f32> {
     let acts = Acts::new(x, m, k, needs(ty), 1);
     if let Some(q8) = &acts.q8 {
         return (0..m * k).map(|i| q8.qs[i] as f32 * q8.d[i / 32]).collect();
@@ -88,7 +88,7 @@ fn seen_x(ty: GgmlType, x: &[f32], m: usize, k: usize) -> Vec<f32> {
     x.to_vec()
 }
 
-fn run(
+pub(super) fn run(
     isa: Isa,
     threads: usize,
     x: &[f32],
@@ -106,7 +106,14 @@ fn run(
 fn check_type(ty: GgmlType, isa: Isa) {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ty as u64);
     let per = ty.block().0.max(32);
-    for &(n, k) in &[(1usize, per.max(256)), (13, 512), (37, 768)] {
+    // odd row counts; for the 32-value formats also a single block (k = 32) and 15 blocks (an
+    // AVX2 octet, three tail pairs and a single block)
+    let shapes: &[(usize, usize)] = if per == 32 {
+        &[(1, 256), (3, 32), (13, 480), (37, 768)]
+    } else {
+        &[(1, 256), (13, 512), (37, 768)]
+    };
+    for &(n, k) in shapes {
         let data = random_rows(ty, n, k, &mut rng);
         let w = dequant_rows(ty, &data, n, k);
         let m = 67; // every row count from 1 to 64 below, and a prefill-sized one
