@@ -211,6 +211,9 @@ unsafe fn q6k_scalar(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &
 use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
+use super::hsum;
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn q4k_avx2(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &mut [f32; ROWS]) {
     match mc {
@@ -241,15 +244,6 @@ unsafe fn q6k_avx2(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &mu
         2 => q6k_avx2_rows::<2>(w, acts, m0, out),
         _ => q6k_avx2_rows::<1>(w, acts, m0, out),
     }
-}
-
-/// The sum of the eight lanes, in one fixed order (the same for every row count).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
-    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
 /// `vpshufb` masks: 0 .. 8 broadcast i16 lane `s` of each 128-bit half (Q4_K / Q5_K scale

@@ -192,6 +192,16 @@ fn rows_per_item(n_total: usize, num_threads: usize) -> usize {
     want.clamp(8, 256).next_multiple_of(4)
 }
 
+/// The sum of the eight lanes, in one fixed order (the same for every row count).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
 /// Weight bytes (times activation rows / 8) from which a call is split over threads.
 const PARALLEL_MIN_BYTES: usize = 2 << 20;
 

@@ -357,12 +357,7 @@ unsafe fn dm(p: *const u8) -> __m128 {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
-    let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
-    _mm_cvtss_f32(_mm_add_ss(v2, _mm_movehdup_ps(v2)))
-}
+use super::hsum;
 
 /// Activation rows `m0 .. m0 + MC` of a call: their int8 values, scales and scaled sums.
 #[cfg(target_arch = "x86_64")]
