@@ -24,7 +24,7 @@ ROUNDS = 3
 def setup(bench_threads):
     cfg = load_config("engine-throughput", max_tokens=MAX_TOKENS, threads=bench_threads, ignore_eos=True)
     base = cfg.baseline
-    from specinfer.engine.model_loading import load_any
+    from specinfer.loader.model_loading import load_any
     import torch
 
     loaded = load_any(cfg.model, dtype=torch.float32, device=torch.device("cpu"))

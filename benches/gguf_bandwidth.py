@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from specinfer import Generator
-from specinfer.engine.batch import attention_metadata_for_runs
-from specinfer.engine.kv_cache import allocate_kv_caches
-from specinfer.engine.model_runner import ModelRunner
+from specinfer.attention.batch_metadata import attention_metadata_for_runs
+from specinfer.attention.kv_cache import allocate_kv_caches
+from specinfer.models.model_runner import ModelRunner
 
 
 def read_bandwidth(threads: int, repeats: int, gib: float = 1.0) -> float:

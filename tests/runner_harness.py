@@ -4,15 +4,15 @@ import numpy as np
 import torch
 
 from specinfer.attention import AttentionMetadata, get_backend
-from specinfer.engine.batch import attention_metadata_for_runs
-from specinfer.engine.model_runner import ModelRunner
+from specinfer.attention.batch_metadata import attention_metadata_for_runs
+from specinfer.models.model_runner import ModelRunner
 from specinfer.models.int8_linear import quantize_rows
 
 
 def model_logits(tiny_dir, backend_name, block_size=4, dtype=torch.float32):
     """Two steps of a tiny llama through ModelRunner: a prefill chunk step, then a mixed step
     (prefill continuation, a decode, a 1 + 3 verification run). Returns both steps' logits."""
-    from specinfer.engine.kv_cache import allocate_kv_caches
+    from specinfer.attention.kv_cache import allocate_kv_caches
     from specinfer.loader import load_model
 
     path, _ = tiny_dir("llama", kv_heads=2)

@@ -98,8 +98,8 @@ def test_bfloat16_end_to_end(tiny_dir):
     # oneDNN packs bf16 GEMM weights too where the CPU has its bf16 path (AVX-512 BW/VL/DQ)
     assert lm.model.packed == packing_supported(torch.bfloat16)
     m = lm.model
-    from specinfer.engine.batch import attention_metadata_for_runs
-    from specinfer.engine.model_runner import ModelRunner
+    from specinfer.attention.batch_metadata import attention_metadata_for_runs
+    from specinfer.models.model_runner import ModelRunner
 
     caches = [torch.zeros(m.kv_cache_shape(8, 16), dtype=torch.bfloat16) for _ in range(m.num_layers)]
     runner = ModelRunner(m, caches, get_backend("cpu_native"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specinfer import Generator, SamplingParams
-from specinfer.engine.model_loading import resolve_quantization
+from specinfer.loader.model_loading import resolve_quantization
 from specinfer.loader import load_model
 from specinfer.models.gguf_linear import GgufWeight
 

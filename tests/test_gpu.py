@@ -183,9 +183,9 @@ def test_triton_tree_masks_on_cuda(layout, dtype, tol):
 @fresh_process
 def test_cuda_graph_replay_equals_eager(models):
     from specinfer.attention.triton_backend import TritonBackend
-    from specinfer.engine.batch import attention_metadata_for_runs
-    from specinfer.engine.model_loading import load_any
-    from specinfer.engine.model_runner import ModelRunner
+    from specinfer.attention.batch_metadata import attention_metadata_for_runs
+    from specinfer.loader.model_loading import load_any
+    from specinfer.models.model_runner import ModelRunner
     from specinfer.platform.cuda_graphs import GraphPlan, CudaGraphRunner
 
     d = torch.device("cuda")

@@ -1,7 +1,10 @@
 """The runtime never imports what sits above it: nothing in engine/, spec_decode/, executor/,
 sample/, models/, attention/, platform/ or loader/ imports training, bench, cli, serve or the
-Generator, not even from inside a function (DESIGN §2's direction of imports). Read with `ast`,
-so a function-local import counts like a module-level one."""
+Generator; and inside the runtime the layers point down only (DESIGN §2: engine -> (spec_decode,
+sample, executor) -> (models, attention, platform, loader) -> kernels/_core): nothing below the
+engine imports engine/, nothing at the bottom imports spec_decode/, sample/ or executor/ — not
+even from inside a function. Read with `ast`, so a function-local import counts like a
+module-level one."""
 from __future__ import annotations
 
 import ast
@@ -32,6 +35,26 @@ def test_the_runtime_imports_nothing_above_it(package):
     bad = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         hits = sorted(m for m in imported_modules(path) if m.startswith(ABOVE))
+        if hits:
+            bad[str(path.relative_to(ROOT))] = hits
+    assert not bad
+
+
+# each runtime layer and the packages above it that it may never import
+MIDDLE = ("spec_decode", "sample", "executor")
+BOTTOM = ("models", "attention", "platform", "loader", "structured")
+NOT_FROM = {**{p: ("specinfer.engine",) for p in MIDDLE},
+            **{p: ("specinfer.engine",) + tuple(f"specinfer.{m}" for m in MIDDLE) for p in BOTTOM}}
+
+
+@pytest.mark.parametrize("package", sorted(NOT_FROM))
+def test_runtime_layers_point_down_only(package):
+    """The engine is a sink: the model runner, KV caches, batch and sampling metadata live in the
+    layers that use them (models/, attention/, sample/), so nothing below imports the engine."""
+    above = tuple(m + "." for m in NOT_FROM[package]) + NOT_FROM[package]
+    bad = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        hits = sorted(m for m in imported_modules(path) if m.startswith(above))
         if hits:
             bad[str(path.relative_to(ROOT))] = hits
     assert not bad

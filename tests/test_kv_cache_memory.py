@@ -1,4 +1,4 @@
-"""A CPU KV pool costs memory as it fills, not when it is allocated (engine/kv_cache.lazy_zeros):
+"""A CPU KV pool costs memory as it fills, not when it is allocated (attention/kv_cache.lazy_zeros):
 torch.zeros wrote every byte, so SmolLM2's default 4.2 GB pool was resident at start."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from specinfer.engine.kv_cache import lazy_zeros
+from specinfer.attention.kv_cache import lazy_zeros
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
 
@@ -33,7 +33,7 @@ def test_lazy_zeros_is_an_ordinary_zero_tensor(dtype):
 CHILD = """
 import json, sys
 import torch
-from specinfer.engine.kv_cache import lazy_zeros
+from specinfer.attention.kv_cache import lazy_zeros
 def rss():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) * 1024

@@ -133,9 +133,9 @@ def test_graph_runner_static_buffers_equal_eager(tiny_dir, tree):
 
     from specinfer.attention import get_backend
     from specinfer.attention.triton_backend import TritonBackend
-    from specinfer.engine.batch import attention_metadata_for_runs
-    from specinfer.engine.model_loading import load_any
-    from specinfer.engine.model_runner import ModelRunner
+    from specinfer.attention.batch_metadata import attention_metadata_for_runs
+    from specinfer.loader.model_loading import load_any
+    from specinfer.models.model_runner import ModelRunner
     from specinfer.platform.cuda_graphs import CudaGraphRunner
 
     path, _ = tiny_dir("llama", False)

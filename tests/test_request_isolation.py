@@ -12,7 +12,7 @@ import torch
 
 from serve_harness import idle_and_free, request, start_server, wait_for
 from specinfer import Generator, SamplingParams
-from specinfer.engine.request_error import RequestError
+from specinfer.request_error import RequestError
 from specinfer.serve import ServeConfig
 
 

@@ -4,7 +4,7 @@ their own copies, and nothing is shared outside it."""
 import torch
 
 from specinfer import Generator, SamplingParams
-from specinfer.engine.model_loading import shared_models
+from specinfer.loader.model_loading import shared_models
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 14, 3, 5, 9, 14], [7, 8, 22]]

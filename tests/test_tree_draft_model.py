@@ -136,7 +136,7 @@ def _depths(parents):
 
 
 def test_tree_node_metadata_layout():
-    from specinfer.engine.batch import attention_metadata_for_tree_nodes
+    from specinfer.attention.batch_metadata import attention_metadata_for_tree_nodes
 
     block_table = np.array([[5, 6, 7, 0], [1, 2, 3, 4]], np.int32)
     # sequence 0: root at 5, nodes at slots 0 and 2; sequence 1: root at 9, node at slot 1

@@ -2,7 +2,8 @@
 import numpy as np
 import torch
 
-from specinfer.engine.tree_steps import apply_kv_copies, chain_rows, reorder_rows
+from specinfer.attention.kv_cache import apply_kv_copies
+from specinfer.engine.tree_steps import chain_rows, reorder_rows
 
 
 def test_kv_copies_move_the_accepted_path_in_every_layer_and_model():

@@ -14,7 +14,7 @@ import time
 import torch
 
 from specinfer import Generator, SamplingParams
-from specinfer.engine.model_loading import shared_models
+from specinfer.loader.model_loading import shared_models
 
 PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 PROMPT = [[1, 2, 3, 4] * 8]

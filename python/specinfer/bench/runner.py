@@ -19,7 +19,7 @@ from specinfer.bench.peers import PeerUnavailable
 from specinfer.bench.machine import load_average, machine_info
 from specinfer.bench.prompting import batches_for
 from specinfer.prompt_sets import load_task, prompt_encoder
-from specinfer.engine.model_loading import shared_models
+from specinfer.loader.model_loading import shared_models
 
 
 def _merge_metrics(acc: dict | None, m: dict | None) -> dict | None:
@@ -63,7 +63,7 @@ def run_benchmark(config, out_dir, *, log=print) -> dict:
     order = [baseline] + [m for m in cfg.methods if m.engine != "specinfer"] + [
         m for m in cfg.methods if m.engine == "specinfer" and m is not baseline]
     tasks = {t: load_task(t, cfg.prompt_dir) for t in cfg.tasks}
-    # every specinfer method reads one loaded copy of each model (engine/model_loading.py)
+    # every specinfer method reads one loaded copy of each model (loader/model_loading.py)
     with shared_models():
         engines, unavailable, prompt_ids = _load_engines(cfg, order, tasks, log)
         try:
@@ -116,7 +116,7 @@ def _load_engines(cfg: BenchConfig, order, tasks, log):
         try:
             if prompt_ids is None:
                 # load the target once without a KV pool: tokenizer, chat template, prompt lengths
-                from specinfer.engine.model_loading import load_any
+                from specinfer.loader.model_loading import load_any
 
                 loaded = load_any(m.model or cfg.model, dtype=getattr(torch, cfg.dtype), device=torch.device("cpu"))
                 encode = prompt_encoder(loaded, cfg.use_chat_template)

@@ -5,7 +5,7 @@ A step is a transaction: any exception (BaseException: Ctrl-C too) between sched
 update() cancels the step in the core (core.cancel_step) and is re-raised; every request then
 stands where it stood before the step, so a retry replays it exactly (randomness is
 counter-based, see specinfer.sample.random_streams). Once update() has committed, the Python
-states take the same tokens with Ctrl-C held back (engine/interrupts.py); if the proposer
+states take the same tokens with Ctrl-C held back (executor/interrupts.py); if the proposer
 fails afterwards, the step's outputs are kept for the next step() call and the proposer forgets
 the step's requests (it rebuilds its state from their confirmed tokens). The engine is one
 thread's at a time: step(), add_request() and abort() take one lock.
@@ -24,13 +24,13 @@ import torch
 
 from specinfer._core import SchedulerCore
 from specinfer.config import CacheConfig, ParallelConfig, SchedulerConfig
-from specinfer.engine.batch import model_batch_from_schedule
+from specinfer.attention.batch_metadata import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
-from specinfer.engine.interrupts import deferred_keyboard_interrupt
-from specinfer.engine.kv_cache import activation_bytes, budget_blocks, bytes_per_block, choose_num_blocks
-from specinfer.engine.model_loading import resolve_quantization
+from specinfer.executor.interrupts import deferred_keyboard_interrupt
+from specinfer.engine.kv_budget import activation_bytes, budget_blocks, bytes_per_block, choose_num_blocks
+from specinfer.loader.model_loading import resolve_quantization
 from specinfer.engine.propose_step import StepProposing
-from specinfer.engine.request_error import RequestError
+from specinfer.request_error import RequestError
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_grammar import StepGrammar
 from specinfer.engine.step_sampler import StepSampler, tree_requests
@@ -71,6 +71,9 @@ class ProposerContext:
     # callable(method, path) -> the draft head's handle (executor/head_handle.py): loaded over the
     # target, sharded over the target's ranks under tensor parallelism
     load_head: object = None
+    # callable(path, **options) -> an engine of its own over another model (a draft with another
+    # tokenizer runs one: spec_decode/cross_vocab.py); proposers never import the engine
+    make_engine: object = None
 
 
 class LLMEngine:
@@ -152,7 +155,8 @@ class LLMEngine:
                                   self.executor.make_eager_runner,
                                   lambda method, path: self.executor.load_head(
                                       method, _head_checkpoint(path), self.loaded,
-                                      dtype=self.loaded.model.norm.dtype, quantization=head_quant))
+                                      dtype=self.loaded.model.norm.dtype, quantization=head_quant),
+                                  lambda path, **options: type(self)(path, **options))
             self.proposer = proposer_class(self.spec.method)(self.spec, ctx)
             if self.spec.ngram_first:  # prompt lookup where the history repeats, the model elsewhere
                 self.proposer = NgramFirstProposer(self.proposer, self.spec)

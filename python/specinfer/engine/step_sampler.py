@@ -31,10 +31,11 @@ from specinfer.sample.tree_layout import is_chain_request, node_depths
 from specinfer.sample.tree_typical_acceptance import tree_typical_acceptance_sample
 from specinfer.sample.tree_verify import tree_rejection_sample
 from specinfer.sample.typical_acceptance import typical_acceptance_sample
-from specinfer.engine.request_error import RequestError
+from specinfer.request_error import RequestError
 from specinfer.engine.step_penalties import penalty_rows
 from specinfer.sample.penalties import apply_penalties
 from specinfer.sample.metadata import RowParameterError
+from specinfer.sample.request_rows import sampling_metadata
 from specinfer.spec_decode.proposer import DETERMINISTIC
 
 
@@ -49,26 +50,6 @@ class Emitted:
     # scheduled request index -> int64[num_accepted] node indices of its accepted path (tree
     # requests only; chains are absent): emitted token j + 1 came from node tree_paths[r][j]
     tree_paths: dict = field(default_factory=dict)
-
-
-def sampling_metadata(states, rows_per_request=None, device=None, positions=None) -> SamplingMetadata:
-    """One row per state (or rows_per_request[i] rows for state i) with its request's parameters;
-    row i decides output position positions[i] (default: the request's next output token)."""
-    p = [s.params for s in states]
-    if positions is None:
-        positions = [len(s.output_token_ids) for s in states]
-    streams = RandomStreams.build([s.seed for s in states], positions)
-    try:
-        meta = SamplingMetadata.build(
-            [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p], [x.min_p for x in p],
-            streams, device=device)
-    except RowParameterError as e:  # one request's parameter, in the dtype the step uses: its failure
-        st = states[e.row]
-        raise RequestError([st.core_id], f"request {st.request_id!r}: SamplingParams.{e.field} fails in the "
-                                         f"step ({e})") from e
-    if rows_per_request is not None and any(n != 1 for n in rows_per_request):
-        meta = meta.expand(rows_per_request)
-    return meta
 
 
 def stop_ids_blocked(state, eos_token_ids) -> list[int]:

@@ -1,25 +1,9 @@
-"""The engine's share of token trees (docs/trees.md): applying the core's KV copy list after a
-tree verification, and showing proposers a verified tree as the chain it accepted."""
+"""The engine's share of token trees (docs/trees.md): showing proposers a verified tree as the chain
+it accepted (the core's KV copy list is applied by attention/kv_cache.apply_kv_copies)."""
 from __future__ import annotations
 
 import numpy as np
 import torch
-
-
-def apply_kv_copies(caches_per_model: list, src: np.ndarray, dst: np.ndarray) -> None:
-    """Move the accepted tree nodes' K/V into the sequence's slots, in every layer of every model.
-
-    src/dst int64[C] flat slots (block * block_size + offset). Each cache is
-    [2, num_blocks, block_size, kv_heads, head_dim]; pairs are applied as one gather then one
-    scatter, which equals applying them in order because no dst is a later pair's src."""
-    if len(src) == 0:
-        return
-    for caches in caches_per_model:
-        for cache in caches:
-            flat = cache.view(2, -1, *cache.shape[3:])
-            s = torch.from_numpy(np.asarray(src, np.int64)).to(cache.device)
-            d = torch.from_numpy(np.asarray(dst, np.int64)).to(cache.device)
-            flat[:, d] = flat[:, s]
 
 
 def chain_rows(token_start: np.ndarray, num_scheduled: np.ndarray, num_rows: np.ndarray,

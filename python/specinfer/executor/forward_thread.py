@@ -129,7 +129,7 @@ class LaunchesForwards:
             self.forward_thread = None
 
     def launch_model(self, batch) -> PendingForward:
-        """batch: engine.batch.ModelBatch -> a PendingForward of (hidden [T, hidden], logits [L, vocab])."""
+        """batch: attention.batch_metadata.ModelBatch -> a PendingForward of (hidden [T, hidden], logits [L, vocab])."""
         if self.forward_thread is None:
             return PendingForward.completed(self.execute_model, batch)
         return self.forward_thread.launch(self.execute_model, batch)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from specinfer.engine.kv_cache import allocate_kv_caches
-from specinfer.engine.model_loading import load_any
-from specinfer.engine.model_runner import ModelRunner
-from specinfer.engine.tree_steps import apply_kv_copies
+from specinfer.attention.kv_cache import allocate_kv_caches
+from specinfer.loader.model_loading import load_any
+from specinfer.models.model_runner import ModelRunner
+from specinfer.attention.kv_cache import apply_kv_copies
 from specinfer.executor.forward_thread import LaunchesForwards
 from specinfer.executor.head_handle import LocalHead
 
@@ -58,7 +58,7 @@ class InProcessExecutor(LaunchesForwards):
         return ModelRunner(model, kv_caches, backend)
 
     def execute_model(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """batch: engine.batch.ModelBatch -> (hidden [T, hidden], float32 logits [L, vocab])."""
+        """batch: attention.batch_metadata.ModelBatch -> (hidden [T, hidden], float32 logits [L, vocab])."""
         runner = self.target_runner
         hidden, _ = runner.forward(batch.input_ids, batch.positions, batch.attn)
         return hidden, runner.logits(hidden[batch.logits_indices])

@@ -59,7 +59,7 @@ class BindKv:
 class ExecuteModel:
     """One step of the target: forward over the whole mixed batch, logits at batch.logits_indices."""
 
-    batch: object  # engine.batch.ModelBatch (tensors as WireTensor)
+    batch: object  # attention.batch_metadata.ModelBatch (tensors as WireTensor)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from specinfer.engine.interrupts import deferred_keyboard_interrupt
+from specinfer.executor.interrupts import deferred_keyboard_interrupt
 from specinfer.executor import messages as m
 from specinfer.executor.control_channel import ControlChannel
 from specinfer.executor.device_move import to_wire

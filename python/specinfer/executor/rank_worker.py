@@ -11,10 +11,10 @@ from datetime import timedelta
 
 import torch
 
-from specinfer.engine.kv_cache import allocate_kv_caches
-from specinfer.engine.model_loading import load_any
-from specinfer.engine.model_runner import ModelRunner
-from specinfer.engine.tree_steps import apply_kv_copies
+from specinfer.attention.kv_cache import allocate_kv_caches
+from specinfer.loader.model_loading import load_any
+from specinfer.models.model_runner import ModelRunner
+from specinfer.attention.kv_cache import apply_kv_copies
 from specinfer.executor import messages as m
 from specinfer.executor.device_move import to_device
 from specinfer.executor.head_handle import LocalHead

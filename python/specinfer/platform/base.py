@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.engine.model_runner import ModelRunner
+from specinfer.models.model_runner import ModelRunner
 
 ATTENTION_BACKENDS = ("cpu_native", "torch_ref", "triton", "hpu_flat")
 

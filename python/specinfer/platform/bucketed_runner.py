@@ -21,7 +21,7 @@ import torch
 
 from specinfer.attention import ForwardContext
 from specinfer.attention.metadata import AttentionMetadata
-from specinfer.engine.model_runner import ModelRunner
+from specinfer.models.model_runner import ModelRunner
 
 
 class EmulatedDevice:

@@ -42,7 +42,7 @@ class CudaPlatform(Platform):
         torch.cuda.synchronize(self.device)
 
     def make_runner(self, model, kv_caches, backend, limits: EngineLimits):
-        from specinfer.engine.model_runner import ModelRunner
+        from specinfer.models.model_runner import ModelRunner
         from specinfer.platform.cuda_graphs import CudaGraphRunner, graph_plan
 
         if not self.cuda_graphs or getattr(backend, "name", None) != "triton":

@@ -30,7 +30,7 @@ import torch
 from specinfer.attention import ForwardContext
 from specinfer.attention.metadata import AttentionMetadata
 from specinfer.attention.triton_backend import TritonPrepared
-from specinfer.engine.model_runner import ModelRunner
+from specinfer.models.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 

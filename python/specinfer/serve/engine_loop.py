@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from specinfer.engine.request_error import RequestError
+from specinfer.request_error import RequestError
 from specinfer.outputs import RequestOutput
 from specinfer.sampling_params import SamplingParams
 from specinfer.serve.errors import ApiError, from_value_error, internal_error

@@ -33,15 +33,13 @@ class CrossVocabDraftProposer(Proposer):
     aux_layers = ()
 
     def __init__(self, spec, ctx, draft_path: str):
-        from specinfer.engine.llm_engine import LLMEngine
-
         if spec.token_tree is not None:
             raise ValueError("speculative.token_tree: a draft model with another tokenizer drafts chains only")
         self.k = spec.num_speculative_tokens
         self.target_tok = ctx.target.tokenizer
-        self.engine = LLMEngine(draft_path, dtype=ctx.target.model.norm.dtype, device=ctx.device,
-                                block_size=ctx.block_size, max_num_batched_tokens=ctx.max_num_batched_tokens,
-                                overlap_steps=False, seed=0)
+        self.engine = ctx.make_engine(draft_path, dtype=ctx.target.model.norm.dtype, device=ctx.device,
+                                      block_size=ctx.block_size, max_num_batched_tokens=ctx.max_num_batched_tokens,
+                                      overlap_steps=False, seed=0)
         self.draft_tok = self.engine.tokenizer
         self._names = 0
         self.num_boundary_misses = 0  # proposals dropped: the re-encoding changed the boundary

@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specinfer.engine.batch import attention_metadata_for_runs, attention_metadata_for_tree_nodes
-from specinfer.engine.model_runner import ModelRunner
-from specinfer.engine.step_sampler import sampling_metadata
+from specinfer.attention.batch_metadata import attention_metadata_for_runs, attention_metadata_for_tree_nodes
+from specinfer.models.model_runner import ModelRunner
+from specinfer.sample.request_rows import sampling_metadata
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.draft_kv_records import DraftKvRecords
 from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer

@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specinfer.engine.batch import attention_metadata_for_runs, attention_metadata_for_tree_nodes
-from specinfer.engine.step_sampler import sampling_metadata
+from specinfer.attention.batch_metadata import attention_metadata_for_runs, attention_metadata_for_tree_nodes
+from specinfer.sample.request_rows import sampling_metadata
 from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS, PairRecords
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.eagle import EagleDraft

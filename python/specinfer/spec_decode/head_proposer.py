@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from specinfer.engine.step_sampler import sampling_metadata
+from specinfer.sample.request_rows import sampling_metadata
 from specinfer.sample import probs_from_logits
 from specinfer.sample.random_streams import DRAFT, sample_from_weights
 from specinfer.spec_decode.head_tree import check_tree, draft_tree

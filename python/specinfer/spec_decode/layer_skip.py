@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specinfer.engine.batch import attention_metadata_for_runs
-from specinfer.engine.model_runner import ModelRunner
+from specinfer.attention.batch_metadata import attention_metadata_for_runs
+from specinfer.models.model_runner import ModelRunner
 from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
 
 

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specinfer.engine.batch import attention_metadata_for_runs
-from specinfer.engine.kv_cache import allocate_kv_caches
-from specinfer.engine.model_runner import ModelRunner
+from specinfer.attention.batch_metadata import attention_metadata_for_runs
+from specinfer.attention.kv_cache import allocate_kv_caches
+from specinfer.models.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)

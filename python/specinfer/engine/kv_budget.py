@@ -1,12 +1,8 @@
-"""Paged KV cache tensors. Target and draft share block ids, so a block's bytes count both."""
+"""How many paged KV blocks the engine keeps: bytes per block (target and draft share block ids, so a
+block's bytes count both), the memory budget, and the forward's temporaries kept out of it."""
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
-
-_ALIGN = 64  # bytes: a cache line, as torch's own CPU allocator aligns
 
 
 def bytes_per_block(models, block_size: int, dtype: torch.dtype) -> int:
@@ -44,29 +40,6 @@ def choose_num_blocks(num_kv_blocks: int | None, *, block_size: int, max_model_l
             f"num_kv_blocks={num_kv_blocks} is too small: one request of max_model_len={max_model_len} tokens "
             f"needs {needed} blocks of block_size={block_size}")
     return num_kv_blocks
-
-
-def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype, device) -> list[torch.Tensor]:
-    """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = model.kv_cache_shape(num_blocks, block_size)
-    if torch.device(device).type == "cpu":
-        return [lazy_zeros(shape, dtype) for _ in range(model.num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
-
-
-def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose memory is taken as it is first written, not at allocation.
-
-    torch.zeros writes every byte, so a KV pool sized for the whole budget (4.2 GB for SmolLM2 by
-    default) became resident at start. numpy's zeros is a calloc, and a large calloc is a fresh
-    anonymous mapping whose pages the kernel maps in, zeroed, on first touch; the pool then costs
-    memory as requests fill it. (A small one may come zeroed from the heap: the same contents.)
-    Aligned to a cache line like torch's allocator."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * elem
-    buf = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
-    off = -buf.ctypes.data % _ALIGN
-    return torch.from_numpy(buf[off:off + nbytes]).view(dtype).view(shape)
 
 
 def activation_bytes(configs, max_num_batched_tokens: int, max_logits_rows: int, dtype: torch.dtype) -> int:
