@@ -50,8 +50,8 @@ def test_refused_where_it_cannot_hold(tiny_dir):
     with pytest.raises(ValueError, match="True or False"):
         Generator(str(path), batch_invariant="yes")
     from specinfer.cli import build_parser
-    from specinfer.cli.options import engine_kwargs
+    from specinfer.cli.options import engine_config
 
     args = build_parser().parse_args(["generate", str(path), "--prompt", "hi", "--batch-invariant"])
-    assert engine_kwargs(args)["batch_invariant"] is True
-    assert engine_kwargs(build_parser().parse_args(["generate", str(path), "--prompt", "hi"]))["batch_invariant"] is False
+    assert engine_config(args, None).model.batch_invariant is True
+    assert engine_config(build_parser().parse_args(["generate", str(path), "--prompt", "hi"]), None).model.batch_invariant is False

@@ -117,13 +117,13 @@ def test_quantization_option_is_validated_and_reaches_the_cli():
     with pytest.raises(ValueError, match="quantization"):
         Generator("smollm2-135m", quantization="int4")
     from specinfer.cli import build_parser
-    from specinfer.cli.options import engine_kwargs
+    from specinfer.cli.options import engine_config
 
     args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "hi", "--quantization", "int8"])
-    assert engine_kwargs(args)["quantization"] == "int8"
+    assert engine_config(args, None).model.quantization == "int8"
     args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "hi"])
-    assert engine_kwargs(args)["quantization"] == "auto"  # a .gguf model on CPU: as stored
+    assert engine_config(args, None).model.quantization == "auto"  # a .gguf model on CPU: as stored
     args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "hi", "--quantization", "none"])
-    assert engine_kwargs(args)["quantization"] is None
+    assert engine_config(args, None).model.quantization is None
     args = build_parser().parse_args(["generate", "smollm2-135m", "--prompt", "hi", "--quantization", "gguf"])
-    assert engine_kwargs(args)["quantization"] == "gguf"
+    assert engine_config(args, None).model.quantization == "gguf"

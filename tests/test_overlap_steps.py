@@ -217,26 +217,28 @@ def test_ctrl_c_while_waiting_cancels_only_after_the_forward_ended(target_and_dr
 def test_overlap_steps_is_validated_and_the_cli_can_turn_it_off(target_and_draft):
     import argparse
 
-    from specinfer.cli.options import add_engine_arguments, engine_kwargs
+    from specinfer.cli.options import add_engine_arguments, engine_config
 
     with pytest.raises(ValueError, match="overlap_steps"):
         Generator(str(target_and_draft[0]), overlap_steps="yes")
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
-    assert engine_kwargs(p.parse_args([]))["overlap_steps"] is True
-    assert engine_kwargs(p.parse_args(["--no-overlap-steps"]))["overlap_steps"] is False
+    m = argparse.Namespace(model="m")
+    assert engine_config(p.parse_args([], m), None).scheduler.overlap_steps is True
+    assert engine_config(p.parse_args(["--no-overlap-steps"], m), None).scheduler.overlap_steps is False
 
 
 def test_engine_options_the_cli_lacked_now_reach_the_engine():
     import argparse
 
-    from specinfer.cli.options import add_engine_arguments, engine_kwargs
+    from specinfer.cli.options import add_engine_arguments, engine_config
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
-    kw = engine_kwargs(p.parse_args([]))
+    kw = engine_config(p.parse_args([], argparse.Namespace(model="m")), None).options()
     assert kw["enable_prefix_caching"] is True and kw["max_logprobs"] == 20
-    kw = engine_kwargs(p.parse_args(["--no-enable-prefix-caching", "--max-logprobs", "5"]))
+    kw = engine_config(p.parse_args(["--no-enable-prefix-caching", "--max-logprobs", "5"],
+                                    argparse.Namespace(model="m")), None).options()
     assert kw["enable_prefix_caching"] is False and kw["max_logprobs"] == 5
 
 

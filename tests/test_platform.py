@@ -79,12 +79,14 @@ def test_cli_passes_backend_and_utilization():
 
     p = argparse.ArgumentParser()
     options.add_engine_arguments(p)
-    kw = options.engine_kwargs(p.parse_args(["--attention-backend", "hpu_flat", "--gpu-memory-utilization", "0.5",
-                                             "--device", "hpu-emulated"]))
+    m = argparse.Namespace(model="m")
+    kw = options.engine_config(p.parse_args(["--attention-backend", "hpu_flat", "--gpu-memory-utilization", "0.5",
+                                             "--device", "hpu-emulated"], m), None).options()
     assert (kw["attention_backend"], kw["gpu_memory_utilization"], kw["device"]) == ("hpu_flat", 0.5, "hpu-emulated")
-    assert options.engine_kwargs(p.parse_args([]))["attention_backend"] is None
+    m = argparse.Namespace(model="m")
+    assert options.engine_config(p.parse_args([], m), None).model.attention_backend == "auto"
     with pytest.raises(CliError, match="--gpu-memory-utilization"):
-        options.engine_kwargs(p.parse_args(["--gpu-memory-utilization", "2"]))
+        options.engine_config(p.parse_args(["--gpu-memory-utilization", "2"], argparse.Namespace(model="m")), None)
     with pytest.raises(SystemExit):
         p.parse_args(["--attention-backend", "flash"])
 

@@ -198,10 +198,11 @@ def test_cli_flags_reach_the_engine(tiny_dir):
     options.add_speculative_arguments(p)
     options.add_engine_arguments(p)
     args = p.parse_args(["--tensor-parallel-size", "2", "--draft-model", str(target), "--draft-tensor-parallel-size", "1"])
-    assert options.engine_kwargs(args)["tensor_parallel_size"] == 2
+    args.model = str(target)
+    assert options.engine_config(args, None).parallel.tensor_parallel_size == 2
     assert options.speculative_config(args).draft_tensor_parallel_size == 1
-    with pytest.raises(CliError, match="--tensor-parallel-size must be >= 1"):
-        options.engine_kwargs(p.parse_args(["--tensor-parallel-size", "0"]))
+    with pytest.raises(CliError, match="--tensor-parallel-size must be an integer >= 1"):
+        options.engine_config(p.parse_args(["--tensor-parallel-size", "0"], argparse.Namespace(model="m")), None)
     with pytest.raises(CliError, match="--draft-tensor-parallel-size is only used by --method draft_model"):
         options.speculative_config(p.parse_args(["--method", "ngram", "--draft-tensor-parallel-size", "1"]))
 

@@ -377,7 +377,7 @@ def run_cli(*args, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_cli_bad_input_is_one_line_exit_2(tiny, tmp_path, case):
     if case == "seed":
         args = [tiny, "--prompt", "t5", "--seed", 2**64]
-        fragment = "SamplingParams.seed must be an integer in [0, 2**64)"
+        fragment = "--seed must be an integer in [0, 2**64)"
     elif case == "heads":
         d = _broken_copy(tiny, tmp_path, "cli_heads", _edit_json("config.json", num_key_value_heads=3))
         args, fragment = [d, "--prompt", "t5"], "num_key_value_heads (3) does not divide num_attention_heads (4)"

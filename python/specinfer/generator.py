@@ -15,6 +15,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 
+from specinfer.config import EngineConfig, options_doc
 from specinfer.engine.llm_engine import LLMEngine
 from specinfer.outputs import RequestOutput
 from specinfer.sampling_params import SamplingParams
@@ -39,56 +40,32 @@ def _resolve_named_head(speculative, model):
 class Generator:
     """Offline batched generation (and streaming) over one target model, optionally speculative.
 
-    `model` is an HF directory, a `.gguf` file, or a model-pack name such as "smollm2-135m".
-    `speculative` is a SpeculativeConfig or a dict of its fields, e.g.
-    {"method": "ngram", "num_speculative_tokens": 4}.
-    `device` is "auto", "cpu", "cuda[:N]", "hpu", "hpu-emulated" (the Gaudi path on CPU) or a
-    specinfer.platform.Platform. `attention_backend` overrides the platform's choice: "cpu_native"
-    (the Rust kernel, CPU default), "torch_ref", "triton" (CUDA; on CPU only with TRITON_INTERPRET=1)
-    or "hpu_flat". `gpu_memory_utilization` (CUDA only) is the share of the device's total memory
-    the engine may fill, weights included.
-    `max_logprobs` caps SamplingParams.logprobs (vLLM's default, 20); a larger request is refused.
-    `quantization="auto"` (the default) runs a `.gguf` model on CPU as stored (`"gguf"`: every GEMM
-    weight and the embedding in the file's own block formats, Q4_0 .. Q8_0 and Q4_K .. Q6_K, read
-    from its memory map and multiplied by the Rust kernels of models/gguf_linear.py, activations
-    quantized per block as llama.cpp does; attention batch-invariant so greedy speculation stays
-    exact), and anything else dense; a `dtype=` or `quantization=None` dequantizes a GGUF file.
-    `quantization="int8"` keeps GEMM weights int8 (CPU; GGUF Q8_0 as stored, other weights
-    quantized per 32 inputs) and runs them through the int8 kernel; `quantization="w8a8"` also
-    rounds the activations to int8 per group of 32 (as llama.cpp does for Q8_0): faster from a few
-    rows on; its attention runs batch-invariant so greedy speculation stays exact (models/int8_linear.py).
-    `batch_invariant=True` (CPU, float32 / bfloat16 / w8a8 weights): every token's logits are the
-    same bits whatever else its step holds (a decode, a verification run, a prefill chunk, other
-    requests), so speculative output equals non-speculative output bit for bit, logprobs
-    included, not only up to float noise: GEMMs through the few-rows kernel (faster decodes,
-    ~1.5x slower prefill) and attention in its batch-invariant mode.
-    `tensor_parallel_size=N` shards the target over N ranks through torch.distributed (worker
-    processes this one spawns, or the ranks of a torchrun launch; docs/tensor_parallel.md); a
-    draft model is sharded over speculative["draft_tensor_parallel_size"] ranks (a divisor of N,
-    default N). A worker silent for `distributed_timeout_s` during a step fails the Generator.
-    `overlap_steps=True` (the default) overlaps the host with the device: each step's output work
-    (detokenizing, stop strings, outputs, metrics) runs while the next step's forward computes, on
-    the device where launches are asynchronous (CUDA, Gaudi) or on a worker thread standing in for
-    it (CPU); `False` runs the serial loop (for debugging; the outputs are the same).
+    `Generator(model, **options)` or `Generator(EngineConfig)`. `model` is an HF directory, a
+    `.gguf` file, or a model-pack name such as "smollm2-135m". `speculative` is a
+    SpeculativeConfig or a dict of its fields, e.g. {{"method": "ngram", "num_speculative_tokens": 4}};
+    its `model` may name a trained head (e.g. "smollm2-135m-eagle": trained once on this machine,
+    then cached). The other options are EngineConfig's (specinfer/config.py), the CLI's flags:
+
+{options}
+
+    With `quantization="auto"` a `.gguf` model on CPU runs as stored and its attention
+    batch-invariant, so greedy speculation stays exact (as under "w8a8"). `batch_invariant=True`
+    runs GEMMs through the few-rows kernel (faster decodes, ~1.5x slower prefill). A draft model
+    is sharded over speculative["draft_tensor_parallel_size"] ranks (a divisor of
+    tensor_parallel_size, default all of them).
     Call `close()` (or use `with Generator(...) as gen:`) to stop the workers; they also stop
     when this process exits.
     """
 
-    def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
-                 num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
-                 attention_backend=None, gpu_memory_utilization=0.9, quantization="auto",
-                 tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False,
-                 overlap_steps=True):
-        speculative = _resolve_named_head(speculative, model)
-        self.engine = LLMEngine(
-            model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, seed=seed, speculative=speculative,
-            max_logprobs=max_logprobs, attention_backend=attention_backend,
-            gpu_memory_utilization=gpu_memory_utilization, quantization=quantization,
-            tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s,
-            batch_invariant=batch_invariant, overlap_steps=overlap_steps)
+    def __init__(self, model, **options):
+        config = model if isinstance(model, EngineConfig) else EngineConfig.create(model, **options)
+        if isinstance(model, EngineConfig) and options:
+            raise TypeError(f"Generator(EngineConfig) takes no other options (got {sorted(options)}); "
+                            "use config.replace(...)")
+        resolved = _resolve_named_head(config.speculative, config.model.model)
+        if resolved is not config.speculative:
+            config = dataclasses.replace(config, speculative=resolved)
+        self.engine = LLMEngine(config)
         # a Generator dropped without close() still stops its tensor-parallel workers
         weakref.finalize(self, self.engine.close)
         self._counter = 0
@@ -244,3 +221,7 @@ class Generator:
 
     def reset_metrics(self) -> None:
         self.engine.reset_metrics()
+
+
+if Generator.__doc__:  # (None under python -OO)
+    Generator.__doc__ = Generator.__doc__.format(options=options_doc("    "))

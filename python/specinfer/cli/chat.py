@@ -28,8 +28,8 @@ def run(args) -> int:
     options.check_model(args.model)
     spec = options.speculative_config(args)
     params = options.sampling_params(args)
-    options.engine_kwargs(args)
-    gen = options.load_generator(args, spec)
+    engine_config = options.engine_config(args, spec)
+    gen = options.load_generator(engine_config)
     from specinfer.chat_template import ChatTemplate
 
     template = ChatTemplate.for_model(gen.engine.loaded)

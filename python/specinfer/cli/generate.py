@@ -51,7 +51,7 @@ def run(args) -> int:
     options.check_model(args.model)
     spec = options.speculative_config(args)
     base = options.sampling_params(args)
-    options.engine_kwargs(args)
+    engine_config = options.engine_config(args, spec)
     if args.system and not args.chat:
         raise CliError("--system needs --chat")
     source = args.input if args.input is not None else "--prompt"
@@ -65,7 +65,7 @@ def run(args) -> int:
                 _build_params(item, base)
             if item.error is not None:
                 _report(source, item)
-        gen = options.load_generator(args, spec)
+        gen = options.load_generator(engine_config)
         _tokenize_all(gen, items, args, source)
         elapsed = _generate(gen, items, writer, stream_text, _want_progress(args, items))
         if writer is not None:

@@ -20,45 +20,26 @@ def add_model_argument(p: argparse.ArgumentParser, *, default: str | None = None
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default: auto, "
-                   "fp32 on CPU)")
-    g.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "w8a8"],
-                   help="auto: a .gguf model on CPU runs as stored (gguf), anything else dense; gguf: every GGUF "
-                   "tensor kept in its stored block format (Q4_0..Q8_0, Q4_K..Q6_K); none: dequantized; int8: "
-                   "weight-only int8 GEMMs on CPU (GGUF Q8_0 kept as stored); w8a8: the same weights times "
-                   "activations rounded to int8 per group of 32 (default: auto)")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="every token's logits the same bits whatever its step holds, so speculative output equals "
-                   "non-speculative output bit for bit (CPU, float32, bfloat16 or w8a8; slower prefill)")
-    g.add_argument("--no-overlap-steps", dest="overlap_steps", action="store_false",
-                   help="run the serial step loop (debugging): by default each step's output work runs while the "
-                   "next step's forward computes")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], hpu or hpu-emulated (the Gaudi path on "
-                   "CPU) (default: auto)")
-    g.add_argument("--attention-backend", default="auto",
-                   choices=["auto", "cpu_native", "torch_ref", "triton", "hpu_flat"],
-                   help="attention kernels (default: the device's own: cpu_native (Rust) on CPU, triton on CUDA, "
-                   "hpu_flat on Gaudi; triton on CPU needs TRITON_INTERPRET=1)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
-                   help="CUDA: share of the GPU's total memory the engine may use, weights included (default: 0.9)")
-    g.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads for torch (default: "
-                   "torch's own choice)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="longest sequence (prompt + output) in tokens (default: the model's limit)")
-    g.add_argument("--block-size", type=int, default=16, metavar="N", help="KV cache block size in tokens")
-    g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
-                   help="KV cache blocks (default: sized from free memory)")
-    g.add_argument("--max-num-seqs", type=int, default=256, metavar="N", help="most requests decoded at once")
-    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
-                   help="shard the target over N ranks (worker processes through torch.distributed; under "
-                        "torchrun, one rank per process: see docs/tensor_parallel.md)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
-                   help="token budget of one step (prefill chunks + decode + verification)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of prompt prefixes seen before (default: on)")
-    g.add_argument("--max-logprobs", type=int, default=20, metavar="N",
-                   help="the most logprobs a request may ask for (default: 20, as vLLM)")
+    """One flag per engine option, derived from EngineConfig's fields (specinfer/config.py): the
+    option `max_num_seqs` is `--max-num-seqs`, a bool `--x` / `--no-x`; help and default from the field."""
+    from specinfer.config import engine_options
+
+    g = p.add_argument_group("engine (EngineConfig: the options of Generator and LLMEngine)")
+    for name, (_, f) in engine_options().items():
+        cli = dict(f.metadata["cli"])
+        flag = "--" + name.replace("_", "-")
+        names = [flag, *cli.pop("aliases", [])]
+        none_as = cli.pop("none_as", None)
+        default = none_as if (f.default is None and none_as is not None) else f.default
+        help_text = f.metadata["help"]
+        if "default" not in help_text and default is not None:
+            help_text += f" (default: {'on' if default is True else 'off' if default is False else default})"
+        if isinstance(f.default, bool):
+            g.add_argument(*names, dest=name, action=argparse.BooleanOptionalAction, default=f.default,
+                           help=help_text)
+            continue
+        cli.setdefault("type", type(f.default) if f.default is not None else str)
+        g.add_argument(*names, dest=name, default=default, help=help_text.replace("%", "%%"), **cli)
 
 
 def add_renamed_flag(group, old: str, new: str) -> None:
@@ -123,7 +104,6 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int = 256)
     g.add_argument("--top-p", type=float, default=1.0, metavar="P")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
     g.add_argument("--min-p", type=float, default=0.0, metavar="P")
-    g.add_argument("--seed", type=int, default=None, help="per-request seed: the same tokens in any batch")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeatable); excluded from the output")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -224,43 +204,37 @@ def sampling_params(args, **overrides):
     from specinfer.sampling_params import SamplingParams
 
     fields = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  min_p=args.min_p, seed=args.seed, stop=tuple(args.stop) if args.stop else None,
+                  min_p=args.min_p, stop=tuple(args.stop) if args.stop else None,
                   ignore_eos=args.ignore_eos)
     fields.update(overrides)
     return SamplingParams(**fields)
 
 
-def engine_kwargs(args) -> dict:
-    for flag in ("threads", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
-                 "max_num_batched_tokens", "tensor_parallel_size"):
-        value = getattr(args, flag, None)
-        if value is not None and value < 1:
-            raise CliError(f"--{flag.replace('_', '-')} must be >= 1 (got {value})")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise CliError(f"--gpu-memory-utilization must be in (0, 1] (got {args.gpu_memory_utilization})")
-    quant = getattr(args, "quantization", "none")
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, block_size=args.block_size,
-                quantization=None if quant == "none" else quant,
-                num_kv_blocks=args.num_kv_blocks,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                attention_backend=None if args.attention_backend == "auto" else args.attention_backend,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                batch_invariant=bool(getattr(args, "batch_invariant", False)),
-                enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", True)),
-                max_logprobs=getattr(args, "max_logprobs", 20),
-                overlap_steps=bool(getattr(args, "overlap_steps", True)))
+def engine_config(args, spec):
+    """The EngineConfig the engine flags ask for (with `spec`), validated now: a bad value is a
+    one-line CliError naming its flag, before any model loads."""
+    from specinfer.config import EngineConfig, engine_options
+
+    options = {}
+    for name, (_, f) in engine_options().items():
+        value = getattr(args, name)
+        options[name] = None if value is not None and value == f.metadata["cli"].get("none_as") else value
+    try:
+        return EngineConfig.create(args.model, speculative=spec, **options)
+    except ValueError as e:
+        msg = str(e)
+        for name in engine_options():
+            if msg.startswith(name + " "):  # the option's name -> the flag the user typed
+                msg = "--" + name.replace("_", "-") + msg[len(name):]
+                break
+        raise CliError(msg) from None
 
 
-def load_generator(args, spec):
+def load_generator(config):
     """Build the Generator (the slow part), after every cheap check has passed."""
     from specinfer.generator import Generator
 
-    if args.threads is not None:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    return Generator(args.model, speculative=spec, **engine_kwargs(args))
+    return Generator(config)
 
 
 def format_spec_summary(metrics: dict | None) -> str:

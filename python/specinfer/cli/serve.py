@@ -117,7 +117,7 @@ def serve_config(args, name: str):
 def run(args) -> int:
     options.check_model(args.model)
     spec = options.speculative_config(args)
-    options.engine_kwargs(args)
+    engine_config = options.engine_config(args, spec)
     _check_server_args(args)
     try:
         from specinfer.serve import build_app, make_server
@@ -125,7 +125,7 @@ def run(args) -> int:
         raise CliError(f"`specinfer serve` needs the serve extra (pip install 'specinfer[serve]'): "
                        f"{e.name} is not installed") from None
     serve_config(args, args.served_model_name or args.model)  # bad limits fail before the model loads
-    gen = options.load_generator(args, spec)
+    gen = options.load_generator(engine_config)
     name = args.served_model_name or args.model
     config = serve_config(args, name)
     app = build_app(gen.engine, config)

@@ -42,7 +42,9 @@ def add_arguments(p) -> None:
                    help="wsd (eagle's default): warm-up, constant, then linear to zero over the last 30%% of --steps "
                         "(a resumed run keeps its --steps); invsqrt (the others' default): inverse-square-root "
                         "decay, a run can be extended")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="the run's seed, as --seed is everywhere: every random draw of the run (the head's "
+                        "initialization, the batch order, self-instruct questions) comes from it (default: 0)")
     p.add_argument("--draft-vocab-size", type=int, default=8192, metavar="N",
                    help="eagle, eagle3, medusa: draft vocabulary size (the target's most frequent tokens; d2t / "
                         "Medusa's token_map in the checkpoint), default 8192; the target's vocabulary size or more: none")

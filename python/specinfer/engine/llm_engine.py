@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from specinfer._core import SchedulerCore
-from specinfer.config import CacheConfig, ParallelConfig, SchedulerConfig
+from specinfer.config import EngineConfig, options_doc
 from specinfer.attention.batch_metadata import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
 from specinfer.executor.interrupts import deferred_keyboard_interrupt
@@ -39,8 +39,7 @@ from specinfer.executor import check_parallel_support, make_executor, shutdown_e
 from specinfer.models.int8_linear import check_quantization
 from specinfer.outputs import RequestOutput
 from specinfer.platform import EngineLimits, resolve_dtype, resolve_platform
-from specinfer.sampling_params import SEED_LIMIT, SamplingParams, is_int
-from specinfer.spec_decode.config import SpeculativeConfig
+from specinfer.sampling_params import SamplingParams, is_int
 from specinfer.spec_decode.metrics import SpecMetrics
 from specinfer.spec_decode.policy import GoodputPolicy
 from specinfer.spec_decode.ngram_first import NgramFirstProposer
@@ -77,31 +76,34 @@ class ProposerContext:
 
 
 class LLMEngine:
+    """The step loop over one target model (and a proposer): `LLMEngine(model, **options)` or
+    `LLMEngine(EngineConfig)`. The options are EngineConfig's (specinfer/config.py):
+
+{options}
+    `speculative`: a SpeculativeConfig, a dict of its fields, or None.
+    """
+
     @shutdown_executor_on_error
-    def __init__(self, model, *, dtype="auto", device="auto", max_model_len=None, block_size=16,
-                 num_kv_blocks=None, max_num_seqs=256, max_num_batched_tokens=2048,
-                 enable_prefix_caching=True, seed=0, speculative=None, max_logprobs=20,
-                 attention_backend=None, gpu_memory_utilization=0.9, quantization="auto",
-                 tensor_parallel_size=1, distributed_timeout_s=120.0, batch_invariant=False,
-                 overlap_steps=True):
-        if not isinstance(overlap_steps, bool):
-            raise ValueError(f"overlap_steps must be True or False (got {overlap_steps!r})")
-        if not is_int(seed) or not 0 <= seed < SEED_LIMIT:
-            raise ValueError(f"seed must be an integer in [0, 2**64) (got {seed!r})")
-        if not is_int(max_logprobs) or max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an integer >= 0 (got {max_logprobs!r})")
-        self.max_logprobs = int(max_logprobs)  # SamplingParams.logprobs above this is refused (vLLM: 20)
-        self.cache_config = cache_cfg = CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                enable_prefix_caching=enable_prefix_caching,
-                                gpu_memory_utilization=gpu_memory_utilization)
-        sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    max_model_len=max_model_len)
-        self.spec = SpeculativeConfig.from_any(speculative)
-        self.parallel = ParallelConfig(tensor_parallel_size, self.spec and self.spec.draft_tensor_parallel_size,
-                                       distributed_timeout_s)
+    def __init__(self, model, **options):
+        if isinstance(model, EngineConfig):
+            if options:
+                raise TypeError(f"LLMEngine(EngineConfig) takes no other options (got {sorted(options)}); "
+                                "use config.replace(...)")
+            config = model
+        else:
+            config = EngineConfig.create(model, **options)
+        self.config = config
+        model_cfg, cache_cfg, sched_cfg = config.model, config.cache, config.scheduler
+        if model_cfg.threads is not None:
+            torch.set_num_threads(model_cfg.threads)  # process-wide, as the option says
+        self.max_logprobs = model_cfg.max_logprobs  # SamplingParams.logprobs above this is refused (vLLM: 20)
+        self.cache_config = cache_cfg
+        self.spec = config.speculative
+        self.parallel = config.parallel
         check_parallel_support(self.parallel, self.spec)
-        self.platform = resolve_platform(device)
-        attention_backend = self.platform.choose_attention_backend(attention_backend)  # before any load
+        self.platform = resolve_platform(model_cfg.device)
+        attention_backend = self.platform.choose_attention_backend(model_cfg.attention_backend)  # before any load
+        dtype = model_cfg.dtype
         self.dtype = resolve_dtype(dtype, self.platform)
         # weights of target and draft ("auto": a .gguf file's tensors as stored on CPU); KV stays dtype
         tp = self.parallel.tensor_parallel_size
@@ -109,9 +111,9 @@ class LLMEngine:
         def weights_for(path, setting):
             return resolve_quantization(setting, path, self.platform.device, dtype=dtype, tensor_parallel_size=tp)
 
-        self.quantization = weights_for(model, quantization)
-        if not isinstance(batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True or False (got {batch_invariant!r})")
+        quantization = model_cfg.quantization
+        self.quantization = weights_for(model_cfg.model, quantization)
+        batch_invariant = model_cfg.batch_invariant
         if batch_invariant:
             if self.parallel.tensor_parallel_size > 1:
                 raise ValueError("batch_invariant=True runs with tensor_parallel_size=1 only")
@@ -119,7 +121,7 @@ class LLMEngine:
         self.platform.batch_invariant = self.batch_invariant = batch_invariant  # read by prepare_model
         self.device = self.platform.device
         # seeds for requests without one: drawn in add order from the engine's seed
-        self._seed_source = np.random.Generator(np.random.PCG64(int(seed)))
+        self._seed_source = np.random.Generator(np.random.PCG64(int(model_cfg.seed)))
 
         # the target (sharded over its ranks under tensor parallelism) runs through the executor
         self.executor = make_executor(self.parallel, self.platform)
@@ -143,7 +145,7 @@ class LLMEngine:
             quant = self.quantization if role == "target" else weights_for(path, draft_setting)
             return self.executor.load_model(path, role, dtype=self.dtype, quantization=quant)
 
-        self.loaded = load(model)
+        self.loaded = load(model_cfg.model)
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = self.loaded.config.vocab_size
         self.proposer = None
@@ -221,7 +223,7 @@ class LLMEngine:
         self._undelivered: list[RequestOutput] = []  # outputs of a committed step that then failed
         # the overlapped loop: the last committed step's output work (core ids), done beside the
         # next forward; requests it finished that the core still holds leave after that step
-        self.overlap_steps = overlap_steps
+        self.overlap_steps = overlap_steps = sched_cfg.overlap_steps
         self._tail: list[int] | None = None
         self._stopped: list[int] = []
         # where a launch runs the forward on this thread, a worker thread stands in for the device
@@ -694,6 +696,10 @@ class LLMEngine:
     def policy(self):
         """The speculation policy (GoodputPolicy), or None (fixed k, or no speculation)."""
         return self.proposing.policy if self.proposing is not None else None
+
+
+if LLMEngine.__doc__:  # (None under python -OO)
+    LLMEngine.__doc__ = LLMEngine.__doc__.format(options=options_doc("    "))
 
 
 def kv_sliding_window(kv_models) -> int | None:

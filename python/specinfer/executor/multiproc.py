@@ -43,7 +43,7 @@ class MultiprocExecutor(LaunchesForwards):
         self.parallel = parallel
         self.platform = platform
         self.tensor_parallel_size = N = parallel.tensor_parallel_size
-        self.timeout_s = parallel.timeout_s
+        self.timeout_s = parallel.distributed_timeout_s
         backend = getattr(platform, "distributed_backend", "gloo")
         self.procs = []
         self._failure: str | None = None
@@ -239,7 +239,7 @@ def run_torchrun_worker(parallel, platform) -> None:
 
     device = _worker_device(platform, local_rank, base_index=0)
     platform = resolve_platform(device) if device != str(platform.device) else platform
-    world = init_world(getattr(platform, "distributed_backend", "gloo"), rank, world_size, parallel.timeout_s)
+    world = init_world(getattr(platform, "distributed_backend", "gloo"), rank, world_size, parallel.distributed_timeout_s)
     code = 0
     try:
         serve(world, platform)
