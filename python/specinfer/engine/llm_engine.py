@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -26,14 +25,13 @@ from specinfer._core import SchedulerCore
 from specinfer.config import EngineConfig, options_doc
 from specinfer.attention.batch_metadata import model_batch_from_schedule
 from specinfer.engine.detokenizer import IncrementalDetokenizer
-from specinfer.executor.interrupts import deferred_keyboard_interrupt
 from specinfer.engine.kv_budget import activation_bytes, budget_blocks, bytes_per_block, choose_num_blocks
 from specinfer.loader.model_loading import resolve_quantization
 from specinfer.engine.propose_step import StepProposing
-from specinfer.request_error import RequestError
 from specinfer.engine.request_state import RequestState
 from specinfer.engine.step_grammar import StepGrammar
-from specinfer.engine.step_sampler import StepSampler, tree_requests
+from specinfer.engine.step_sampler import StepSampler
+from specinfer.engine.step_transaction import StepTransaction
 from specinfer.structured.grammar import GrammarCompiler
 from specinfer.executor import check_parallel_support, make_executor, shutdown_executor_on_error
 from specinfer.models.int8_linear import check_quantization
@@ -442,97 +440,15 @@ class LLMEngine:
         return kept
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
-        with self._lock:
-            outputs, self._undelivered = self._undelivered, []
-            tail, self._tail = self._tail, None  # the previous step's output work, if deferred
-            if self._held:  # samples whose leader's prompt is now in the cache (or who lost their leader)
-                self._admit_held()
-            t0 = time.perf_counter()
-            try:
-                sched = self.core.schedule()
-            except BaseException:
-                self.core.cancel_step()  # the step is pending if only its packing failed
-                self._tail, self._undelivered = tail, outputs
-                raise
-            if len(sched.preempted_req_ids):
-                if self.proposer is not None:  # their proposal stays; the proposer's KV does not
-                    self.proposer.forget(sched.preempted_req_ids.tolist())
-            if len(sched.req_ids) == 0:
-                done, error = self._finish_tail(tail, final_only, step_pending=False)
-                outputs += done
-                if error is not None:
-                    self._undelivered = outputs
-                    raise error
-                return outputs
-            states = [self._requests[i] for i in sched.req_ids.tolist()]
-            committed = False
-            pending = None
-            touched = None
-            error = None  # one request's failure in its output work: raised once the step is whole
-            try:
-                pending = self._launch(sched, states)
-                t_wait = time.perf_counter()
-                if tail is not None:  # while the forward runs: the previous step's output work
-                    done, error = self._finish_tail(tail, final_only, step_pending=True)
-                    tail = None
-                    outputs += done
-                # while the forward runs: the grammar masks of its logits rows
-                masks = self.step_grammar.masks(sched, states, tree_requests(sched))
-                t_tail = time.perf_counter()
-                hidden, logits = pending.wait()
-                t1 = time.perf_counter()
-                emitted = self.step_sampler(logits, sched, states, self._draft_probs, masks)
-                t2 = time.perf_counter()
-                with deferred_keyboard_interrupt():
-                    upd = self.core.update(emitted.token_ids, emitted.cu_num_emitted)
-                    committed = True
-                    # accepted tree paths move into their sequences' slots (docs/trees.md)
-                    self.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)
-                    self.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
-                    self._record_spec(states, emitted)
-                    touched = self._commit_tokens(sched, states, emitted, upd)
-                    self._release_stopped()  # requests a stop string ended while this step ran
-            except BaseException as e:
-                if pending is not None:
-                    pending.settle()  # no forward may still write KV once the step is undone
-                if not committed:
-                    self.core.cancel_step()
-                    self.last_failed_request_ids = [st.request_id for st in states]
-                    self._release_stopped()
-                # output work that did not run yet runs next call: the previous step's, or this
-                # committed step's (a Ctrl-C held back through the commit lands after it)
-                self._tail = touched if committed and touched is not None else tail
-                self._undelivered = outputs + self._undelivered
-                if isinstance(e, RequestError):  # the step is not at fault: only these requests
-                    self.last_failed_request_ids = self._end_with_error(e)
-                raise
-            self.metrics.device_s += pending.device_s  # the forward, where it ran
-            self.metrics.wait_s += t1 - t_tail  # blocked on the forward's result
-            self.metrics.tail_s += t_tail - t_wait  # the previous step's output work, beside the forward
-            if self.overlap_steps:
-                self._tail = touched
-            else:
-                done, serial_error = self._finish_tail(touched, final_only, step_pending=False)
-                outputs += done
-                error = error or serial_error
-            t3 = time.perf_counter()
-            if self.proposing is not None:
-                try:
-                    self.proposing.propose(sched, states, emitted, hidden)
-                except BaseException as e:
-                    self._undelivered = outputs
-                    self.proposer.forget([st.core_id for st in states])
-                    if isinstance(e, RequestError):
-                        self.last_failed_request_ids = self._end_with_error(e)
-                    raise
-            t4 = time.perf_counter()
-            self._record_times(t0, t1, t2, t3, t4)
-            if self.proposing is not None:
-                self.proposing.observe_step(int(sched.total_num_scheduled_tokens), t3 - t0, t4 - t3)
-            if error is not None:
-                self._undelivered = outputs
-                raise error
-            return outputs
+        """DESIGN §3's step; engine/step_transaction.py says what leaving it by an exception undoes."""
+        with self._lock, StepTransaction(self, final_only) as step:
+            if step.schedule():  # 1. the core picks this step's runs (Rust)
+                step.launch()  # 2. the target forward over the mixed batch, launched
+                step.overlap()  # while it runs: the previous step's output work, grammar masks
+                step.sample()  # 3. sample / verify once the forward is done
+                step.commit()  # 5. update (Rust); the Python states take the same tokens
+                step.propose()  # 4. drafts for the next step
+        return step.outputs
 
     def _launch(self, sched, states):
         """Pack the batch and launch the target forward; -> executor PendingForward."""
@@ -540,14 +456,6 @@ class LLMEngine:
             st.num_cached_tokens = max(st.num_cached_tokens, cached)
         batch = model_batch_from_schedule(sched, self.block_size, self.device)
         return self.executor.launch_model(batch)
-
-    def _record_times(self, t0, t1, t2, t3, t4) -> None:
-        m = self.metrics
-        m.score_s += t1 - t0
-        m.verify_s += t2 - t1
-        m.propose_s += t4 - t3
-        m.total_s += t4 - t0
-        m.num_steps += 1
 
     def _record_spec(self, states, emitted) -> None:
         if not emitted.num_draft_tokens.any():
@@ -647,7 +555,7 @@ class LLMEngine:
                     self._release(cid)
         return outputs, error
 
-    def _end_with_error(self, error: "RequestError") -> list[str]:
+    def _end_with_error(self, error) -> list[str]:
         """End the requests a RequestError names (no step pending): finish_reason "error", their
         outputs delivered with the next step() call. -> their request ids."""
         names = []

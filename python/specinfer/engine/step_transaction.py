@@ -1,0 +1,174 @@
+"""One engine step as a transaction (DESIGN §3): its phases, and what undoing each one means.
+
+    with engine.lock, StepTransaction(engine, final_only) as step:
+        if step.schedule():      # 1. the core picks this step's runs (Rust)
+            step.launch()        # 2. the target forward over the mixed batch, launched
+            step.overlap()       #    while it runs: the previous step's output work, grammar masks
+            step.sample()        # 3. sample / verify once the forward is done
+            step.commit()        # 5. update (Rust); the Python states take the same tokens
+            step.propose()       # 4. drafts for the next step
+    return step.outputs
+
+Leaving the block by an exception (BaseException: Ctrl-C too) undoes what the phase reached:
+- before the commit, the core cancels the pending step (computed counts, drafts, reserved slots
+  back where they were; no forward may still write KV) and every request stands where it stood,
+  so a retry replays it exactly (randomness is counter-based); the outputs already built and the
+  output work not yet run wait for the next step() call;
+- once `update()` has committed (Ctrl-C is held back through the commit, executor/interrupts.py),
+  the Python states hold the same tokens; only the output work of the step is deferred;
+- if the proposer fails, the step's outputs are kept for the next call and the proposer forgets
+  the step's requests (it rebuilds its state from their confirmed tokens).
+A `RequestError` (a failure that is some requests' own, request_error.py) also ends those
+requests with finish_reason "error"; the others go on. A request whose own output work fails
+(its detokenizer, say) is finished with "error" and that error is raised once the step is whole.
+"""
+from __future__ import annotations
+
+import time
+
+from specinfer.engine.step_sampler import tree_requests
+from specinfer.executor.interrupts import deferred_keyboard_interrupt
+from specinfer.request_error import RequestError
+
+# how far a step got: what leaving it by an exception must undo
+SCHEDULING, RUNNING, COMMITTING, COMMITTED, PROPOSING = range(5)
+
+
+class StepTransaction:
+    def __init__(self, engine, final_only: bool):
+        self.engine = engine
+        self.final_only = final_only
+        self.phase = SCHEDULING
+        self.outputs, engine._undelivered = engine._undelivered, []
+        self.tail, engine._tail = engine._tail, None  # the previous step's output work, if deferred
+        self.sched = self.states = self.pending = self.touched = None
+        self.hidden = self.logits = self.masks = self.emitted = None
+        self.error: Exception | None = None  # a request's failure in its output work: raised at the end
+        self.t: dict[str, float] = {}
+
+    def __enter__(self) -> "StepTransaction":
+        return self
+
+    # ------------------------------------------------------------------ the phases
+    def schedule(self) -> bool:
+        """The core's runs for this step; False (the previous step's output work done) when there
+        are none."""
+        e = self.engine
+        if e._held:  # samples whose leader's prompt is now in the cache (or who lost their leader)
+            e._admit_held()
+        self.t["start"] = time.perf_counter()
+        self.sched = sched = e.core.schedule()
+        if len(sched.preempted_req_ids) and e.proposer is not None:
+            e.proposer.forget(sched.preempted_req_ids.tolist())  # their proposal stays; the proposer's KV does not
+        if len(sched.req_ids) == 0:
+            self._finish_tail(step_pending=False)
+            return False
+        self.states = [e._requests[i] for i in sched.req_ids.tolist()]
+        self.phase = RUNNING
+        return True
+
+    def launch(self) -> None:
+        """Pack the batch and launch the target forward (executor PendingForward)."""
+        self.pending = self.engine._launch(self.sched, self.states)
+        self.t["launched"] = time.perf_counter()
+
+    def overlap(self) -> None:
+        """While the forward runs: the previous step's output work, and the grammar masks of this
+        step's logits rows."""
+        self._finish_tail(step_pending=True)
+        self.masks = self.engine.step_grammar.masks(self.sched, self.states, tree_requests(self.sched))
+        self.t["overlapped"] = time.perf_counter()
+
+    def sample(self) -> None:
+        """Wait for the forward; sample or verify its logits rows."""
+        e = self.engine
+        self.hidden, self.logits = self.pending.wait()
+        self.t["forward_done"] = time.perf_counter()
+        self.emitted = e.step_sampler(self.logits, self.sched, self.states, e._draft_probs, self.masks)
+        self.t["sampled"] = time.perf_counter()
+
+    def commit(self) -> None:
+        """The core commits (update), the Python states take the same tokens, with Ctrl-C held back;
+        the step's output work runs now (serial loop) or beside the next forward (overlapped)."""
+        e, sched, states, emitted = self.engine, self.sched, self.states, self.emitted
+        with deferred_keyboard_interrupt():
+            upd = e.core.update(emitted.token_ids, emitted.cu_num_emitted)
+            self.phase = COMMITTING
+            e.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)  # accepted tree paths (docs/trees.md)
+            e.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
+            e._record_spec(states, emitted)
+            self.touched = e._commit_tokens(sched, states, emitted, upd)
+            e._release_stopped()  # requests a stop string ended while this step ran
+        self.phase = COMMITTED
+        m, t = e.metrics, self.t
+        m.device_s += self.pending.device_s  # the forward, where it ran
+        m.wait_s += t["forward_done"] - t["overlapped"]  # blocked on the forward's result
+        m.tail_s += t["overlapped"] - t["launched"]  # the previous step's output work, beside the forward
+        if e.overlap_steps:
+            e._tail = self.touched
+        else:
+            self.tail, self.touched = self.touched, None
+            self._finish_tail(step_pending=False)
+        t["committed"] = time.perf_counter()
+
+    def propose(self) -> None:
+        """Drafts for the next step (the proposing side owns its state), and the step's timings."""
+        e, t = self.engine, self.t
+        self.phase = PROPOSING
+        if e.proposing is not None:
+            e.proposing.propose(self.sched, self.states, self.emitted, self.hidden)
+        t["proposed"] = time.perf_counter()
+        m = e.metrics
+        m.score_s += t["forward_done"] - t["start"]
+        m.verify_s += t["sampled"] - t["forward_done"]
+        m.propose_s += t["proposed"] - t["committed"]
+        m.total_s += t["proposed"] - t["start"]
+        m.num_steps += 1
+        if e.proposing is not None:
+            e.proposing.observe_step(int(self.sched.total_num_scheduled_tokens), t["committed"] - t["start"],
+                                     t["proposed"] - t["committed"])
+        self.phase = None  # whole
+
+    # ------------------------------------------------------------------ the end
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        e = self.engine
+        if exc is None:
+            if self.error is not None:  # one request's output work failed; the step is whole
+                e._undelivered = self.outputs
+                raise self.error
+            return False
+        if self.phase == SCHEDULING:
+            e.core.cancel_step()  # the step is pending if only its packing failed
+            e._tail, e._undelivered = self.tail, self.outputs + e._undelivered
+            return False
+        if self.phase == PROPOSING:
+            e._undelivered = self.outputs + e._undelivered
+            if e.proposer is not None:
+                e.proposer.forget([st.core_id for st in self.states])
+        else:
+            if self.pending is not None:
+                self.pending.settle()  # no forward may still write KV once the step is undone
+            if self.phase == RUNNING:
+                e.core.cancel_step()
+                e.last_failed_request_ids = [st.request_id for st in self.states]
+                e._release_stopped()
+            # output work that did not run yet runs next call: the previous step's, or this
+            # committed step's (a Ctrl-C held back through the commit lands after it)
+            committed_work = self.touched if self.phase == COMMITTED else None
+            if self.phase == COMMITTING and self.touched is not None:
+                committed_work = self.touched
+            e._tail = committed_work if committed_work is not None else self.tail
+            e._undelivered = self.outputs + e._undelivered
+        if isinstance(exc, RequestError):  # the step is not at fault: only these requests
+            e.last_failed_request_ids = e._end_with_error(exc)
+        return False
+
+    def _finish_tail(self, step_pending: bool) -> None:
+        """Run the deferred output work held in self.tail (once), keeping its outputs and the first
+        request's error."""
+        if self.tail is None:
+            return
+        done, error = self.engine._finish_tail(self.tail, self.final_only, step_pending=step_pending)
+        self.tail = None
+        self.outputs += done
+        self.error = self.error or error
