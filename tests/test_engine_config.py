@@ -113,3 +113,11 @@ def test_seed_means_the_engines_seed_in_every_command():
     p = argparse.ArgumentParser()
     cli_options.add_sampling_arguments(p)
     assert "--seed" not in p._option_string_actions
+
+
+def test_vllm_flag_names_reach_the_same_options():
+    base = ["generate", "m", "--prompt", "hi"]
+    for flags, option, value in ((["-tp", "2"], "tensor_parallel_size", 2), (["--tp", "2"], "tensor_parallel_size", 2),
+                                 (["--num-gpu-blocks-override", "9"], "num_kv_blocks", 9)):
+        args = build_parser().parse_args([*base, *flags])
+        assert cli_options.engine_config(args, None).options()[option] == value

@@ -17,6 +17,7 @@ _EXPORTS = {
     "RequestOutput": "specinfer.outputs",
     "SpeculativeConfig": "specinfer.spec_decode.config",
     "LLMEngine": "specinfer.engine.llm_engine",
+    "EngineConfig": "specinfer.config",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

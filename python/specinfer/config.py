@@ -82,8 +82,9 @@ class CacheConfig:
     """The paged KV pool."""
 
     block_size: int = option(16, "KV cache block size in tokens", metavar="N")
-    num_kv_blocks: int | None = option(None, "KV cache blocks (default: sized from the memory budget)",
-                                       type=int, metavar="N")
+    num_kv_blocks: int | None = option(None, "KV cache blocks (default: sized from the memory budget; vLLM's "
+                                       "--num-gpu-blocks-override)", type=int, metavar="N",
+                                       aliases=["--num-gpu-blocks-override"])
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
     gpu_memory_utilization: float = option(0.9, "CUDA: share of the device's total memory the engine may use, "
                                            "weights included", metavar="F")
@@ -134,7 +135,7 @@ class ParallelConfig:
 
     tensor_parallel_size: int = option(1, "shard the target over N ranks through torch.distributed (worker "
                                        "processes this one spawns, or the ranks of a torchrun launch: "
-                                       "docs/tensor_parallel.md)", metavar="N", aliases=["--tp"])
+                                       "docs/tensor_parallel.md)", metavar="N", aliases=["-tp", "--tp"])
     draft_tensor_parallel_size: int | None = None  # speculative.draft_tensor_parallel_size; None: the target's
     distributed_timeout_s: float = option(120.0, "a worker silent this long during a step fails the engine "
                                           "(seconds)", metavar="S")
