@@ -8,6 +8,7 @@ module-level one."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,14 +31,19 @@ def imported_modules(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("package", RUNTIME)
-def test_the_runtime_imports_nothing_above_it(package):
+def violations(package: str, forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    """file -> the modules it imports that start with one of `forbidden`."""
     bad = {}
     for path in sorted((ROOT / package).rglob("*.py")):
-        hits = sorted(m for m in imported_modules(path) if m.startswith(ABOVE))
+        hits = sorted(m for m in imported_modules(path) if m.startswith(forbidden))
         if hits:
             bad[str(path.relative_to(ROOT))] = hits
-    assert not bad
+    return bad
+
+
+@pytest.mark.parametrize("package", RUNTIME)
+def test_the_runtime_imports_nothing_above_it(package):
+    assert not violations(package, ABOVE)
 
 
 # each runtime layer and the packages above it that it may never import
@@ -51,13 +57,16 @@ NOT_FROM = {**{p: ("specinfer.engine",) for p in MIDDLE},
 def test_runtime_layers_point_down_only(package):
     """The engine is a sink: the model runner, KV caches, batch and sampling metadata live in the
     layers that use them (models/, attention/, sample/), so nothing below imports the engine."""
-    above = tuple(m + "." for m in NOT_FROM[package]) + NOT_FROM[package]
-    bad = {}
-    for path in sorted((ROOT / package).rglob("*.py")):
-        hits = sorted(m for m in imported_modules(path) if m.startswith(above))
-        if hits:
-            bad[str(path.relative_to(ROOT))] = hits
-    assert not bad
+    assert not violations(package, NOT_FROM[package])
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path, monkeypatch):
+    """The negative control: a bottom-layer file importing the engine is reported."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "bad.py").write_text("def f():\n    from specinfer.engine.llm_engine import LLMEngine\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert violations("models", NOT_FROM["models"]) == {"models/bad.py": ["specinfer.engine.llm_engine",
+                                                                          "specinfer.engine.llm_engine.LLMEngine"]}
 
 
 def test_the_checker_sees_function_local_imports(tmp_path):

@@ -1,13 +1,10 @@
 """One engine step as a transaction (DESIGN §3): its phases, and what undoing each one means.
 
-    with engine.lock, StepTransaction(engine, final_only) as step:
-        if step.schedule():      # 1. the core picks this step's runs (Rust)
-            step.launch()        # 2. the target forward over the mixed batch, launched
-            step.overlap()       #    while it runs: the previous step's output work, grammar masks
-            step.sample()        # 3. sample / verify once the forward is done
-            step.commit()        # 5. update (Rust); the Python states take the same tokens
-            step.propose()       # 4. drafts for the next step
-    return step.outputs
+`LLMEngine._step` runs the phases in order inside `with engine.lock, StepTransaction(...)`:
+schedule (the core's runs, Rust), launch (the target forward over the mixed batch), overlap (the
+previous step's output work and the grammar masks while the forward runs), sample (sample /
+verify), commit (update, Rust; the Python states take the same tokens), propose (drafts for the
+next step); `step.outputs` is what the call returns.
 
 Leaving the block by an exception (BaseException: Ctrl-C too) undoes what the phase reached:
 - before the commit, the core cancels the pending step (computed counts, drafts, reserved slots
