@@ -81,3 +81,15 @@ def exact_law(law_models):
     from engine_law import exact_law_of
 
     return exact_law_of(law_models[2])
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt for this test, however the suite was started: a shell's
+    background job (a CI script's `cmd &`) starts with SIGINT ignored, and Python then installs no
+    handler, so a test sending itself SIGINT would see nothing happen."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -178,7 +178,7 @@ def test_forward_thread_hands_back_results_and_errors():
     assert p.wait() == 7
 
 
-def test_ctrl_c_while_waiting_cancels_only_after_the_forward_ended(target_and_draft):
+def test_ctrl_c_while_waiting_cancels_only_after_the_forward_ended(target_and_draft, sigint_raises):
     """A real SIGINT lands while the engine's thread waits on the forward thread: the step is
     cancelled only once the forward stopped writing KV, and the engine goes on exactly."""
     if threading.current_thread() is not threading.main_thread():
@@ -243,7 +243,7 @@ def test_engine_options_the_cli_lacked_now_reach_the_engine():
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
-def test_ctrl_c_held_through_the_commit_loses_no_output(target_and_draft, overlap):
+def test_ctrl_c_held_through_the_commit_loses_no_output(target_and_draft, overlap, sigint_raises):
     """A SIGINT that arrives while a step commits is raised right after the commit: the step's
     output work still runs (next call), so every request finishes and is delivered."""
     if threading.current_thread() is not threading.main_thread():
