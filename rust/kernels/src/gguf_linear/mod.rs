@@ -202,8 +202,20 @@ unsafe fn hsum(v: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
 }
 
-/// Weight bytes (times activation rows / 8) from which a call is split over threads.
-const PARALLEL_MIN_BYTES: usize = 2 << 20;
+/// Weight bytes (times activation rows / 8) from which a call is split over threads: handing
+/// work to the team's spinning helpers costs well under a µs (threads.rs), so only calls of a
+/// few µs stay on one thread. `SPECINFER_GGUF_PARALLEL_MIN_BYTES` overrides it (the bench's sweep).
+const PARALLEL_MIN_BYTES: usize = 32 << 10;
+
+fn parallel_min_bytes() -> usize {
+    static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        std::env::var("SPECINFER_GGUF_PARALLEL_MIN_BYTES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(PARALLEL_MIN_BYTES)
+    })
+}
 
 /// Activation rows per pass over an item's weight rows (its weights stay in cache meanwhile).
 const M_BLOCK: usize = 32;
@@ -236,11 +248,10 @@ pub fn gguf_linear(
         fns.push(f);
         forms = forms | needs(p.ty);
     }
-    // small calls on one thread: waking the pool's workers for a call costs tens of µs, more
-    // than splitting a weight of under ~2 MB saves (a decode of SmolLM2-135M on 2 threads was
-    // 1.5x slower than on one when every GEMM went to the pool)
+    // small calls on one thread (with rayon's sleeping workers the threshold had to be 2 MB: a
+    // decode of SmolLM2-135M on 2 threads was 1.5x slower than on one when every GEMM split)
     let bytes: usize = parts.iter().map(|p| p.data.len()).sum();
-    let num_threads = if bytes.saturating_mul(1 + m / 8) < PARALLEL_MIN_BYTES {
+    let num_threads = if bytes.saturating_mul(1 + m / 8) < parallel_min_bytes() {
         1
     } else {
         num_threads
