@@ -56,12 +56,12 @@ const SPIN: Duration = Duration::from_micros(60);
 type Job = *const (dyn Fn(usize) + Sync);
 
 struct Shared {
-    epoch: AtomicUsize,       // bumped by each call; helpers wait for it to change
+    epoch: AtomicUsize, // bumped by each call; helpers wait for it to change
     job: UnsafeCell<Option<(Job, usize)>>, // the call's item function and item count
-    next: AtomicUsize,        // the next unclaimed item
-    pending: AtomicUsize,     // helpers still inside the current call
-    sleepers: AtomicUsize,    // helpers parked (or about to be)
-    panicked: AtomicBool,     // an item panicked on a helper
+    next: AtomicUsize,  // the next unclaimed item
+    pending: AtomicUsize, // helpers still inside the current call
+    sleepers: AtomicUsize, // helpers parked (or about to be)
+    panicked: AtomicBool, // an item panicked on a helper
 }
 
 // SAFETY: `job` is written by the one caller holding `Team::busy` before it publishes the epoch
@@ -105,7 +105,11 @@ fn team(num_threads: usize) -> Option<Arc<Team>> {
             .ok()?;
         helpers.push(handle.thread().clone());
     }
-    let t = Arc::new(Team { shared, helpers, busy: Mutex::new(()) });
+    let t = Arc::new(Team {
+        shared,
+        helpers,
+        busy: Mutex::new(()),
+    });
     teams.insert(key, t.clone());
     Some(t)
 }
@@ -194,7 +198,10 @@ impl Team {
         if let Err(p) = mine {
             std::panic::resume_unwind(p);
         }
-        assert!(!sh.panicked.load(Ordering::Relaxed), "a kernel item panicked on a helper thread");
+        assert!(
+            !sh.panicked.load(Ordering::Relaxed),
+            "a kernel item panicked on a helper thread"
+        );
         true
     }
 }
@@ -213,7 +220,10 @@ mod tests {
                 for_each_item(threads, &items, |&i| {
                     hits[i].fetch_add(1, Ordering::Relaxed);
                 });
-                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "threads {threads} n {n}");
+                assert!(
+                    hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                    "threads {threads} n {n}"
+                );
             }
         }
     }
@@ -232,7 +242,10 @@ mod tests {
                 std::thread::sleep(Duration::from_micros(200));
             });
         }
-        assert!(who.lock().unwrap().len() >= 2, "the helper never took an item");
+        assert!(
+            who.lock().unwrap().len() >= 2,
+            "the helper never took an item"
+        );
     }
 
     #[test]
@@ -259,7 +272,8 @@ mod tests {
     #[test]
     fn a_panicking_item_panics_the_call_and_the_team_goes_on() {
         let items: Vec<usize> = (0..32).collect();
-        let r = std::panic::catch_unwind(|| for_each_item(2, &items, |&i| assert!(i != 17, "item 17")));
+        let r =
+            std::panic::catch_unwind(|| for_each_item(2, &items, |&i| assert!(i != 17, "item 17")));
         assert!(r.is_err());
         let count = AtomicU64::new(0);
         for_each_item(2, &items, |_| {
