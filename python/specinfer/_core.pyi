@@ -133,3 +133,16 @@ def gguf_linear(x_ptr: int, m: int, k: int, parts: list[tuple[int, int, int]], o
                 num_threads: int, isa: str | None = None) -> None: ...
 def gguf_rows(src_ptr: int, src_len: int, type_id: int, cols: int, ids_ptr: int, num_ids: int,
               out_ptr: int) -> None: ...
+
+_Parts = list[tuple[int, int, int]]  # (ggml type id, data pointer, rows) of a weight's stored tensors
+
+class GgufDecoder:
+    """A Llama-family model's decoder layers over GGUF weights as stored (models/gguf_decoder.py)."""
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float, scale: float,
+                 layers: list[tuple[int, _Parts, int, _Parts, int, int, _Parts, _Parts]]) -> None: ...
+    @property
+    def num_layers(self) -> int: ...
+    def step(self, x_ptr: int, t: int, down_layer: int | None, act_ptr: int, attn_layer: int | None,
+             gate_up_ptr: int, cos_ptr: int, sin_ptr: int, batch: CpuPagedBatch, cache_ptr: int, num_blocks: int,
+             block_size: int, num_threads: int, attn_isa: str | None = None) -> None: ...

@@ -24,6 +24,7 @@ from torch import nn
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
+from specinfer.models.gguf_decoder import build_decoder, fused_forward
 from specinfer.models.gguf_linear import GgufWeight, gguf_linear
 from specinfer.models.int8_linear import Int8Weight, check_quantization, int8_linear
 from specinfer.models.moe import SparseMoE
@@ -236,6 +237,10 @@ class LlamaForCausalLM(nn.Module):
         local = None
         if self.has_local_rope:
             local = rope_factors(self.rope_cos_local[positions].to(dtype), self.rope_sin_local[positions].to(dtype))
+        if exit_layer is None and not aux_layers and local is None and self._fused_gguf_decoder() is not None:
+            # GGUF weights as stored: the layers in Rust, the same bits (models/gguf_decoder.py)
+            if fused_forward(self, self._gguf_decoder, x, cos, sin, ctx):
+                return _rms_norm(x, (x.shape[-1],), self.norm, self.config.rms_norm_eps)
         captured = {}
         # slicing an nn.ModuleList builds a new one (0.15 ms a step): slice only for a LayerSkip draft
         for layer in (self.layers if exit_layer is None else self.layers[:exit_layer]):
@@ -246,6 +251,13 @@ class LlamaForCausalLM(nn.Module):
         if not aux_layers:
             return hidden
         return hidden, torch.cat([captured[i] for i in aux_layers], dim=-1)
+
+    _gguf_decoder = None  # models/gguf_decoder.py: built at the first forward, False where it does not apply
+
+    def _fused_gguf_decoder(self):
+        if self._gguf_decoder is None:
+            self._gguf_decoder = build_decoder(self) or False
+        return self._gguf_decoder or None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [L, hidden] -> float32[L, vocab]
         if self.tp is not None and self.tp.size > 1:  # vocab-parallel: gather the shards, drop the padding

@@ -49,7 +49,7 @@ unsafe fn view<'a, E>(
 
 #[pyclass(module = "specinfer._core", frozen)]
 pub struct CpuPagedBatch {
-    layout: BatchLayout,
+    pub(crate) layout: BatchLayout,
 }
 
 #[pymethods]

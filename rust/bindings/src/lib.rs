@@ -1,13 +1,14 @@
 //! `specinfer._core`: the thin PyO3 layer over the Rust crates, one file per noun:
 //! `scheduler_core` (the scheduler: SchedulerCore and its step outputs), `cpu_attention`,
-//! `cpu_linear`, `cpu_moe`, `cpu_norm` (CPU kernels over torch tensors' memory) and
-//! `gguf_dequant` (GGUF block formats to f32).
+//! `cpu_linear`, `cpu_moe`, `cpu_norm`, `cpu_gguf`, `gguf_decoder` (CPU kernels over torch
+//! tensors' memory) and `gguf_dequant` (GGUF block formats to f32).
 
 mod cpu_attention;
 mod cpu_gguf;
 mod cpu_linear;
 mod cpu_moe;
 mod cpu_norm;
+mod gguf_decoder;
 mod gguf_dequant;
 mod scheduler_core;
 
@@ -21,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cpu_linear::register(m)?;
     cpu_moe::register(m)?;
     cpu_norm::register(m)?;
+    gguf_decoder::register(m)?;
     gguf_dequant::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

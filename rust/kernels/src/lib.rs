@@ -13,6 +13,8 @@
 //!   scalar: bit-identical), every row count.
 //! - [`dequant`]: GGUF block formats (Q4_0 .. Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) to f32, rows in
 //!   parallel, bit-identical to the `gguf` package's dequantizers.
+//! - [`gguf_decoder`]: a Llama-family decoder layer over GGUF weights in two calls (the
+//!   attention half and the MLP's down projection), bit-identical to the unfused layer.
 //! - [`moe`]: a sparse mixture-of-experts MLP over few tokens in one call (every active
 //!   expert's gate|up and down GEMMs through the few-rows kernel, each token's weighted sum in
 //!   ascending expert order).
@@ -20,12 +22,13 @@
 //! - [`simd`]: the vector primitives (dot, axpy, scale) for AVX-512, AVX2+FMA and a portable
 //!   fallback, chosen at run time ([`simd::Isa::detect`]).
 //! - [`elem`]: the element types the cache may hold (f32, bf16) and their f32 conversions.
-//! - [`threads`]: the rayon pool the kernels run on, sized per call.
+//! - [`threads`]: the threads the kernels run on (a spinning team per size; rayon for rows).
 
 pub mod dense_linear;
 pub mod dequant;
 pub mod elem;
 pub mod few_rows_linear;
+pub mod gguf_decoder;
 pub mod gguf_linear;
 pub mod int8_linear;
 pub mod int8_pack;
