@@ -71,10 +71,10 @@ class ModeledLaunch:
     def __init__(self, launch, base_s: float, per_token_s: float):
         self.launch, self.base_s, self.per_token_s = launch, base_s, per_token_s
 
-    def __call__(self, batch):
+    def __call__(self, batch, *then):
         t = time.perf_counter()
         d = self.base_s + self.per_token_s * batch.input_ids.numel()
-        return _Modeled(self.launch(batch), t + d, d)
+        return _Modeled(self.launch(batch, *then), t + d, d)
 
 
 class _Modeled:

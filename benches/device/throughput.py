@@ -105,15 +105,15 @@ class ForwardClock:
         self._launch = executor.launch_model
         executor.launch_model = self
 
-    def __call__(self, batch):
+    def __call__(self, batch, *then):
         self.flush()
         if DEVICE != "cuda":
-            pending = self._launch(batch)
+            pending = self._launch(batch, *then)
             self._open.append(pending)  # its device_s is known once it ran (before the next launch)
             return pending
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        pending = self._launch(batch)
+        pending = self._launch(batch, *then)
         end.record()
         self._open.append((start, end))
         return pending

@@ -450,19 +450,25 @@ class LLMEngine:
                 step.propose()  # 4. drafts for the next step
         return step.outputs
 
-    def _launch(self, sched, states):
-        """Pack the batch and launch the target forward; -> executor PendingForward."""
+    def _launch(self, sched, states, then=None):
+        """Pack the batch and launch the target forward (and `then(logits)` behind it); ->
+        executor PendingForward."""
         for st, cached in zip(states, sched.num_cached_tokens.tolist()):
             st.num_cached_tokens = max(st.num_cached_tokens, cached)
         batch = model_batch_from_schedule(sched, self.block_size, self.device)
-        return self.executor.launch_model(batch)
+        return self.executor.launch_model(batch) if then is None else self.executor.launch_model(batch, then)
+
+    def _observe_verification(self, states, emitted) -> None:
+        """The proposing side sees the verification (its policy chooses the next drafts from it)."""
+        if self.proposing is not None and self.proposing.policy is not None and emitted.num_draft_tokens.any():
+            self.proposing.observe_verification(states, emitted)
 
     def _record_spec(self, states, emitted) -> None:
+        """The step's speculation counts (engine metrics, each request's own): output work."""
         if not emitted.num_draft_tokens.any():
             return
-        self.proposing.observe_verification(states, emitted)
-        self.metrics.record(emitted.num_draft_tokens, emitted.num_accepted,
-                            np.diff(emitted.cu_num_emitted), emitted.num_rows)
+        cu = emitted.cu_num_emitted
+        self.metrics.record(emitted.num_draft_tokens, emitted.num_accepted, cu[1:] - cu[:-1], emitted.num_rows)
         d, a = emitted.num_draft_tokens.tolist(), emitted.num_accepted.tolist()
         for r in np.flatnonzero(emitted.num_draft_tokens).tolist():
             st = states[r]
@@ -470,7 +476,7 @@ class LLMEngine:
             st.num_draft_tokens += d[r]
             st.num_accepted_tokens += a[r]
 
-    def _commit_tokens(self, sched, states, emitted, upd) -> list[int]:
+    def _commit_tokens(self, sched, states, emitted, upd) -> "OutputWork":
         """The critical part of giving the Python states the tokens the core committed: the token
         histories the sampler, the policy and the proposer read next, and the finishes the core
         decided (EOS, stop token ids, length). -> the core ids whose output work is due
@@ -478,7 +484,7 @@ class LLMEngine:
         lp = emitted.logprobs
         row_of = ({cid: r for r, cid in enumerate(sched.req_ids.tolist())}
                   if any(x is not None for x in lp) else None)
-        touched = []
+        touched = OutputWork()
         cu = upd.cu_num_new.tolist()
         new = upd.new_token_ids.tolist()
         for j, cid in enumerate(upd.req_ids.tolist()):
@@ -490,6 +496,7 @@ class LLMEngine:
             touched.append(cid)
             if st.grammar is not None:
                 self._advance_grammar(st, tokens)
+        touched.spec = (states, emitted)  # its speculation counts: output work too
         for cid, reason, tok in zip(upd.finished_req_ids.tolist(), upd.finish_reasons, upd.stop_token.tolist()):
             st = self._requests.get(cid)
             if st is None or st.finished:
@@ -537,6 +544,10 @@ class LLMEngine:
         is returned to be raised once the step is whole. A request a stop string ended while
         another step holds it (step_pending) leaves the core once that step committed."""
         outputs, error = [], None
+        record = getattr(touched, "spec", None)
+        if record is not None:  # (once, even if this work is retried)
+            touched.spec = None
+            self._record_spec(*record)
         for cid in touched or ():
             st = self._requests.get(cid)
             if st is None:
@@ -641,3 +652,14 @@ def _check_trees_fit_windows(spec, cfg) -> None:
     if depth >= window:
         raise ValueError(f"speculative: token trees up to {depth} deep need a sliding window wider than that; "
                          f"this model's narrowest window is {window} (use fewer speculative tokens or chains)")
+
+
+class OutputWork(list):
+    """A committed step's output work: the core ids whose outputs are due, and (spec) the
+    step's (states, emitted) whose speculation counts are recorded with it."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.spec = None

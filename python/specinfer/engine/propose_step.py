@@ -29,20 +29,26 @@ def spend_verified_drafts(draft_probs: dict, states, emitted) -> np.ndarray:
     return kept
 
 
-def draft_budgets(spec, proposer, platform, max_model_len: int, states) -> np.ndarray:
-    """int64[R] the most drafts (chain length, or tree nodes) each request may get next step."""
+def draft_length(spec, proposer, platform, num_requests: int) -> int:
+    """The most drafts (chain length, or tree nodes) any request may get next step."""
     # a tree's budget is in nodes (and, for a dynamic tree drafted into the proposer's own KV, its
     # scratch slots: the proposer's lookahead, when it keeps a KV)
     slots = spec.num_speculative_tokens
     if spec.token_tree is not None:
         slots = max(spec.num_draft_slots, proposer.num_lookahead_tokens)
-    k = platform.speculation_length(slots, len(states), spec.scorer)
-    num_out = np.fromiter((len(st.output_token_ids) for st in states), np.int64, len(states))
-    num_prompt = np.fromiter((len(st.prompt_token_ids) for st in states), np.int64, len(states))
-    max_tokens = np.fromiter((st.params.max_tokens for st in states), np.int64, len(states))
-    out_left = max_tokens - num_out - 1
-    len_left = max_model_len - (num_prompt + num_out) - 1
-    return np.clip(np.minimum(out_left, len_left), 0, k)
+    return platform.speculation_length(slots, num_requests, spec.scorer)
+
+
+def request_flags(states, paused: bool, max_model_len: int) -> np.ndarray:
+    """int64[R, 5], one pass over the states (this runs every step): alive, wants drafts (a seeded
+    request's tokens must not depend on the load: it is never paused), unseeded, constrained, and
+    the tokens it may still emit past the next one (max_tokens and max_model_len)."""
+    rows = [(not st.finished, st.params.speculate and (not paused or st.params.seed is not None),
+             st.params.seed is None, st.grammar is not None,
+             min(st.params.max_tokens - len(st.output_token_ids),
+                 max_model_len - len(st.prompt_token_ids) - len(st.output_token_ids)) - 1)
+            for st in states]
+    return np.array(rows, dtype=np.int64).reshape(len(states), 5)
 
 
 def whole_batch_tokens_left(core, max_model_len: int, states, alive) -> np.ndarray | None:
@@ -109,28 +115,28 @@ class StepProposing:
         self.num_drafted = 0
         R = len(states)
         kept = spend_verified_drafts(self.draft_probs, states, emitted)
-        alive = np.array([not st.finished for st in states])
-        sampled = (np.diff(emitted.cu_num_emitted) > 0) & alive
-        paused = self.speculation_paused()
-        # a seeded request's tokens must not depend on the load: it is never paused
-        wants = np.array([st.params.speculate and (not paused or st.params.seed is not None)
-                          for st in states], dtype=bool)
+        flags = request_flags(states, self.speculation_paused(), self.max_model_len)
+        alive, wants, unseeded, constrained = (flags[:, j].astype(bool) for j in range(4))
+        cu = emitted.cu_num_emitted
+        sampled = (cu[1:] > cu[:-1]) & alive
         # EAGLE's draft KV takes in every step's target states (they exist only now), drafting or not
         sees_every_step = self.proposer.sees_every_step
         if not wants.any() and not sees_every_step:
             return
-        max_drafts = draft_budgets(self.spec, self.proposer, self.platform, self.max_model_len, states)
+        k = draft_length(self.spec, self.proposer, self.platform, R)
+        max_drafts = np.minimum(np.maximum(flags[:, 4], 0), k)
         speculate = sampled & wants & ~kept & (max_drafts > 0)
         # grammar-forced tokens are the drafts of a constrained request wherever there are some:
         # certain to be accepted, whatever the policy would give the proposer
-        forced = forced_drafts(states, np.where(speculate, max_drafts, 0))
+        any_grammar = bool(constrained.any())
+        forced = forced_drafts(states, np.where(speculate, max_drafts, 0)) if any_grammar else {}
         self.forced_ids = {states[r].core_id for r in forced}
-        self.num_forced_drafts += sum(len(t) for t in forced.values())
         if forced:
+            self.num_forced_drafts += sum(len(t) for t in forced.values())
             max_drafts[list(forced)] = 0
             speculate &= max_drafts > 0
         if self.policy is not None:  # unseeded requests: drafts chosen for goodput (seeded keep k)
-            free = np.flatnonzero(speculate & np.array([st.params.seed is None for st in states], dtype=bool))
+            free = np.flatnonzero(speculate & unseeded)
             left = whole_batch_tokens_left(self.get_core(), self.max_model_len, states, alive)
             horizon = 0.0
             if left is not None:
@@ -154,7 +160,7 @@ class StepProposing:
             num_rows, sampled, np.where(speculate, max_drafts, 0),
             alive if sees_every_step else wants & alive, request_block_rows(sched), target)
         prop = self.proposer.propose(inp)
-        if any(st.grammar is not None for st in states):
+        if any_grammar:
             prop = grammar_valid_prefixes(prop, self._state_of(states))
         if forced:
             prop = merge(inp, forced, prop)

@@ -22,6 +22,7 @@ requests with finish_reason "error"; the others go on. A request whose own outpu
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from specinfer.engine.step_sampler import tree_requests
 from specinfer.executor.interrupts import deferred_keyboard_interrupt
@@ -65,8 +66,15 @@ class StepTransaction:
         return True
 
     def launch(self) -> None:
-        """Pack the batch and launch the target forward (executor PendingForward)."""
-        self.pending = self.engine._launch(self.sched, self.states)
+        """Pack the batch and launch the target forward (executor PendingForward), with the step's
+        sampling queued behind it where forwards run on the forward thread and no request of the
+        step is constrained (its grammar masks are built beside the forward): the sampler then
+        runs as device work, and the engine's thread waits only for the emitted tokens."""
+        e = self.engine
+        then = None
+        if e.executor.forward_thread is not None and not any(st.grammar is not None for st in self.states):
+            then = partial(e.step_sampler, sched=self.sched, states=self.states, draft_probs=e._draft_probs)
+        self.pending = e._launch(self.sched, self.states, then)
         self.t["launched"] = time.perf_counter()
 
     def overlap(self) -> None:
@@ -79,9 +87,13 @@ class StepTransaction:
     def sample(self) -> None:
         """Wait for the forward; sample or verify its logits rows."""
         e = self.engine
-        self.hidden, self.logits = self.pending.wait()
+        result = self.pending.wait()
         self.t["forward_done"] = time.perf_counter()
-        self.emitted = e.step_sampler(self.logits, self.sched, self.states, e._draft_probs, self.masks)
+        if len(result) == 3:  # sampled behind the forward (launch)
+            self.hidden, self.logits, self.emitted = result
+        else:
+            self.hidden, self.logits = result
+            self.emitted = e.step_sampler(self.logits, self.sched, self.states, e._draft_probs, self.masks)
         self.t["sampled"] = time.perf_counter()
 
     def commit(self) -> None:
@@ -91,9 +103,10 @@ class StepTransaction:
         with deferred_keyboard_interrupt():
             upd = e.core.update(emitted.token_ids, emitted.cu_num_emitted)
             self.phase = COMMITTING
-            e.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)  # accepted tree paths (docs/trees.md)
+            if len(upd.kv_copy_src):  # accepted tree paths (docs/trees.md)
+                e.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)
             e.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
-            e._record_spec(states, emitted)
+            e._observe_verification(states, emitted)
             self.touched = e._commit_tokens(sched, states, emitted, upd)
             e._release_stopped()  # requests a stop string ended while this step ran
         self.phase = COMMITTED

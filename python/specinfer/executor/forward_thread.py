@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from functools import partial
 
 
 class PendingForward:
@@ -128,8 +129,16 @@ class LaunchesForwards:
             self.forward_thread.close()
             self.forward_thread = None
 
-    def launch_model(self, batch) -> PendingForward:
-        """batch: attention.batch_metadata.ModelBatch -> a PendingForward of (hidden [T, hidden], logits [L, vocab])."""
+    def launch_model(self, batch, then=None) -> PendingForward:
+        """batch: attention.batch_metadata.ModelBatch -> a PendingForward of (hidden [T, hidden],
+        logits [L, vocab]), or of (hidden, logits, then(logits)) when `then` is given: work queued
+        behind the forward where it runs (the step's sampling, on the forward thread)."""
+        fn = self.execute_model if then is None else partial(_forward_then, self.execute_model, then)
         if self.forward_thread is None:
-            return PendingForward.completed(self.execute_model, batch)
-        return self.forward_thread.launch(self.execute_model, batch)
+            return PendingForward.completed(fn, batch)
+        return self.forward_thread.launch(fn, batch)
+
+
+def _forward_then(execute, then, batch):
+    hidden, logits = execute(batch)
+    return hidden, logits, then(logits)

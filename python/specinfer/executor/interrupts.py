@@ -10,15 +10,18 @@ elsewhere (and when the program installed its own SIGINT handler) the block runs
 """
 from __future__ import annotations
 
+import _signal  # signal's C module: signal.signal / getsignal wrap it in enums (~12 us a step)
 import signal
 import threading
 from contextlib import contextmanager
+
+_SIGINT = int(signal.SIGINT)
 
 
 @contextmanager
 def deferred_keyboard_interrupt():
     if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            _signal.getsignal(_SIGINT) is not signal.default_int_handler:
         yield
         return
     received = []
@@ -26,10 +29,10 @@ def deferred_keyboard_interrupt():
     def hold(signum, frame):
         received.append(signum)
 
-    signal.signal(signal.SIGINT, hold)
+    _signal.signal(_SIGINT, hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _signal.signal(_SIGINT, signal.default_int_handler)
     if received:
         raise KeyboardInterrupt

@@ -25,20 +25,24 @@ class SpecMetrics:
                num_emitted: np.ndarray | None = None, num_rows: np.ndarray | None = None) -> None:
         """int[R] for the requests of one step: drafts verified, accepted, tokens emitted and
         logits rows (a proposal split by the token budget has no bonus row: rows == drafts)."""
+        # (every verification step runs this: bincounts instead of masks and [R, k] grids, ~4x cheaper)
         has = num_draft > 0
-        if not has.any():
+        n = int(np.count_nonzero(has))
+        if not n:
             return
-        d, a = num_draft[has], num_accepted[has]
-        e = a + 1 if num_emitted is None else num_emitted[has]
-        rows = d + 1 if num_rows is None else num_rows[has]
-        self.num_drafts += int(has.sum())
+        d = num_draft.astype(np.int64, copy=False)
+        a = num_accepted.astype(np.int64) * has
+        e = a + has if num_emitted is None else num_emitted * has
+        rows = d + has if num_rows is None else np.maximum(num_rows, d) * has
+        self.num_drafts += n
         self.num_draft_tokens += int(d.sum())
         self.num_accepted_tokens += int(a.sum())
         self.num_emitted_tokens += int(e.sum())
-        self.max_emittable_tokens += int(np.maximum(rows, d).sum())
-        pos = np.arange(self.k)
-        self.drafts_at += (pos[None, :] < d[:, None]).sum(0)
-        self.accepted_at += (pos[None, :] < a[:, None]).sum(0)
+        self.max_emittable_tokens += int(rows.sum())
+        # position j counts the requests with more than j drafts (accepted): len - #(x <= j)
+        k, R = self.k, len(d)
+        self.drafts_at += R - np.cumsum(np.bincount(d, minlength=k))[:k]
+        self.accepted_at += R - np.cumsum(np.bincount(a, minlength=k))[:k]
 
     def as_dict(self) -> dict:
         nd, ndt = self.num_drafts, self.num_draft_tokens

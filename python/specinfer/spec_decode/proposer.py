@@ -12,6 +12,7 @@ then known (a prompt token, an accepted draft, or the token emitted this step).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -51,7 +52,7 @@ class ProposalInput:
     def num_requests(self) -> int:
         return len(self.requests)
 
-    @property
+    @cached_property  # (a frozen dataclass: cached_property writes the instance's __dict__ itself)
     def core_ids(self) -> np.ndarray:  # uint64[R]
         return np.fromiter((s.core_id for s in self.requests), dtype=np.uint64, count=len(self.requests))
 
