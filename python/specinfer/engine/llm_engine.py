@@ -453,8 +453,9 @@ class LLMEngine:
     def _launch(self, sched, states, then=None):
         """Pack the batch and launch the target forward (and `then(logits)` behind it); ->
         executor PendingForward."""
-        for st, cached in zip(states, sched.num_cached_tokens.tolist()):
-            st.num_cached_tokens = max(st.num_cached_tokens, cached)
+        if sched.num_prefill_requests:  # prefix-cache hits are found when a prompt is scheduled
+            for st, cached in zip(states, sched.num_cached_tokens.tolist()):
+                st.num_cached_tokens = max(st.num_cached_tokens, cached)
         batch = model_batch_from_schedule(sched, self.block_size, self.device)
         return self.executor.launch_model(batch) if then is None else self.executor.launch_model(batch, then)
 
