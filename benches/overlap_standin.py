@@ -7,7 +7,8 @@ behave. The tiny model computes on the engine's forward thread in the overlapped
 engine's own thread in the serial one), well inside D.
 A draft model (the target's weights plus noise) stands in likewise: each of its forwards takes
 --draft-ms + --per-token-us * T of modeled device time, on the engine's thread (its drafts are
-needed before the next step can be scheduled, so that time is on the critical path either way).
+needed before the next step can be scheduled, so that time is on the critical path either way);
+its LM head's real compute counts as device time (the target's runs inside its forward).
 
 Per engine step (medians over repeats, loops and methods interleaved): wall, device (target
 forward + draft forwards), bubble = wall - device (the time the device would sit idle: host
@@ -53,13 +54,24 @@ class ModeledForward:
         self.fn, self.base_s, self.per_token_s = fn, base_s, per_token_s
         self.total_s = 0.0  # modeled device time spent
 
-    def __call__(self, input_ids, *args, **kwargs):
+    def __call__(self, x, *args, **kwargs):
         t = time.perf_counter()
-        out = self.fn(input_ids, *args, **kwargs)
-        d = self.base_s + self.per_token_s * input_ids.numel()
+        out = self.fn(x, *args, **kwargs)
+        d = self.base_s + self.per_token_s * x.shape[0]  # x: input ids [T], or hidden rows [T, H]
         _sleep_until(t + d)
         self.total_s += time.perf_counter() - t
         return out
+
+
+class _Both:
+    """The draft's modeled forwards and LM heads, one device-time total."""
+
+    def __init__(self, *parts):
+        self.parts = parts
+
+    @property
+    def total_s(self) -> float:
+        return sum(p.total_s for p in self.parts)
 
 
 class ModeledLaunch:
@@ -92,7 +104,7 @@ class _Modeled:
         self._pending.settle()
 
 
-def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, ModeledForward | None]:
+def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, "_Both | None"]:
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}
@@ -108,6 +120,10 @@ def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, Mo
     if method == "draft_model":
         runner = gen.engine.proposer.runner
         draft = runner.forward = ModeledForward(runner.forward, args.draft_ms * 1e-3, args.per_token_us * 1e-6)
+        # its LM head is device work too (the target's runs inside its modeled forward): its real
+        # compute counts as device time, with nothing modeled on top
+        logits = runner.logits = ModeledForward(runner.logits, 0.0, 0.0)
+        draft = _Both(draft, logits)
     return gen, draft
 
 

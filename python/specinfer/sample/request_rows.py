@@ -26,3 +26,9 @@ def sampling_metadata(states, rows_per_request=None, device=None, positions=None
     if rows_per_request is not None and any(n != 1 for n in rows_per_request):
         meta = meta.expand(rows_per_request)
     return meta
+
+
+def all_greedy(states) -> bool:
+    """Every request greedy: its rows take the argmax, and no metadata need be built (building it
+    costs ~0.25 ms a step at batch 32)."""
+    return all(s.params.temperature == 0.0 for s in states)

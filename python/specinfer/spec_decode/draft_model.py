@@ -29,7 +29,7 @@ import torch
 
 from specinfer.attention.batch_metadata import attention_metadata_for_runs, attention_metadata_for_tree_nodes
 from specinfer.models.model_runner import ModelRunner
-from specinfer.sample.request_rows import sampling_metadata
+from specinfer.sample.request_rows import all_greedy, sampling_metadata
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.draft_kv_records import DraftKvRecords
 from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
@@ -143,10 +143,12 @@ class DraftModelProposer(Proposer):
         device tensors until one copy at the end (no host round trip per draft position)."""
         states = [inp.requests[r] for r in rows]
         limit = inp.max_drafts[rows]
-        # draft i decides output position len(output) + i of its request
-        first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)
-        meta = sampling_metadata(states, device=self.device, positions=first_out)
-        want_probs = not meta.all_greedy
+        meta = None
+        if not all_greedy(states):
+            # draft i decides output position len(output) + i of its request
+            first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)
+            meta = sampling_metadata(states, device=self.device, positions=first_out)
+        want_probs = meta is not None and not meta.all_greedy
         steps = int(limit.max())
         actives = [np.flatnonzero(limit > i) for i in range(steps)]  # requests drafting token i
         feeds = []  # per step i < steps - 1: (which of actives[i] feed draft i, positions, metadata)

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from specinfer.attention.batch_metadata import attention_metadata_for_runs, attention_metadata_for_tree_nodes
-from specinfer.sample.request_rows import sampling_metadata
+from specinfer.sample.request_rows import all_greedy, sampling_metadata
 from specinfer.spec_decode.draft_kv_records import NUM_PRIVATE_BLOCKS, PairRecords
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.eagle import EagleDraft
@@ -196,9 +196,11 @@ class EagleProposer(Proposer):
             return self._draft_tree(inp, rows, block_rows, next_pos - 1, h)
         states = [inp.requests[r] for r in rows]
         limit = inp.max_drafts[rows]
-        first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)
-        meta = sampling_metadata(states, device=self.device, positions=first_out)
-        want_probs = not meta.all_greedy
+        meta = None
+        if not all_greedy(states):
+            first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)
+            meta = sampling_metadata(states, device=self.device, positions=first_out)
+        want_probs = meta is not None and not meta.all_greedy
         steps = int(limit.max())
         drafted = np.zeros((len(rows), steps), dtype=np.int64)
         probs_out = []

@@ -25,7 +25,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
-from specinfer.sample.request_rows import sampling_metadata
+from specinfer.sample.request_rows import all_greedy, sampling_metadata
 from specinfer.sample import probs_from_logits
 from specinfer.sample.random_streams import DRAFT, sample_from_weights
 from specinfer.spec_decode.head_tree import check_tree, draft_tree
@@ -104,9 +104,10 @@ class HiddenStateHeadProposer(Proposer):
         if self.tree is not None:
             return self._propose_tree(inp.core_ids[rows], states, hidden, tokens, limit)
         # draft i decides the request's output position len(output) + i
-        meta = sampling_metadata(states, device=final.device, positions=[len(s.output_token_ids) for s in states])
         steps = int(limit.max())
-        if meta.all_greedy:
+        meta = None if all_greedy(states) else sampling_metadata(
+            states, device=final.device, positions=[len(s.output_token_ids) for s in states])
+        if meta is None or meta.all_greedy:
             drafts = draft_chain(self.head, hidden, tokens, steps)
             return Proposal.from_drafts(inp.core_ids[rows], drafts.cpu().numpy(), limit)
         drafts, probs = self._sample_chain(hidden, tokens, steps, meta)
