@@ -65,6 +65,9 @@ def test_faults_at_random_steps_leave_outputs_exact(models, method, where, overl
     elif where == "sampler":
         inj = Injector(eng.step_sampler.__call__, fail_at, kinds)
         eng.step_sampler = inj
+    elif eng.proposer.drafts_in_core:  # n-gram under the fixed policy: the core proposes (propose_in_core)
+        inj = Injector(eng.proposer.propose_in_core, fail_at, kinds)
+        eng.proposer.propose_in_core = inj
     else:
         inj = Injector(eng.proposer.propose, fail_at, kinds)
         eng.proposer.propose = inj

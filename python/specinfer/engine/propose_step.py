@@ -86,6 +86,15 @@ class StepProposing:
         limit = self.spec.disable_by_batch_size
         return limit is not None and self.get_core().num_running() >= limit
 
+    def _core_proposes(self, states) -> bool:
+        """The step's proposal is the core's own (propose_in_core): a proposer that drafts there,
+        and nothing else shaping the budgets — no policy, no pause, every request speculating
+        and unconstrained. It is given the requests that got tokens this step (the general
+        path's `sampled`; finished ones have left the core) and, as the general path does, skips
+        those holding a split proposal's kept rest and clips to each budget."""
+        return (self.proposer.drafts_in_core and self.policy is None and not self.speculation_paused()
+                and all(st.params.speculate and st.grammar is None for st in states))
+
     def observe_verification(self, states, emitted) -> None:
         if self.policy is not None:
             d = emitted.num_draft_tokens
@@ -113,6 +122,12 @@ class StepProposing:
         """Spend the verified proposals, decide each request's budget, run the proposer and hand
         its proposals (chains or trees) to the core."""
         self.num_drafted = 0
+        if self._core_proposes(states):  # the core drafts for the requests that got tokens
+            self.forced_ids = set()
+            cu = emitted.cu_num_emitted
+            k = draft_length(self.spec, self.proposer, self.platform, len(states))  # (a platform may cap it)
+            self.num_drafted = self.proposer.propose_in_core(sched.req_ids[cu[1:] > cu[:-1]], k)
+            return
         R = len(states)
         kept = spend_verified_drafts(self.draft_probs, states, emitted)
         flags = request_flags(states, self.speculation_paused(), self.max_model_len)

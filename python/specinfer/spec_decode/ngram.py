@@ -23,11 +23,23 @@ class NgramProposer(Proposer):
     def bind_core(self, core) -> None:
         self.core = core
 
+    drafts_in_core = True
+
     def propose(self, inp: ProposalInput) -> Proposal:
         rows = np.flatnonzero(inp.max_drafts > 0)
         ids = inp.core_ids[rows]
         cu, tokens = self.core.propose_ngram(ids, self.k, self.min_n, self.max_n)
-        return Proposal(ids, np.asarray(cu, dtype=np.int32), np.asarray(tokens, dtype=np.int64), None)
+        cu, tokens = np.asarray(cu, dtype=np.int32), np.asarray(tokens, dtype=np.int64)
+        n = cu[1:] - cu[:-1]
+        keep = np.minimum(n, inp.max_drafts[rows])  # the budget each request was given (the policy's choice)
+        if (keep < n).any():
+            tokens = tokens[np.arange(len(tokens)) - np.repeat(cu[:-1], n) < np.repeat(keep, n)]
+            cu = np.zeros(len(keep) + 1, dtype=np.int32)
+            np.cumsum(keep, out=cu[1:])
+        return Proposal(ids, cu, tokens, None)
+
+    def propose_in_core(self, core_ids, k: int) -> int:
+        return self.core.propose_ngram_drafts(core_ids, min(k, self.k), self.min_n, self.max_n)
 
     def forget(self, core_ids) -> None:
         pass

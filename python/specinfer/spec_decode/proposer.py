@@ -134,6 +134,10 @@ class Proposer:
     kv_models: list = []  # models that keep a KV cache over the shared block tables (never mutated here)
     aux_layers: tuple = ()  # target layers whose inputs the proposer reads (TargetHidden.aux)
     sees_every_step: bool = False  # takes in every step's target states, drafting or not (EAGLE's draft KV)
+    # proposes inside the Rust core from the tokens alone (n-gram lookup): where no policy, grammar
+    # or pause shapes the budgets, the step hands it the scheduled requests and skips
+    # ProposalInput (propose_in_core)
+    drafts_in_core: bool = False
 
     def bind_kv_caches(self, kv_caches_per_model: list, backend) -> None:
         """The KV caches of `kv_models`, once allocated."""
@@ -145,6 +149,12 @@ class Proposer:
         """The Rust core, for a proposer that proposes there (n-gram lookup)."""
 
     def propose(self, inp: ProposalInput) -> Proposal:
+        raise NotImplementedError
+
+    def propose_in_core(self, core_ids, k: int) -> int:
+        """drafts_in_core proposers: set the drafts of the given requests in the core (those ready
+        to decode, without a proposal; at most k, the platform's cap, and each one's budget);
+        -> draft tokens set."""
         raise NotImplementedError
 
     def forget(self, core_ids) -> None:

@@ -300,6 +300,28 @@ impl SchedulerCore {
         Ok((cu.into_pyarray(py), drafts.into_pyarray(py)))
     }
 
+    /// `propose_ngram` then `set_draft_tokens` in one call (the engine's n-gram step): drafts for
+    /// the given requests that are running, ready to decode and hold no proposal. -> draft
+    /// tokens set.
+    fn propose_ngram_drafts(
+        &mut self,
+        py: Python<'_>,
+        req_ids: PyArrayLike1<'_, u64, AllowTypeChange>,
+        k: i64,
+        min_n: i64,
+        max_n: i64,
+    ) -> PyResult<usize> {
+        let ids = req_ids.as_array().to_vec();
+        let (k, min_n, max_n) = (
+            non_negative("k", k)?,
+            non_negative("min_n", min_n)?,
+            non_negative("max_n", max_n)?,
+        );
+        let inner = &mut self.inner;
+        py.detach(|| inner.propose_ngram_drafts(&ids, k, min_n, max_n))
+            .map_err(to_py)
+    }
+
     /// Turns on suffix decoding (per-request tries and a global one over the outputs of the
     /// last `max_cached_requests` ended requests; 0 = per-request only).
     fn enable_suffix(&mut self, max_depth: i64, max_cached_requests: i64) -> PyResult<()> {

@@ -251,15 +251,7 @@ impl Scheduler {
         min_n: usize,
         max_n: usize,
     ) -> Result<(Vec<i32>, Vec<u32>)> {
-        if min_n == 0 {
-            return Err(CoreError::invalid("min_n", "must be >= 1"));
-        }
-        if max_n < min_n {
-            return Err(CoreError::invalid(
-                "max_n",
-                format!("max_n = {max_n} < min_n = {min_n}"),
-            ));
-        }
+        check_ngram_sizes(min_n, max_n)?;
         let mut cu = Vec::with_capacity(req_ids.len() + 1);
         let mut out = Vec::with_capacity(req_ids.len() * k);
         cu.push(0);
@@ -280,6 +272,56 @@ impl Scheduler {
             cu.push(out.len() as i32);
         }
         Ok((cu, out))
+    }
+
+    /// `propose_ngram` then `set_draft_tokens` in one call, for the engine's step with nothing
+    /// between them: each given request that is running, ready to decode and holds no proposal
+    /// (a split proposal's kept rest stays) gets its prompt-lookup drafts, at most `k` and
+    /// clipped to its budget as `set_draft_tokens` clips; unknown ids and the others are
+    /// skipped. -> draft tokens set, in all.
+    pub fn propose_ngram_drafts(
+        &mut self,
+        req_ids: &[RequestId],
+        k: usize,
+        min_n: usize,
+        max_n: usize,
+    ) -> Result<usize> {
+        check_ngram_sizes(min_n, max_n)?;
+        if self.pending_update {
+            return Err(CoreError::InvalidCallOrder(
+                "propose_ngram_drafts() called between schedule() and update(); call it after update()",
+            ));
+        }
+        let max_model_len = self.config.max_model_len;
+        let mut drafts: Vec<u32> = Vec::with_capacity(k);
+        let mut total = 0;
+        for id in req_ids {
+            let Some(&slot) = self.index.get(id) else {
+                continue;
+            };
+            let req = self.requests[slot as usize]
+                .as_mut()
+                .expect("indexed slot is live");
+            if req.status != RequestStatus::Running
+                || req.num_computed_tokens + 1 != req.num_tokens()
+                || !req.draft_token_ids.is_empty()
+            {
+                continue;
+            }
+            let n = k.min(req.max_num_draft_tokens(max_model_len));
+            drafts.clear();
+            drafts.extend_from_slice(propose_with(
+                &mut self.ngram_scratch,
+                &req.token_ids,
+                min_n,
+                max_n,
+                n,
+            ));
+            req.draft_parents.clear();
+            req.draft_token_ids.extend_from_slice(&drafts);
+            total += drafts.len();
+        }
+        Ok(total)
     }
 
     /// Turns on suffix decoding: tries of depth `max_depth` (2..=64) per request, and a global
@@ -582,4 +624,17 @@ fn verified_drafts(req: &Request, end: usize, sampled: bool) -> u32 {
         return req.draft_token_ids.len().min(in_query) as u32;
     }
     req.draft_token_ids.len().min(in_query + 1) as u32
+}
+
+fn check_ngram_sizes(min_n: usize, max_n: usize) -> Result<()> {
+    if min_n == 0 {
+        return Err(CoreError::invalid("min_n", "must be >= 1"));
+    }
+    if max_n < min_n {
+        return Err(CoreError::invalid(
+            "max_n",
+            format!("max_n = {max_n} < min_n = {min_n}"),
+        ));
+    }
+    Ok(())
 }

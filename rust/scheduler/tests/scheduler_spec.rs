@@ -501,3 +501,50 @@ fn sliding_window_zero_is_refused() {
     let err = Scheduler::new(cfg).unwrap_err();
     assert!(err.to_string().starts_with("sliding_window:"), "{err}");
 }
+
+#[test]
+fn ngram_drafts_in_core_equal_propose_then_set() {
+    // two twins: one takes propose_ngram + set_draft_tokens, the other propose_ngram_drafts
+    let run = |in_core: bool| {
+        let mut s = Scheduler::new(config(32, 4, 100)).unwrap();
+        let p: Vec<u32> = vec![5, 6, 7, 8, 9, 5, 6, 7];
+        s.add_request(1, p.clone(), stop(3)).unwrap(); // budget: 3 - 1 - 1 = 1 draft
+        s.add_request(2, p.clone(), stop(20)).unwrap();
+        s.add_request(3, vec![1, 2, 3], stop(20)).unwrap(); // no match: no drafts
+        s.schedule().unwrap();
+        s.update(&[8, 8, 4], &[0, 1, 2, 3]).unwrap();
+        let ids = [1, 2, 3, 99];
+        if in_core {
+            assert_eq!(s.propose_ngram_drafts(&ids, 4, 1, 3).unwrap(), 1 + 4);
+            // a second call keeps the proposals (each request holds one)
+            assert_eq!(s.propose_ngram_drafts(&ids, 4, 1, 3).unwrap(), 0);
+        } else {
+            let (cu, d) = s.propose_ngram(&ids, 4, 1, 3).unwrap();
+            s.set_draft_tokens(&ids, &cu, &d, None).unwrap();
+        }
+        let drafts: Vec<Vec<u32>> = ids[..3]
+            .iter()
+            .map(|&i| s.request(i).unwrap().draft_token_ids.clone())
+            .collect();
+        s.check_invariants().unwrap();
+        drafts
+    };
+    let (core, twin) = (run(true), run(false));
+    assert_eq!(core, twin);
+    assert_eq!(core, vec![vec![9], vec![9, 5, 6, 7], vec![]]);
+}
+
+#[test]
+fn ngram_drafts_in_core_refused_between_schedule_and_update() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, prompt(6, 10), stop(8)).unwrap();
+    s.schedule().unwrap();
+    assert!(matches!(
+        s.propose_ngram_drafts(&[1], 4, 1, 3),
+        Err(CoreError::InvalidCallOrder(_))
+    ));
+    assert!(matches!(
+        s.propose_ngram_drafts(&[1], 4, 0, 3),
+        Err(CoreError::InvalidArgument { .. })
+    ));
+}

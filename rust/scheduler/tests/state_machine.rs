@@ -34,6 +34,10 @@ enum Op {
     SetDrafts {
         seed: u64,
     },
+    NgramDrafts {
+        k: usize,
+        max_n: usize,
+    },
     Step {
         seed: u64,
     },
@@ -54,6 +58,7 @@ fn op() -> impl Strategy<Value = Op> {
             |(shared, suffix, max_tokens, min_tokens, ignore_eos)| Op::Add { shared, suffix, max_tokens, min_tokens, ignore_eos }
         ),
         2 => any::<u64>().prop_map(|seed| Op::SetDrafts { seed }),
+        2 => (0usize..6, 1usize..4).prop_map(|(k, max_n)| Op::NgramDrafts { k, max_n }),
         6 => any::<u64>().prop_map(|seed| Op::Step { seed }),
         2 => prop::option::weighted(0.3, any::<usize>()).prop_map(|abort_pick| Op::FailedStep { abort_pick }),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
@@ -256,6 +261,53 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
             assert_eq!(verified, 0);
         }
     }
+}
+
+/// A request's drafts and parents, whether the n-gram step drafts for it, its clip and the
+/// lookup's proposal.
+type Before = (Vec<u32>, Vec<i32>, bool, usize, Vec<u32>);
+
+/// The core's own n-gram step (`propose_ngram_drafts`): a request running, ready to decode
+/// and without a proposal gets the lookup's drafts clipped to min(k, its budget); every other
+/// request keeps what it had.
+fn ngram_drafts(s: &mut Scheduler, live: &[u64], k: usize, max_n: usize) {
+    let max_model_len = s.config().max_model_len;
+    let before: Vec<Before> = live
+        .iter()
+        .map(|&id| {
+            let req = s.request(id).unwrap();
+            let ready = req.status == specinfer_scheduler::RequestStatus::Running
+                && req.num_computed_tokens + 1 == req.num_tokens()
+                && req.draft_token_ids.is_empty();
+            let n = k.min(req.max_num_draft_tokens(max_model_len));
+            let want = propose(&req.token_ids, 1, max_n, n).to_vec();
+            (
+                req.draft_token_ids.clone(),
+                req.draft_parents.clone(),
+                ready,
+                n,
+                want,
+            )
+        })
+        .collect();
+    let set = s.propose_ngram_drafts(live, k, 1, max_n).unwrap();
+    let mut total = 0;
+    for (&id, (drafts, parents, ready, n, want)) in live.iter().zip(before) {
+        let req = s.request(id).unwrap();
+        if ready {
+            assert!(want.len() <= n);
+            assert_eq!(req.draft_token_ids, want, "the lookup's drafts, clipped");
+            assert!(req.draft_parents.is_empty());
+            total += want.len();
+        } else {
+            assert_eq!(
+                (&req.draft_token_ids, &req.draft_parents),
+                (&drafts, &parents),
+                "untouched"
+            );
+        }
+    }
+    assert_eq!(set, total);
 }
 
 /// Random proposals for every live request, the core clamps them: chains of 0..=4
@@ -612,6 +664,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
                 next_id += 1;
             }
             Op::SetDrafts { seed } => set_random_drafts(&mut s, &live, &mut Rng(seed | 1), trees),
+            Op::NgramDrafts { k, max_n } => ngram_drafts(&mut s, &live, k, max_n),
             Op::Step { seed } => step(&mut s, &mut live, &mut Rng(seed | 1), false, &mut kv),
             Op::FailedStep { abort_pick } => {
                 failed_step(&mut s, &mut live, abort_pick, &mut kv);
