@@ -62,6 +62,26 @@ def attention_metadata_for_runs(block_table: np.ndarray, starts: np.ndarray, len
     return attn, positions
 
 
+def attention_metadata_for_decode_steps(block_table: np.ndarray, first_pos: np.ndarray, steps: int,
+                                        block_size: int, device: torch.device) -> list[tuple[AttentionMetadata, torch.Tensor]]:
+    """attention_metadata_for_runs of `steps` back-to-back one-token runs per sequence (a draft
+    model's forwards: sequence s feeds position first_pos[s] + i at step i), built in one pass;
+    the block table and query starts are shared. -> [(metadata, positions int64[S] on device)]."""
+    S = len(first_pos)
+    pos = first_pos.astype(np.int64)[None, :] + np.arange(steps, dtype=np.int64)[:, None]  # [steps, S]
+    slots = block_table[np.arange(S)[None, :], pos // block_size].astype(np.int64) * block_size + pos % block_size
+    seq_lens = (pos + 1).astype(np.int32)
+    cu = _t(np.arange(S + 1, dtype=np.int32), device)
+    table = _t(np.ascontiguousarray(block_table, dtype=np.int32), device)
+    out = []
+    for i in range(steps):
+        attn = AttentionMetadata(slot_mapping=_t(slots[i], device), query_start_loc=cu, seq_lens=_t(seq_lens[i], device),
+                                 block_table=table, block_size=block_size, max_query_len=1,
+                                 max_seq_len=int(seq_lens[i].max(initial=0)))
+        out.append((attn, _t(pos[i], device)))
+    return out
+
+
 def attention_metadata_for_tree_nodes(block_table: np.ndarray, tree_starts: np.ndarray, node_counts: np.ndarray,
                                       node_slots: np.ndarray, node_depths: np.ndarray, node_masks: np.ndarray,
                                       block_size: int, device: torch.device) -> tuple[AttentionMetadata, np.ndarray]:

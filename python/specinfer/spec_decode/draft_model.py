@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specinfer.attention.batch_metadata import attention_metadata_for_runs, attention_metadata_for_tree_nodes
+from specinfer.attention.batch_metadata import (attention_metadata_for_decode_steps, attention_metadata_for_runs,
+                                               attention_metadata_for_tree_nodes)
 from specinfer.models.model_runner import ModelRunner
 from specinfer.sample.request_rows import all_greedy, sampling_metadata
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
@@ -89,16 +90,15 @@ class DraftModelProposer(Proposer):
         live = np.flatnonzero(ends > starts)
         hidden = None
         if len(live):
-            for r in live:
-                self.records.will_write(inp.block_rows[r], int(starts[r]), int(ends[r]))
+            self.records.will_write_runs(inp.block_rows[live], starts[live], ends[live])
             tokens = np.fromiter((t for r in live for t in inp.requests[r].tokens_slice(starts[r], ends[r])),
                                  dtype=np.int64)
             attn, positions = attention_metadata_for_runs(inp.block_rows[live], starts[live],
                                                           ends[live] - starts[live], self.block_size, self.device)
             hidden, _ = self.runner.forward(torch.from_numpy(tokens).to(self.device),
                                             torch.from_numpy(positions).to(self.device), attn)
-            for r in live:
-                self.records.wrote_confirmed(inp.requests[r], inp.block_rows[r], int(starts[r]), int(ends[r]))
+            self.records.wrote_confirmed_runs([inp.requests[r] for r in live], inp.block_rows[live], starts[live],
+                                              ends[live])
         # a request drafts when it is level and its last confirmed token went through this forward
         ran = np.zeros(R, dtype=bool)
         ran[live] = True
@@ -152,7 +152,11 @@ class DraftModelProposer(Proposer):
         steps = int(limit.max())
         actives = [np.flatnonzero(limit > i) for i in range(steps)]  # requests drafting token i
         feeds = []  # per step i < steps - 1: (which of actives[i] feed draft i, positions, metadata)
-        for i in range(steps - 1):
+        if steps > 1 and len(actives[steps - 1]) == len(rows):  # every request drafts every step: one pass
+            for attn, pos_t in attention_metadata_for_decode_steps(inp.block_rows[rows], next_pos, steps - 1,
+                                                                   self.block_size, self.device):
+                feeds.append((None, pos_t, attn))
+        for i in range(len(feeds), steps - 1):
             nxt = actives[i + 1]
             positions = next_pos[nxt] + i
             attn, _ = attention_metadata_for_runs(inp.block_rows[rows[nxt]], positions, np.ones(len(nxt), np.int64),
@@ -160,8 +164,9 @@ class DraftModelProposer(Proposer):
             keep = None if len(nxt) == len(actives[i]) else torch.from_numpy(
                 np.searchsorted(actives[i], nxt)).to(self.device)
             feeds.append((keep, torch.from_numpy(positions).to(self.device), attn))
-        for j in np.flatnonzero(limit > 1):  # the draft KV these forwards write
-            self.records.will_write(inp.block_rows[rows[j]], int(next_pos[j]), int(next_pos[j] + limit[j] - 1))
+        # the draft KV these forwards write
+        self.records.will_write_runs(inp.block_rows[rows], next_pos.astype(np.int64),
+                                     (next_pos + limit - 1).astype(np.int64))
         tokens, probs_out = [], []
         for i in range(steps):
             tok, probs = sample_drafts(logits, meta, actives[i], i, want_probs)
