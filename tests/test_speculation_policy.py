@@ -423,3 +423,26 @@ def test_generate_tells_the_policy_tokens_left_and_stream_and_waiting_requests_d
     lefts = [left for left in seen["whole"] if len(left)]
     assert lefts and max(int(left.max()) for left in lefts) <= 30
     assert any(left is None for left in seen["queued"])  # while the third prompt waited
+
+
+def test_prepared_cost_curve_reads_the_same_values():
+    """The curve C(0 .. max) built beside the forward (StepCostModel.prepare) gives the very
+    values of the direct computation; another base, a range past it, or a new record computes
+    directly."""
+    cm = StepCostModel(min_steps=0)
+    for t, secs, d, dsecs in [(8, 0.010, 0, 0.0), (12, 0.012, 4, 0.001), (40, 0.020, 32, 0.004),
+                              (12, 0.013, 4, 0.002)]:
+        cm.record(t, secs, d, dsecs)
+    direct = cm.step_seconds(10)(np.arange(41))
+    cm.prepare(10, 40)
+    assert cm._curve[0] == 10
+    prepared = cm.step_seconds(10)
+    assert np.array_equal(prepared(np.arange(41)), direct)
+    assert np.array_equal(prepared(np.arange(5, 12)), direct[5:12])
+    past = np.arange(30, 50)  # beyond the curve: computed directly
+    assert np.array_equal(prepared(past), cm.target_seconds(10 + past) + cm.draft_seconds(past))
+    assert np.array_equal(cm.step_seconds(11)(np.arange(4)), cm.target_seconds(11 + np.arange(4))
+                          + cm.draft_seconds(np.arange(4)))
+    cm.record(10, 0.5, 0, 0.0)  # a new measurement: the curve is stale
+    assert cm._curve[0] is None
+    assert not np.array_equal(cm.step_seconds(10)(np.arange(41)), direct)

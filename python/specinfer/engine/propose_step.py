@@ -102,6 +102,14 @@ class StepProposing:
                 d = d * np.array([st.core_id not in self.forced_ids for st in states], dtype=d.dtype)
             self.policy.observe_verification([st.core_id for st in states], d, emitted.num_accepted)
 
+    def prepare(self, num_requests: int) -> None:
+        """Beside the forward of a step of num_requests requests: what the next proposal's choice
+        reads, built ahead (the policy's step-cost tables, changed by the last step's record, and
+        its cost curve for that batch)."""
+        if self.policy is not None:
+            k = draft_length(self.spec, self.proposer, self.platform, num_requests)
+            self.policy.prepare(num_requests, num_requests * k)
+
     def observe_step(self, num_tokens: int, step_s: float, propose_s: float) -> None:
         if self.policy is not None:
             self.policy.observe_step(num_tokens, step_s, self.num_drafted, propose_s)

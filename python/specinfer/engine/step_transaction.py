@@ -78,10 +78,12 @@ class StepTransaction:
         self.t["launched"] = time.perf_counter()
 
     def overlap(self) -> None:
-        """While the forward runs: the previous step's output work, and the grammar masks of this
-        step's logits rows."""
+        """While the forward runs: the previous step's output work, the grammar masks of this
+        step's logits rows, and what the next proposal's choice reads (the policy's tables)."""
         self._finish_tail(step_pending=True)
         self.masks = self.engine.step_grammar.masks(self.sched, self.states, tree_requests(self.sched))
+        if self.engine.proposing is not None:
+            self.engine.proposing.prepare(len(self.states))  # the policy's cost tables for the next proposal
         self.t["overlapped"] = time.perf_counter()
 
     def sample(self) -> None:

@@ -197,16 +197,32 @@ class StepCostModel:
         self.rate, self.min_steps = rate, min_steps
         self._target, self._draft = TimeTable(rate), TimeTable(rate)
         self.num_steps = 0
+        self._curve = (None, -1, None)  # (base_tokens, max drafts, C(0 .. max)) built by prepare
 
     def record(self, target_tokens: int, target_seconds: float, draft_tokens: int = 0,
                draft_seconds: float = 0.0) -> None:
         self._target.record(target_tokens, target_seconds)
         self._draft.record(draft_tokens, draft_seconds)
         self.num_steps += 1
+        self._curve = (None, -1, None)
 
     @property
     def ready(self) -> bool:
         return self.num_steps >= self.min_steps
+
+    def prepare(self, base_tokens: int | None = None, max_drafts: int = 0) -> None:
+        """Build both tables' sorted arrays now (a record invalidates them), and with base_tokens
+        the curve C(0 .. max_drafts) of a step of that many target tokens: the engine calls this
+        beside the forward with the step's batch, so the next choice reads them ready (~0.2 ms
+        off the critical path at batch 32)."""
+        if not len(self._target):
+            return  # nothing measured yet
+        self._target._sorted()
+        if len(self._draft):
+            self._draft._sorted()
+        if base_tokens is not None and (base_tokens, max_drafts) != self._curve[:2]:
+            n = np.arange(max_drafts + 1)
+            self._curve = (base_tokens, max_drafts, self.target_seconds(base_tokens + n) + self.draft_seconds(n))
 
     def target_seconds(self, tokens) -> np.ndarray:
         """S(T) for each T."""
@@ -217,8 +233,18 @@ class StepCostModel:
         return self._draft.at(drafts) if len(self._draft) else np.zeros(np.shape(drafts))
 
     def step_seconds(self, base_tokens: int) -> Callable[[np.ndarray], np.ndarray]:
-        """C(n) for a step of base_tokens target tokens plus n drafted ones."""
-        return lambda n: self.target_seconds(base_tokens + np.asarray(n)) + self.draft_seconds(n)
+        """C(n) for a step of base_tokens target tokens plus n drafted ones (n ascending from >= 0:
+        read from the prepared curve where it covers them; the same values either way, element
+        by element)."""
+        base, top, curve = self._curve
+
+        def seconds(n):
+            n = np.asarray(n)
+            if base == base_tokens and n.size and int(n[-1]) <= top and int(n[0]) >= 0:
+                return curve[n]
+            return self.target_seconds(base_tokens + n) + self.draft_seconds(n)
+
+        return seconds
 
 
 class AcceptanceEstimates:
@@ -315,6 +341,13 @@ class GoodputPolicy:
     def observe_step(self, target_tokens: int, target_seconds: float, draft_tokens: int,
                      draft_seconds: float) -> None:
         self.cost.record(target_tokens, target_seconds, draft_tokens, draft_seconds)
+
+    def prepare(self, base_tokens: int | None = None, max_drafts: int = 0) -> None:
+        """What the next choice reads and the last step's records changed, built ahead (beside
+        the forward): the step-cost tables, and the cost curve of a step of base_tokens target
+        tokens (the engine passes its batch's requests: the next choice's base when none ends)."""
+        if self.cost.ready:
+            self.cost.prepare(base_tokens, max_drafts)
 
     def num_drafts(self, core_ids, max_drafts: np.ndarray, base_tokens: int,
                    tokens_left: np.ndarray | None = None, horizon: float = 0.0) -> np.ndarray:
