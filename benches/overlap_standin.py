@@ -17,6 +17,7 @@ Targets (issue 38): wall <= 1.05 x device; a speculative step's bubble <= 1.2 x 
 
     python benches/overlap_standin.py --batch 32 --repeats 5
     python benches/overlap_standin.py --batch 1 --repeats 5
+    python benches/overlap_standin.py --batch 32 --repeats 5 --policy goodput --methods plain,ngram
 """
 from __future__ import annotations
 
@@ -107,10 +108,10 @@ class _Modeled:
 def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, "_Both | None"]:
     spec = None
     if method == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "policy": args.policy}
     elif method == "draft_model":
         spec = {"method": "draft_model", "model": str(models / "draft"), "num_speculative_tokens": args.k,
-                "policy": "fixed"}
+                "policy": args.policy}
     gen = Generator(str(models / "target"), speculative=spec, overlap_steps=overlap,
                     max_model_len=args.prompt_len + args.new_tokens + 16, num_kv_blocks=args.batch * 16 + 64,
                     enable_prefix_caching=False)
@@ -139,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-ms", type=float, default=0.25, help="modeled draft forward: fixed part")
     ap.add_argument("--methods", default="plain,ngram,draft_model")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--policy", default="fixed", help="speculation policy: fixed (k every step) or goodput (the "
+                    "engine's default, its per-step choice on the critical path)")
     ap.add_argument("--json", default=None, help="write the medians here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
