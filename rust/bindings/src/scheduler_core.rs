@@ -284,11 +284,7 @@ impl SchedulerCore {
         max_n: i64,
     ) -> PyResult<Proposals<'py>> {
         let ids = req_ids.as_array().to_vec();
-        let (k, min_n, max_n) = (
-            non_negative("k", k)?,
-            non_negative("min_n", min_n)?,
-            non_negative("max_n", max_n)?,
-        );
+        let (k, min_n, max_n) = ngram_sizes(k, min_n, max_n)?;
         let inner = &mut self.inner;
         let (cu, drafts) = py
             .detach(|| {
@@ -312,11 +308,7 @@ impl SchedulerCore {
         max_n: i64,
     ) -> PyResult<usize> {
         let ids = req_ids.as_array().to_vec();
-        let (k, min_n, max_n) = (
-            non_negative("k", k)?,
-            non_negative("min_n", min_n)?,
-            non_negative("max_n", max_n)?,
-        );
+        let (k, min_n, max_n) = ngram_sizes(k, min_n, max_n)?;
         let inner = &mut self.inner;
         py.detach(|| inner.propose_ngram_drafts(&ids, k, min_n, max_n))
             .map_err(to_py)
@@ -597,4 +589,13 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SchedulerCore>()?;
     m.add_class::<SchedulerOutput>()?;
     m.add_class::<UpdateOutput>()
+}
+
+/// The n-gram calls' sizes (k, min_n, max_n) as counts.
+fn ngram_sizes(k: i64, min_n: i64, max_n: i64) -> PyResult<(usize, usize, usize)> {
+    Ok((
+        non_negative("k", k)?,
+        non_negative("min_n", min_n)?,
+        non_negative("max_n", max_n)?,
+    ))
 }

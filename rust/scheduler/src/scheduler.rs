@@ -214,17 +214,9 @@ impl Scheduler {
             validate_draft_parents(parents, cu_num_draft, drafts.len())?;
         }
         for (i, id) in req_ids.iter().enumerate() {
-            let Some(&slot) = self.index.get(id) else {
+            let Some(req) = ready_to_decode(&mut self.requests, &self.index, id) else {
                 continue;
             };
-            let req = self.requests[slot as usize]
-                .as_mut()
-                .expect("indexed slot is live");
-            if req.status != RequestStatus::Running
-                || req.num_computed_tokens + 1 != req.num_tokens()
-            {
-                continue;
-            }
             let range = cu_num_draft[i] as usize..cu_num_draft[i + 1] as usize;
             let d = &drafts[range.clone()];
             let n = d
@@ -296,17 +288,11 @@ impl Scheduler {
         let mut drafts: Vec<u32> = Vec::with_capacity(k);
         let mut total = 0;
         for id in req_ids {
-            let Some(&slot) = self.index.get(id) else {
+            let Some(req) = ready_to_decode(&mut self.requests, &self.index, id) else {
                 continue;
             };
-            let req = self.requests[slot as usize]
-                .as_mut()
-                .expect("indexed slot is live");
-            if req.status != RequestStatus::Running
-                || req.num_computed_tokens + 1 != req.num_tokens()
-                || !req.draft_token_ids.is_empty()
-            {
-                continue;
+            if !req.draft_token_ids.is_empty() {
+                continue; // a split proposal's kept rest
             }
             let n = k.min(req.max_num_draft_tokens(max_model_len));
             drafts.clear();
@@ -624,6 +610,20 @@ fn verified_drafts(req: &Request, end: usize, sampled: bool) -> u32 {
         return req.draft_token_ids.len().min(in_query) as u32;
     }
     req.draft_token_ids.len().min(in_query + 1) as u32
+}
+
+/// The live request `id` if it is running and ready to decode (all its tokens but the last have
+/// KV): the requests a proposal may be set for.
+fn ready_to_decode<'a>(
+    requests: &'a mut [Option<Request>],
+    index: &HashMap<RequestId, u32, FxBuildHasher>,
+    id: &RequestId,
+) -> Option<&'a mut Request> {
+    let req = requests[*index.get(id)? as usize]
+        .as_mut()
+        .expect("indexed slot is live");
+    (req.status == RequestStatus::Running && req.num_computed_tokens + 1 == req.num_tokens())
+        .then_some(req)
 }
 
 fn check_ngram_sizes(min_n: usize, max_n: usize) -> Result<()> {
