@@ -1,7 +1,8 @@
-"""The decoder layers of a GGUF model as stored, in Rust: two calls per layer
+"""The decoder layers of a GGUF model as stored, in Rust: one call per forward
 (`specinfer._core.GgufDecoder`, rust/kernels/src/gguf_decoder.rs) instead of ~25 torch and
-kernel calls, which at 135M parameters cost more than the GEMMs' share (SmolLM2-135M: ~3 ms of
-a 16 ms decode step). Between the calls Python runs only the MLP activation, torch's own op.
+kernel calls per layer, which at 135M parameters cost more than the GEMMs' share (SmolLM2-135M:
+~3 ms of a 16 ms decode step). The MLP's activation is `silu_mul` (Rust), which the unfused
+layers of a GGUF model call too.
 
 Every step is the kernel the unfused layer calls or the same IEEE operations in the same order,
 so the fused forward's bits equal `DecoderLayer.forward`'s (tests/test_gguf_decoder.py); the
@@ -17,7 +18,7 @@ import os
 
 import torch
 
-from specinfer._core import GgufDecoder
+from specinfer._core import GgufDecoder, gguf_silu_mul
 
 
 def build_decoder(model) -> GgufDecoder | None:
@@ -27,7 +28,7 @@ def build_decoder(model) -> GgufDecoder | None:
 
     cfg = model.config
     if (os.environ.get("SPECINFER_GGUF_FUSED", "1") == "0" or model.quantization != "gguf"
-            or model.dtype != torch.float32 or model.tp is not None or not len(model.layers)):
+            or cfg.hidden_act != "silu" or model.dtype != torch.float32 or model.tp is not None or not len(model.layers)):
         return None
     layers = []
     for layer in model.layers:
@@ -59,19 +60,19 @@ def fused_forward(model, decoder: GgufDecoder, x: torch.Tensor, cos: torch.Tenso
             or x.dtype != torch.float32 or not x.is_contiguous()
             or any(c.dtype != torch.float32 or not c.is_contiguous() for c in caches[:len(model.layers)])):
         return False
-    T = x.shape[0]
-    inter = model.config.intermediate_size
-    gate_up = torch.empty(T, 2 * inter, dtype=torch.float32)
     cos, sin = cos.contiguous(), sin.contiguous()  # [T, 1, D] each
-    threads = torch.get_num_threads()
-    batch, isa = prepared.batch, backend.isa
-    nb, bs = caches[0].shape[1], caches[0].shape[2]
-    args = (cos.data_ptr(), sin.data_ptr(), batch)
-    down, act = None, None
-    for i, layer in enumerate(model.layers):
-        decoder.step(x.data_ptr(), T, down, 0 if act is None else act.data_ptr(), i, gate_up.data_ptr(), *args,
-                     caches[i].data_ptr(), nb, bs, threads, isa)
-        act = layer.act(gate_up[:, :inter]) * gate_up[:, inter:]  # as DecoderLayer.forward: act(gate) * up
-        down = i
-    decoder.step(x.data_ptr(), T, down, act.data_ptr(), None, 0, *args, caches[0].data_ptr(), nb, bs, threads, isa)
+    layer_caches = caches[:len(model.layers)]
+    decoder.forward(x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), prepared.batch,
+                    [c.data_ptr() for c in layer_caches], layer_caches[0].shape[1], layer_caches[0].shape[2],
+                    torch.get_num_threads(), backend.isa)
     return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up ([T, 2 * I] float32 on CPU, rows [gate | up]) -> [T, I]: the
+    activation of a GGUF model's layers, the one the fused layers compute (the same bits)."""
+    gate_up = gate_up.contiguous()
+    T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(T, inter, dtype=torch.float32)
+    gguf_silu_mul(gate_up.data_ptr(), T, inter, out.data_ptr(), torch.get_num_threads())
+    return out

@@ -24,7 +24,7 @@ from torch import nn
 
 from specinfer.attention.metadata import ForwardContext
 from specinfer.models.config import ModelConfig
-from specinfer.models.gguf_decoder import build_decoder, fused_forward
+from specinfer.models.gguf_decoder import build_decoder, fused_forward, silu_mul
 from specinfer.models.gguf_linear import GgufWeight, gguf_linear
 from specinfer.models.int8_linear import Int8Weight, check_quantization, int8_linear
 from specinfer.models.moe import SparseMoE
@@ -76,6 +76,9 @@ class DecoderLayer(nn.Module):
         self.softcap = cfg.attn_softcap
         self.local_rope = cfg.layer_uses_local_rope(layer_idx)  # Gemma 3 sliding layers: their own table
         self.act = ACTIVATIONS[cfg.hidden_act]
+        # a GGUF model's silu(gate) * up is the fused layers' own (models/gguf_decoder.py), so
+        # its unfused layers (LayerSkip drafts, EAGLE-3 features) give the fused forward's bits
+        self.gguf_silu = quantization == "gguf" and cfg.hidden_act == "silu"
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_size, self.kv_size = q_size, kv_size
         h = cfg.hidden_size
@@ -149,8 +152,13 @@ class DecoderLayer(nn.Module):
             if self.tp is not None:  # every rank holds a slice of every expert: partial sums
                 down = self.tp.all_reduce(down)
         else:
-            gate, up = linear(h, self.gate_up_weight).chunk(2, dim=-1)
-            down = linear(self.act(gate) * up, self.down_weight)
+            gate_up = linear(h, self.gate_up_weight)
+            if self.gguf_silu and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+                act = silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = self.act(gate) * up
+            down = linear(act, self.down_weight)
             if self.tp is not None:
                 down = self.tp.all_reduce(down)
         if self.mlp_out_norm is not None:

@@ -1,5 +1,5 @@
 //! `GgufDecoder`: the decoder layers of a Llama-family model over GGUF weights as stored
-//! (`specinfer_kernels::gguf_decoder`), two calls per layer, GIL released. Built once per model
+//! (`specinfer_kernels::gguf_decoder`), one call per forward, GIL released. Built once per model
 //! by `specinfer.models.gguf_decoder` from the weights' raw pointers (the file's memory map,
 //! norms and biases as float32 tensors), which the model keeps alive as long as this object;
 //! each call passes the step's float32 activations and the layer's paged KV cache by pointer.
@@ -171,35 +171,30 @@ impl GgufDecoder {
         self.layers.len()
     }
 
-    /// One hop of the forward over t tokens: first x += act · Wdown^T of layer `down_layer`
-    /// (act f32[t, intermediate]), then layer `attn_layer`'s attention half into x (f32[t,
-    /// hidden], in place) and gate_up (f32[t, 2 * intermediate]), over its paged cache
-    /// (f32[2, num_blocks, block_size, kv_heads, head_dim]) and the batch's layout; cos / sin
-    /// f32[t, head_dim] (the model's rope factors). None skips a part.
-    #[pyo3(signature = (x_ptr, t, down_layer, act_ptr, attn_layer, gate_up_ptr, cos_ptr, sin_ptr, batch, cache_ptr, num_blocks, block_size, num_threads, attn_isa=None))]
+    /// The whole forward over t tokens: every layer into x (f32[t, hidden], in place), layer i
+    /// over its paged cache at `cache_ptrs[i]` (f32[2, num_blocks, block_size, kv_heads,
+    /// head_dim]) and the batch's layout; cos / sin f32[t, head_dim] (the model's rope factors).
+    #[pyo3(signature = (x_ptr, t, cos_ptr, sin_ptr, batch, cache_ptrs, num_blocks, block_size, num_threads, attn_isa=None))]
     #[allow(clippy::too_many_arguments)]
-    fn step(
+    fn forward(
         &self,
         py: Python<'_>,
         x_ptr: usize,
         t: usize,
-        down_layer: Option<usize>,
-        act_ptr: usize,
-        attn_layer: Option<usize>,
-        gate_up_ptr: usize,
         cos_ptr: usize,
         sin_ptr: usize,
         batch: &Bound<'_, CpuPagedBatch>,
-        cache_ptr: usize,
+        cache_ptrs: Vec<usize>,
         num_blocks: usize,
         block_size: usize,
         num_threads: usize,
         attn_isa: Option<&str>,
     ) -> PyResult<()> {
         let n = self.layers.len();
-        if down_layer.is_some_and(|l| l >= n) || attn_layer.is_some_and(|l| l >= n) {
+        if cache_ptrs.len() != n || cache_ptrs.contains(&0) {
             return Err(PyValueError::new_err(format!(
-                "GgufDecoder: layer index out of 0..{n}"
+                "GgufDecoder: {} cache pointers for {n} layers",
+                cache_ptrs.len()
             )));
         }
         let layout = &batch.get().layout;
@@ -223,43 +218,62 @@ impl GgufDecoder {
                 .scratch
                 .lock()
                 .map_err(|_| "GgufDecoder: scratch poisoned".to_string())?;
-            // SAFETY: the Python caller passes live, non-aliasing buffers of these sizes (x, act,
-            // gate_up, cos, sin, the layer's cache); the weights outlive this object.
+            let half = 2 * num_blocks * block_size * d.num_kv_heads * d.head_dim;
+            // SAFETY: the Python caller passes live, non-aliasing buffers of these sizes (x, cos,
+            // sin, one cache per layer); the weights outlive this object.
             unsafe {
                 let x = std::slice::from_raw_parts_mut(x_ptr as *mut f32, t * d.hidden);
-                if let Some(l) = down_layer {
-                    let act = std::slice::from_raw_parts(act_ptr as *const f32, t * d.intermediate);
-                    kernel::mlp_down(&d, &self.layer(l), &run, x, t, act, &mut scratch)?;
-                }
-                if let Some(l) = attn_layer {
-                    let half = 2 * num_blocks * block_size * d.num_kv_heads * d.head_dim;
-                    let cache = std::slice::from_raw_parts_mut(cache_ptr as *mut f32, half);
-                    let gate_up = std::slice::from_raw_parts_mut(
-                        gate_up_ptr as *mut f32,
-                        t * 2 * d.intermediate,
-                    );
-                    let cos = std::slice::from_raw_parts(cos_ptr as *const f32, t * d.head_dim);
-                    let sin = std::slice::from_raw_parts(sin_ptr as *const f32, t * d.head_dim);
-                    kernel::attention_half(
-                        &d,
-                        &self.layer(l),
-                        &run,
-                        x,
-                        t,
-                        cos,
-                        sin,
-                        cache,
-                        gate_up,
-                        &mut scratch,
-                    )?;
-                }
+                let cos = std::slice::from_raw_parts(cos_ptr as *const f32, t * d.head_dim);
+                let sin = std::slice::from_raw_parts(sin_ptr as *const f32, t * d.head_dim);
+                let mut caches: Vec<&mut [f32]> = cache_ptrs
+                    .iter()
+                    .map(|&p| std::slice::from_raw_parts_mut(p as *mut f32, half))
+                    .collect();
+                kernel::forward(
+                    &d,
+                    n,
+                    |i| self.layer(i),
+                    &run,
+                    x,
+                    t,
+                    cos,
+                    sin,
+                    &mut caches,
+                    &mut scratch,
+                )
             }
-            Ok::<(), String>(())
         })
         .map_err(PyValueError::new_err)
     }
 }
 
+/// out (f32[t, inter] at out_ptr) = silu(gate) * up of gate_up (f32[t, 2 * inter] at
+/// gate_up_ptr, rows [gate | up]): the activation of a GGUF model's layers, fused or not.
+#[pyfunction]
+#[pyo3(signature = (gate_up_ptr, t, inter, out_ptr, num_threads))]
+pub fn gguf_silu_mul(
+    py: Python<'_>,
+    gate_up_ptr: usize,
+    t: usize,
+    inter: usize,
+    out_ptr: usize,
+    num_threads: usize,
+) -> PyResult<()> {
+    let isa = parse_isa(None)?;
+    py.detach(|| {
+        // SAFETY: live buffers of these lengths from the Python caller; out aliases nothing.
+        let (gu, out) = unsafe {
+            (
+                std::slice::from_raw_parts(gate_up_ptr as *const f32, t * 2 * inter),
+                std::slice::from_raw_parts_mut(out_ptr as *mut f32, t * inter),
+            )
+        };
+        specinfer_kernels::gated_act::silu_mul(isa, num_threads, gu, t, inter, out)
+    })
+    .map_err(PyValueError::new_err)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<GgufDecoder>()
+    m.add_class::<GgufDecoder>()?;
+    m.add_function(wrap_pyfunction!(gguf_silu_mul, m)?)
 }

@@ -1,12 +1,12 @@
-//! A Llama-family decoder layer over GGUF weights as stored, in two calls per layer, so that a
-//! small model's forward is not the ~100 µs of Python and torch dispatch per layer it was
-//! (SmolLM2-135M: ~3 ms of a 16 ms decode step). The model's Python loop does only the
-//! activation between them (`act(gate) * up`, torch's own op, so the bits stay torch's):
+//! The decoder layers of a Llama-family model over GGUF weights as stored, a whole forward in
+//! one call ([`forward`]), so that a small model's forward is not the ~100 µs of Python and
+//! torch dispatch per layer it was (SmolLM2-135M: ~3 ms of a 16 ms decode step). Per layer:
 //!
 //! - [`attention_half`]: h = rmsnorm(x); qkv = h·Wqkv^T (+ bias); rotate q and k (rope, the
 //!   rotate-half form); store k, v in the paged cache and attend; x += attn·Wo^T (+ bias);
 //!   gate_up = rmsnorm(x)·Wgate_up^T.
-//! - [`mlp_down`]: x += act·Wdown^T.
+//! - [`mlp`]: act = silu(gate) * up ([`crate::gated_act::silu_mul`], which the unfused layers of
+//!   a GGUF model call too); x += act·Wdown^T.
 //!
 //! Every step is the kernel the unfused path calls ([`crate::rms_norm`],
 //! [`crate::gguf_linear::gguf_linear`], [`crate::store_kv`], [`crate::paged_attention_with`]) or
@@ -57,6 +57,8 @@ pub struct Scratch {
     qkv: Vec<f32>,
     attn: Vec<f32>,
     proj: Vec<f32>,
+    act: Vec<f32>,
+    gate_up: Vec<f32>,
 }
 
 fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
@@ -200,19 +202,29 @@ pub fn attention_half(
     .map_err(|e| e.to_string())
 }
 
-/// x ([t, hidden]) += act ([t, intermediate]) · Wdown^T.
-pub fn mlp_down(
+/// x ([t, hidden]) += act · Wdown^T, act = silu(gate) * up of `gate_up` ([t, 2 * intermediate],
+/// what [`attention_half`] wrote) by [`crate::gated_act::silu_mul`].
+pub fn mlp(
     dims: &Dims,
     layer: &Layer<'_>,
     run: &Run<'_>,
     x: &mut [f32],
     t: usize,
-    act: &[f32],
+    gate_up: &[f32],
     scratch: &mut Scratch,
 ) -> Result<(), String> {
-    if x.len() != t * dims.hidden || act.len() != t * dims.intermediate {
-        return Err("gguf_decoder: x or act has the wrong size".into());
+    if x.len() != t * dims.hidden || gate_up.len() != t * 2 * dims.intermediate {
+        return Err("gguf_decoder: x or gate_up has the wrong size".into());
     }
+    let act = sized(&mut scratch.act, t * dims.intermediate);
+    crate::gated_act::silu_mul(
+        run.gemm_isa,
+        run.num_threads,
+        gate_up,
+        t,
+        dims.intermediate,
+        act,
+    )?;
     let down = sized(&mut scratch.proj, t * dims.hidden);
     gguf_linear(
         run.gemm_isa,
@@ -227,6 +239,41 @@ pub fn mlp_down(
     .map_err(|e| e.to_string())?;
     x.iter_mut().zip(down.iter()).for_each(|(a, b)| *a += *b);
     Ok(())
+}
+
+/// Every layer over x ([t, hidden], in place): layer i's [`attention_half`] over `caches[i]`,
+/// then its [`mlp`]. `layer(i)` gives layer i's weights.
+#[allow(clippy::too_many_arguments)]
+pub fn forward<'w>(
+    dims: &Dims,
+    num_layers: usize,
+    layer: impl Fn(usize) -> Layer<'w>,
+    run: &Run<'_>,
+    x: &mut [f32],
+    t: usize,
+    cos: &[f32],
+    sin: &[f32],
+    caches: &mut [&mut [f32]],
+    scratch: &mut Scratch,
+) -> Result<(), String> {
+    if caches.len() != num_layers {
+        return Err(format!(
+            "gguf_decoder: {} caches for {num_layers} layers",
+            caches.len()
+        ));
+    }
+    let mut gate_up = std::mem::take(&mut scratch.gate_up);
+    let gu = sized(&mut gate_up, t * 2 * dims.intermediate);
+    let result = (|| {
+        for (i, cache) in caches.iter_mut().enumerate() {
+            let l = layer(i);
+            attention_half(dims, &l, run, x, t, cos, sin, cache, gu, scratch)?;
+            mlp(dims, &l, run, x, t, gu, scratch)?;
+        }
+        Ok(())
+    })();
+    scratch.gate_up = gate_up;
+    result
 }
 
 /// Bytes of `n` rows of `k` values of type `ty` (None: k is not whole blocks).

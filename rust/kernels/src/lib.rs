@@ -28,6 +28,7 @@ pub mod dense_linear;
 pub mod dequant;
 pub mod elem;
 pub mod few_rows_linear;
+pub mod gated_act;
 pub mod gguf_decoder;
 pub mod gguf_linear;
 pub mod int8_linear;

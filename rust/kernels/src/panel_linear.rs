@@ -263,6 +263,10 @@ impl crate::simd::Rows for ScalarFused {
     const W: usize = 1;
     type V = f32;
     #[inline(always)]
+    unsafe fn div(a: f32, b: f32) -> f32 {
+        a / b
+    }
+    #[inline(always)]
     unsafe fn splat(x: f32) -> f32 {
         x
     }

@@ -127,6 +127,7 @@ pub trait Rows {
     unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// e^x to about 2 ulp (Cephes' expf polynomial); -inf and x < -88.37 give 0.
     unsafe fn exp(x: Self::V) -> Self::V;
 }
@@ -232,6 +233,10 @@ impl Rows for Scalar {
     #[inline(always)]
     unsafe fn max(a: f32, b: f32) -> f32 {
         a.max(b)
+    }
+    #[inline(always)]
+    unsafe fn div(a: f32, b: f32) -> f32 {
+        a / b
     }
     #[inline(always)]
     unsafe fn exp(x: f32) -> f32 {
@@ -463,6 +468,10 @@ mod x86 {
             _mm256_max_ps(a, b)
         }
         #[inline(always)]
+        unsafe fn div(a: __m256, b: __m256) -> __m256 {
+            _mm256_div_ps(a, b)
+        }
+        #[inline(always)]
         unsafe fn exp(x: __m256) -> __m256 {
             use super::expf::*;
             let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(HI)), _mm256_set1_ps(LO));
@@ -579,6 +588,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn max(a: __m512, b: __m512) -> __m512 {
             _mm512_max_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn div(a: __m512, b: __m512) -> __m512 {
+            _mm512_div_ps(a, b)
         }
         #[inline(always)]
         unsafe fn exp(x: __m512) -> __m512 {

@@ -819,18 +819,13 @@ fn window_starts(
     (min, max)
 }
 
-/// What the soft-cap needs beyond [`Rows`]: lane-wise division, and a blend keeping -inf lanes.
+/// What the soft-cap needs beyond [`Rows`]: a blend keeping -inf lanes.
 trait CapRows: Rows {
-    unsafe fn div(a: Self::V, b: Self::V) -> Self::V;
     /// Lanes of `orig` that are -inf (masked keys), the other lanes of `capped`.
     unsafe fn keep_neg_inf(orig: Self::V, capped: Self::V) -> Self::V;
 }
 
 impl CapRows for Scalar {
-    #[inline(always)]
-    unsafe fn div(a: f32, b: f32) -> f32 {
-        a / b
-    }
     #[inline(always)]
     unsafe fn keep_neg_inf(orig: f32, capped: f32) -> f32 {
         if orig == f32::NEG_INFINITY {
@@ -844,10 +839,6 @@ impl CapRows for Scalar {
 #[cfg(target_arch = "x86_64")]
 impl CapRows for Avx2 {
     #[inline(always)]
-    unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
-        std::arch::x86_64::_mm256_div_ps(a, b)
-    }
-    #[inline(always)]
     unsafe fn keep_neg_inf(orig: Self::V, capped: Self::V) -> Self::V {
         use std::arch::x86_64::*;
         let masked = _mm256_cmp_ps::<_CMP_EQ_OQ>(orig, _mm256_set1_ps(f32::NEG_INFINITY));
@@ -857,10 +848,6 @@ impl CapRows for Avx2 {
 
 #[cfg(target_arch = "x86_64")]
 impl CapRows for Avx512 {
-    #[inline(always)]
-    unsafe fn div(a: Self::V, b: Self::V) -> Self::V {
-        std::arch::x86_64::_mm512_div_ps(a, b)
-    }
     #[inline(always)]
     unsafe fn keep_neg_inf(orig: Self::V, capped: Self::V) -> Self::V {
         use std::arch::x86_64::*;
