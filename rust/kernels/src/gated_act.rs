@@ -45,7 +45,7 @@ pub fn silu_mul(
         _ => row_scalar,
     };
     let starts: Vec<usize> = (0..t).step_by(ROWS_PER_ITEM).collect();
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = threads::DisjointOut(out.as_mut_ptr());
     let run = |&r0: &usize| {
         for r in r0..(r0 + ROWS_PER_ITEM).min(t) {
             // SAFETY: rows are disjoint; `row` was chosen for a supported ISA (checked above)
@@ -57,18 +57,6 @@ pub fn silu_mul(
     };
     threads::for_each_item(num_threads, &starts, run);
     Ok(())
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: items write disjoint rows
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-impl OutPtr {
-    fn at(self, i: usize) -> *mut f32 {
-        // SAFETY: i is within the output (callers index rows of it)
-        unsafe { self.0.add(i) }
-    }
 }
 
 /// `silu(g) * u` of W lanes at `g`, `u` into `o`.

@@ -49,6 +49,25 @@ pub fn for_each_item<T: Sync>(num_threads: usize, items: &[T], f: impl Fn(&T) + 
     items.iter().for_each(f)
 }
 
+/// A pointer into an output that the items of one call write at disjoint places, shareable
+/// between the team's threads.
+#[derive(Clone, Copy)]
+pub(crate) struct DisjointOut<T>(pub(crate) *mut T);
+// SAFETY: the items of a call write disjoint elements, and the call outlives them.
+unsafe impl<T> Send for DisjointOut<T> {}
+unsafe impl<T> Sync for DisjointOut<T> {}
+
+impl<T> DisjointOut<T> {
+    /// Element `i` (a method, so closures capture the Sync wrapper, not its raw pointer field).
+    ///
+    /// # Safety
+    /// `i` is within the output.
+    #[inline(always)]
+    pub(crate) unsafe fn at(self, i: usize) -> *mut T {
+        self.0.add(i)
+    }
+}
+
 /// How long an idle helper spins before it parks (a forward's calls come within µs of each
 /// other; between steps it sleeps).
 const SPIN: Duration = Duration::from_micros(60);

@@ -270,7 +270,7 @@ pub fn gguf_linear(
         }
         col += p.n;
     }
-    let out_ptr = OutPtr(out.as_mut_ptr());
+    let out_ptr = threads::DisjointOut(out.as_mut_ptr());
     let run = |&(pi, r0, rows, c0): &(usize, usize, usize, usize)| {
         let p = &parts[pi];
         let rb = row_bytes(p.ty, k).unwrap_or(0);
@@ -301,20 +301,6 @@ pub fn gguf_linear(
     };
     threads::for_each_item(num_threads, &items, run);
     Ok(())
-}
-
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: work items write disjoint output columns.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// (A method, so closures capture the Sync wrapper, not its raw pointer field.)
-    #[inline(always)]
-    unsafe fn at(self, i: usize) -> *mut f32 {
-        self.0.add(i)
-    }
 }
 
 #[cfg(test)]
