@@ -1,8 +1,9 @@
-"""The fused GGUF decoder layers (models/gguf_decoder.py: two Rust calls per layer) give the very
+"""The fused GGUF decoder layers (models/gguf_decoder.py: one Rust call per forward) give the very
 bits of the unfused layers — hidden states, KV caches, logprobs, speculative output — on llama
 (permuted Q/K, untied) and Qwen2 (q/k/v biases, tied) files of several block types, over prefill
 chunks of two sequences and then decodes; where a layer has a feature they do not cover, the
-model keeps the unfused layers."""
+model keeps the unfused layers. Their MLP activation (`silu_mul`, Rust) is silu(gate) * up to
+float32 rounding, and the unfused layers of a GGUF model use it too."""
 import numpy as np
 import pytest
 import torch
@@ -12,7 +13,7 @@ from specinfer._core import GgufDecoder
 from specinfer.attention import get_backend
 from specinfer.attention.batch_metadata import attention_metadata_for_runs
 from specinfer.loader import load_model
-from specinfer.models.gguf_decoder import build_decoder
+from specinfer.models.gguf_decoder import build_decoder, silu_mul
 from specinfer.models.model_runner import ModelRunner
 
 from gguf_writer import write_gguf
@@ -92,3 +93,34 @@ def test_layers_the_fused_path_does_not_cover_stay_unfused(gguf_file):
     assert build_decoder(model) is None
     model.layers[1].window = None
     assert build_decoder(load_model(str(gguf_file)).model) is None  # dequantized: the dense layers
+
+
+def test_silu_mul_is_silu_times_up_and_the_unfused_gguf_layers_use_it(gguf_file, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    for t, inter in ((1, 1536), (5, 37), (0, 8)):
+        gate_up = torch.randn(t, 2 * inter, generator=g) * 6
+        want = torch.nn.functional.silu(gate_up[:, :inter].double()) * gate_up[:, inter:].double()
+        got = silu_mul(gate_up)
+        assert got.shape == (t, inter) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
+    model = load_model(str(gguf_file), quantization="gguf").model
+    assert all(layer.gguf_silu for layer in model.layers)
+    assert not any(layer.gguf_silu for layer in load_model(str(gguf_file)).model.layers)  # dequantized: torch's
+    import specinfer.models.llama as llama
+
+    calls = []
+    monkeypatch.setattr(llama, "silu_mul", lambda gu: calls.append(gu.shape) or silu_mul(gu))
+    _forwards(model, fused=False)
+    assert len(calls) == 2 * model.num_layers  # the prefill and the decode, every layer
+
+
+def test_the_fused_forward_refuses_a_wrong_number_of_caches(gguf_file):
+    model = load_model(str(gguf_file), quantization="gguf").model
+    decoder = build_decoder(model)
+    x = torch.zeros(1, model.config.hidden_size)
+    cos = torch.ones(1, model.layers[0].head_dim)
+    attn, _ = attention_metadata_for_runs(np.zeros((1, 1), np.int32), np.array([0]), np.array([1]), 16,
+                                          torch.device("cpu"))
+    prepared = get_backend("cpu_native").prepare(attn)
+    with pytest.raises(ValueError, match="cache pointers"):
+        decoder.forward(x.data_ptr(), 1, cos.data_ptr(), cos.data_ptr(), prepared.batch, [1], 1, 16, 1)

@@ -74,5 +74,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(T, inter, dtype=torch.float32)
+    if T == 0:  # (an empty tensor's data pointer may be null)
+        return out
     gguf_silu_mul(gate_up.data_ptr(), T, inter, out.data_ptr(), torch.get_num_threads())
     return out
