@@ -4,12 +4,10 @@ slots. (How many blocks the engine keeps is engine/kv_budget.py.)"""
 from __future__ import annotations
 
 import math
+import mmap
 
 import numpy as np
 import torch
-
-_ALIGN = 64  # bytes: a cache line, as torch's own CPU allocator aligns
-
 
 def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype, device) -> list[torch.Tensor]:
     """One tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -20,18 +18,27 @@ def allocate_kv_caches(model, num_blocks: int, block_size: int, dtype, device) -
 
 
 def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor whose memory is taken as it is first written, not at allocation.
+    """A zero CPU tensor whose memory is taken as it is first written, not at allocation, in
+    small (4 KB) pages.
 
     torch.zeros writes every byte, so a KV pool sized for the whole budget (4.2 GB for SmolLM2 by
-    default) became resident at start. numpy's zeros is a calloc, and a large calloc is a fresh
-    anonymous mapping whose pages the kernel maps in, zeroed, on first touch; the pool then costs
-    memory as requests fill it. (A small one may come zeroed from the heap: the same contents.)
-    Aligned to a cache line like torch's allocator."""
+    default) became resident at start. A fresh anonymous mapping has its pages mapped in, zeroed,
+    on first touch; the pool then costs memory as requests fill it. Transparent huge pages are
+    refused on it (MADV_NOHUGEPAGE): numpy's own zeros asks for them on large arrays, and then the
+    first write into each 2 MB of a layer's cache zeroed (and, where the kernel compacts memory
+    to find one, waited for) a whole huge page — a SmolLM2-135M decode step spent 1.2 ms storing
+    its 46 KB of K/V, 24 us once the pool was resident (docs/lab notebook, "GGUF: the KV pool's
+    first touches"). Page-aligned, so cache-line aligned like torch's allocator."""
     elem = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * elem
-    buf = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
-    off = -buf.ctypes.data % _ALIGN
-    return torch.from_numpy(buf[off:off + nbytes]).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if hasattr(mmap, "MAP_ANONYMOUS") \
+        else mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    # numpy's array keeps the mapping alive (the buffer protocol holds it), torch's the array
+    return torch.from_numpy(np.frombuffer(buf, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def apply_kv_copies(caches_per_model: list, src: np.ndarray, dst: np.ndarray) -> None:
