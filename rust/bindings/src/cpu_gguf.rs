@@ -102,7 +102,43 @@ pub fn gguf_rows(
     .map_err(PyValueError::new_err)
 }
 
+/// The kernels' own layout of `rows` rows of `cols` values of ggml type `type_id` (`src`,
+/// `src_len` bytes) written to `dst` (as many bytes): -> the layout's type id. Q4_1 rows of at
+/// least 256 values become Q4_1 octets (`gguf_linear::octets`); other types have none (error).
+#[pyfunction]
+pub fn gguf_repack(
+    py: Python<'_>,
+    src_ptr: usize,
+    src_len: usize,
+    type_id: u32,
+    rows: usize,
+    cols: usize,
+    dst_ptr: usize,
+) -> PyResult<u32> {
+    if ggml_type(type_id)? != GgmlType::Q4_1 || cols < 256 {
+        return Err(PyValueError::new_err(format!(
+            "ggml type {type_id} with {cols} values a row has no repacked layout"
+        )));
+    }
+    if src_len == 0 {
+        return Ok(dequant::Q4_1R_ID);
+    }
+    py.detach(|| {
+        // SAFETY: live, non-overlapping buffers of src_len bytes each from the Python caller.
+        let (src, dst) = unsafe {
+            (
+                std::slice::from_raw_parts(src_ptr as *const u8, src_len),
+                std::slice::from_raw_parts_mut(dst_ptr as *mut u8, src_len),
+            )
+        };
+        kernel::octets::repack_rows(src, rows, cols, dst)
+    })
+    .map_err(PyValueError::new_err)?;
+    Ok(dequant::Q4_1R_ID)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gguf_linear, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_repack, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_rows, m)?)
 }

@@ -21,6 +21,9 @@
 //! - Q6_K (256, 210): ql[128], qh[64], scales (i8)[16], d; value v (c = v / 128, r = v % 128):
 //!   low 4 bits from ql[64 c + r % 64] >> 4 (r / 64), high 2 from qh[32 c + r % 32] >> 2 (r / 32);
 //!   x = (d * scales[v / 16]) * (q - 32).
+//! - Q4_1R (not a ggml type: specinfer's id [`Q4_1R_ID`]): Q4_1 rows repacked at load into
+//!   octets of eight blocks (`gguf_linear::q32::octets`), the blocks after the last octet as in
+//!   the file; rows read through [`row`].
 
 use half::f16;
 use rayon::prelude::*;
@@ -41,7 +44,12 @@ pub enum GgmlType {
     Q4K,
     Q5K,
     Q6K,
+    /// Q4_1 repacked in octets at load (`gguf_linear::q32::octets`); not a ggml type.
+    Q4_1R,
 }
+
+/// The id of [`GgmlType::Q4_1R`]: outside ggml's range (its ids are below 64).
+pub const Q4_1R_ID: u32 = 0x1003;
 
 impl GgmlType {
     pub fn from_id(id: u32) -> Option<Self> {
@@ -57,6 +65,7 @@ impl GgmlType {
             13 => Self::Q5K,
             14 => Self::Q6K,
             30 => Self::Bf16,
+            Q4_1R_ID => Self::Q4_1R,
             _ => return None,
         })
     }
@@ -67,7 +76,7 @@ impl GgmlType {
             Self::F32 => (1, 4),
             Self::F16 | Self::Bf16 => (1, 2),
             Self::Q4_0 => (32, 18),
-            Self::Q4_1 => (32, 20),
+            Self::Q4_1 | Self::Q4_1R => (32, 20),
             Self::Q5_0 => (32, 22),
             Self::Q5_1 => (32, 24),
             Self::Q8_0 => (32, 34),
@@ -108,7 +117,8 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
                 out[j + 16] = d * (((b[2 + j] >> 4) as i8 - 8) as f32);
             }
         }
-        GgmlType::Q4_1 => {
+        // (a Q4_1R block here is one after the row's last octet: the file's layout)
+        GgmlType::Q4_1 | GgmlType::Q4_1R => {
             let (d, m) = (h(b, 0), h(b, 2));
             for j in 0..16 {
                 out[j] = d * ((b[4 + j] & 0x0F) as f32) + m;
@@ -176,6 +186,29 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
     }
 }
 
+/// One row of type `t` (`s` its bytes) into `o` (`cols` values).
+fn row(t: GgmlType, s: &[u8], o: &mut [f32]) {
+    let (per, bytes) = t.block();
+    let mut at = 0; // bytes of s read
+    if t == GgmlType::Q4_1R {
+        use crate::gguf_linear::octets::{unpack_octet, OCTET};
+        for (ob, so) in o.chunks_exact_mut(256).zip(s.chunks_exact(OCTET)) {
+            let blocks = unpack_octet(so);
+            for (obb, sb) in ob.chunks_exact_mut(32).zip(blocks.chunks_exact(bytes)) {
+                block(GgmlType::Q4_1, sb, obb);
+            }
+            at += OCTET;
+        }
+    }
+    let done = at / bytes * per;
+    for (ob, sb) in o[done..]
+        .chunks_exact_mut(per)
+        .zip(s[at..].chunks_exact(bytes))
+    {
+        block(t, sb, ob);
+    }
+}
+
 /// Dequantize the rows `ids` of a tensor of `cols`-value rows (`src` all its rows' blocks) into
 /// `out [ids.len() * cols]`: an embedding lookup in a stored table. Ids are checked against
 /// the table's row count.
@@ -205,10 +238,11 @@ pub fn gather_rows(
         if id < 0 || id as usize >= rows {
             return Err(format!("row {id} is outside the table's {rows} rows"));
         }
-        let row = &src[id as usize * row_bytes..(id as usize + 1) * row_bytes];
-        for (ob, sb) in o.chunks_exact_mut(per).zip(row.chunks_exact(bytes)) {
-            block(t, sb, ob);
-        }
+        row(
+            t,
+            &src[id as usize * row_bytes..(id as usize + 1) * row_bytes],
+            o,
+        );
     }
     Ok(())
 }
@@ -244,11 +278,7 @@ pub fn dequantize(
             out.len()
         ));
     }
-    let one_row = |(o, s): (&mut [f32], &[u8])| {
-        for (ob, sb) in o.chunks_exact_mut(per).zip(s.chunks_exact(bytes)) {
-            block(t, sb, ob);
-        }
-    };
+    let one_row = |(o, s): (&mut [f32], &[u8])| row(t, s, o);
     if cols == 0 || rows == 0 {
         return Ok(());
     }

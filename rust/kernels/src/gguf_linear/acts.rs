@@ -6,6 +6,9 @@
 //!   `s = d * sum(q)` for the formats with a minimum (Q4_1, Q5_1). Scales f32 (llama.cpp: f16).
 //! - [`Q8KRows`] (the K formats; `block_q8_K`): per block of 256, the same rule, plus the sums
 //!   of `q` over each 16 values (`bsums`) for the K formats' minimums and offsets.
+//!   With [`Forms::Q8P`] also the quants in *pair order* (`qp`, for the Q4_1 octets of
+//!   `q32::octets`): per pair of blocks a, b their values four at a time, `a[0..4], b[0..4],
+//!   .., a[12..16], b[12..16]`, then the same from value 16; an odd last block as it is.
 //! - F32 (float weights): the rows as given.
 
 use rayon::prelude::*;
@@ -21,6 +24,8 @@ impl Forms {
     pub const F32: Forms = Forms(1);
     pub const Q8: Forms = Forms(2);
     pub const Q8K: Forms = Forms(4);
+    /// Q8 and its pair order.
+    pub const Q8P: Forms = Forms(8);
 
     pub fn has(self, f: Forms) -> bool {
         self.0 & f.0 != 0
@@ -34,12 +39,31 @@ impl std::ops::BitOr for Forms {
     }
 }
 
-/// Blocks of 32: `qs [m * k]`, `d [m * k / 32]`, `s [m * k / 32]` (= d * sum of the block's qs).
+/// Blocks of 32: `qs [m * k]`, `d [m * k / 32]`, `s [m * k / 32]` (= d * sum of the block's qs),
+/// and `qp [m * k]` the qs in pair order (empty unless asked for).
 #[derive(Debug, Default)]
 pub struct Q8Rows {
     pub qs: Vec<i8>,
     pub d: Vec<f32>,
     pub s: Vec<f32>,
+    pub qp: Vec<i8>,
+}
+
+/// One row's quants `qs` in pair order into `qp` (see the module's doc).
+fn pair_order(qs: &[i8], qp: &mut [i8]) {
+    let pairs = qs.len() / 64;
+    for p in 0..pairs {
+        let (a, b) = (&qs[64 * p..64 * p + 32], &qs[64 * p + 32..64 * p + 64]);
+        let out = &mut qp[64 * p..64 * p + 64];
+        for half in 0..2 {
+            for g in 0..4 {
+                let (src, dst) = (16 * half + 4 * g, 32 * half + 8 * g);
+                out[dst..dst + 4].copy_from_slice(&a[src..src + 4]);
+                out[dst + 4..dst + 8].copy_from_slice(&b[src..src + 4]);
+            }
+        }
+    }
+    qp[64 * pairs..].copy_from_slice(&qs[64 * pairs..]);
 }
 
 /// Blocks of 256: `qs [m * k]`, `d [m * k / 256]`, `bsums [m * k / 16]` (i16 sums of 16 qs).
@@ -128,7 +152,8 @@ fn simd_rows_available() -> bool {
 impl<'a> Acts<'a> {
     /// Quantize `x [m, k]` into `forms` (rows in parallel on `num_threads` threads).
     pub fn new(x: &'a [f32], m: usize, k: usize, forms: Forms, num_threads: usize) -> Acts<'a> {
-        let q8 = (forms.has(Forms::Q8) && k % 32 == 0).then(|| q8_rows(x, m, k, num_threads));
+        let q8 = (forms.has(Forms::Q8) && k % 32 == 0)
+            .then(|| q8_rows(x, m, k, forms.has(Forms::Q8P), num_threads));
         let q8k = (forms.has(Forms::Q8K) && k % 256 == 0).then(|| q8k_rows(x, m, k, num_threads));
         Acts { x, m, k, q8, q8k }
     }
@@ -160,18 +185,20 @@ impl<T> Ptr<T> {
     }
 }
 
-fn q8_rows(x: &[f32], m: usize, k: usize, num_threads: usize) -> Q8Rows {
+fn q8_rows(x: &[f32], m: usize, k: usize, pairs: bool, num_threads: usize) -> Q8Rows {
     let nb = k / 32;
     let mut r = Q8Rows {
         qs: vec![0; m * k],
         d: vec![0.0; m * nb],
         s: vec![0.0; m * nb],
+        qp: if pairs { vec![0; m * k] } else { Vec::new() },
     };
     let simd = simd_rows_available();
-    let (qs, d, s) = (
+    let (qs, d, s, qp) = (
         Ptr(r.qs.as_mut_ptr()),
         Ptr(r.d.as_mut_ptr()),
         Ptr(r.s.as_mut_ptr()),
+        Ptr(r.qp.as_mut_ptr()),
     );
     par_rows(m, k, num_threads, |mi| {
         // SAFETY: row mi's ranges are disjoint from every other row's.
@@ -184,11 +211,20 @@ fn q8_rows(x: &[f32], m: usize, k: usize, num_threads: usize) -> Q8Rows {
         };
         let x = &x[mi * k..(mi + 1) * k];
         #[cfg(target_arch = "x86_64")]
-        if simd {
+        let quantized = simd && {
             // SAFETY: simd_rows_available() checked the features
-            return unsafe { simd_rows::q8_row(x, qs, d, s) };
+            unsafe { simd_rows::q8_row(x, qs, d, s) };
+            true
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let quantized = false;
+        if !quantized {
+            q8_row(x, qs, d, s);
         }
-        q8_row(x, qs, d, s)
+        if pairs {
+            // SAFETY: as above (qp has m * k elements when pairs)
+            pair_order(qs, unsafe { qp.slice(mi * k, k) });
+        }
     });
     r
 }

@@ -24,6 +24,8 @@ mod float;
 mod kquants;
 mod q32;
 
+pub use q32::octets;
+
 use crate::dequant::GgmlType;
 use crate::paged_attention::AttentionError as KernelError;
 use crate::simd::Isa;
@@ -105,9 +107,12 @@ impl Path {
 pub fn dot_fn(ty: GgmlType, path: Path) -> Option<DotFn> {
     match ty {
         GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => float::select(ty, path),
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
-            q32::select(ty, path)
-        }
+        GgmlType::Q4_0
+        | GgmlType::Q4_1
+        | GgmlType::Q5_0
+        | GgmlType::Q5_1
+        | GgmlType::Q8_0
+        | GgmlType::Q4_1R => q32::select(ty, path),
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select(ty, path),
     }
 }
@@ -116,9 +121,12 @@ pub fn dot_fn(ty: GgmlType, path: Path) -> Option<DotFn> {
 pub fn rows_fn_of(ty: GgmlType, path: Path) -> Option<RowsFn> {
     match ty {
         GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => float::select_rows(ty, path),
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
-            q32::select_rows(ty, path)
-        }
+        GgmlType::Q4_0
+        | GgmlType::Q4_1
+        | GgmlType::Q5_0
+        | GgmlType::Q5_1
+        | GgmlType::Q8_0
+        | GgmlType::Q4_1R => q32::select_rows(ty, path),
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select_rows(ty, path),
     }
 }
@@ -130,6 +138,7 @@ pub fn needs(ty: GgmlType) -> acts::Forms {
         GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
             acts::Forms::Q8
         }
+        GgmlType::Q4_1R => acts::Forms::Q8 | acts::Forms::Q8P,
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => acts::Forms::Q8K,
     }
 }

@@ -27,6 +27,9 @@ use super::{Acts, DotFn, Path, ROWS};
 use crate::dequant::GgmlType;
 use half::f16;
 
+#[path = "q32_octets.rs"]
+pub mod octets;
+
 /// Format ids of the const generic parameter (the order of [`BYTES`]).
 const Q4_0: u8 = 0;
 const Q4_1: u8 = 1;
@@ -51,6 +54,7 @@ pub(super) fn select_rows(ty: GgmlType, path: Path) -> Option<super::RowsFn> {
             GgmlType::Q5_0 => rows_fn!(scalar::<Q5_0>),
             GgmlType::Q5_1 => rows_fn!(scalar::<Q5_1>),
             GgmlType::Q8_0 => rows_fn!(scalar::<Q8_0>),
+            GgmlType::Q4_1R => rows_fn!(octets::scalar),
             _ => return None,
         }),
         #[cfg(target_arch = "x86_64")]
@@ -64,6 +68,7 @@ pub(super) fn select_rows(ty: GgmlType, path: Path) -> Option<super::RowsFn> {
                 GgmlType::Q5_0 => rows_fn!(avx2::<Q5_0>, "avx2,fma,f16c"),
                 GgmlType::Q5_1 => rows_fn!(avx2::<Q5_1>, "avx2,fma,f16c"),
                 GgmlType::Q8_0 => rows_fn!(avx2::<Q8_0>, "avx2,fma,f16c"),
+                GgmlType::Q4_1R => rows_fn!(octets::avx2, "avx2,fma,f16c"),
                 _ => return None,
             })
         }
@@ -78,6 +83,7 @@ pub(super) fn select(ty: GgmlType, path: Path) -> Option<DotFn> {
             GgmlType::Q5_0 => scalar::<Q5_0>,
             GgmlType::Q5_1 => scalar::<Q5_1>,
             GgmlType::Q8_0 => scalar::<Q8_0>,
+            GgmlType::Q4_1R => octets::scalar,
             _ => return None,
         }),
         #[cfg(target_arch = "x86_64")]
@@ -92,6 +98,7 @@ pub(super) fn select(ty: GgmlType, path: Path) -> Option<DotFn> {
                 GgmlType::Q5_0 => avx2::<Q5_0>,
                 GgmlType::Q5_1 => avx2::<Q5_1>,
                 GgmlType::Q8_0 => avx2::<Q8_0>,
+                GgmlType::Q4_1R => octets::avx2,
                 _ => return None,
             })
         }
@@ -144,12 +151,28 @@ unsafe fn scalar<const F: u8>(
     mc: usize,
     out: &mut [f32; ROWS],
 ) {
+    let mut acc = [0.0f32; ROWS];
+    scalar_blocks::<F>(w, 0, acts.k / 32, acts, m0, mc, &mut acc);
+    out[..mc].copy_from_slice(&acc[..mc]);
+}
+
+/// Blocks `b0 .. b0 + n` of a row (the first at `w`, in the file's layout) into `acc`: per row
+/// and block `acc = fma(dot, d_w * d_x, acc)`, then (Q4_1, Q5_1) `acc = fma(m_w, s_x, acc)`.
+unsafe fn scalar_blocks<const F: u8>(
+    w: *const u8,
+    b0: usize,
+    n: usize,
+    acts: &Acts<'_>,
+    m0: usize,
+    mc: usize,
+    acc: &mut [f32; ROWS],
+) {
     let q8 = acts.q8.as_ref().unwrap_unchecked();
     let (k, nb) = (acts.k, acts.k / 32);
-    let mut acc = [0.0f32; ROWS];
     let mut q = [0i8; 32];
-    for b in 0..nb {
-        let (dw, mw) = decode::<F>(w.add(BYTES[F as usize] * b), &mut q);
+    for j in 0..n {
+        let b = b0 + j;
+        let (dw, mw) = decode::<F>(w.add(BYTES[F as usize] * j), &mut q);
         for (i, a) in acc.iter_mut().enumerate().take(mc) {
             let mi = m0 + i;
             let xq = &q8.qs[mi * k + 32 * b..mi * k + 32 * b + 32];
@@ -163,7 +186,6 @@ unsafe fn scalar<const F: u8>(
             }
         }
     }
-    out[..mc].copy_from_slice(&acc[..mc]);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -7,13 +7,84 @@ use super::super::{gguf_linear, Part};
 use crate::dequant::{dequantize, GgmlType};
 use crate::simd::Isa;
 
-const TYPES: [GgmlType; 5] = [
+const TYPES: [GgmlType; 6] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q4_1R,
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
 ];
+
+/// Q4_1 repacked in octets: the same values (dequantized bit for bit as the file's blocks,
+/// unpacked back to the same bytes) and products within f32 rounding of the file layout's, for
+/// rows of whole octets, an octet and a tail, and a tail alone.
+#[test]
+fn q4_1_octets_hold_the_same_blocks() {
+    use super::super::octets::{repack_rows, unpack_octet, OCTET};
+    let mut rng = Rng(7);
+    for (n, k) in [(5usize, 256usize), (7, 576), (3, 96), (2, 1536)] {
+        let src = random_rows(GgmlType::Q4_1, n, k, &mut rng);
+        let mut packed = vec![0u8; src.len()];
+        repack_rows(&src, n, k, &mut packed).unwrap();
+        let rb = k / 32 * 20;
+        for (s, p) in src.chunks_exact(rb).zip(packed.chunks_exact(rb)) {
+            let full = k / 256 * OCTET;
+            for (so, po) in s[..full]
+                .chunks_exact(OCTET)
+                .zip(p[..full].chunks_exact(OCTET))
+            {
+                assert_eq!(&unpack_octet(po)[..], so);
+            }
+            assert_eq!(&s[full..], &p[full..]);
+        }
+        let (mut a, mut b) = (vec![0.0f32; n * k], vec![0.0f32; n * k]);
+        dequantize(GgmlType::Q4_1, &src, n, k, &mut a, 1).unwrap();
+        dequantize(GgmlType::Q4_1R, &packed, n, k, &mut b, 2).unwrap();
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+        let m = 9;
+        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+        for isa in Isa::supported() {
+            let want = run(
+                isa,
+                1,
+                &x,
+                m,
+                k,
+                &[Part {
+                    ty: GgmlType::Q4_1,
+                    data: &src,
+                    n,
+                }],
+                None,
+            );
+            let got = run(
+                isa,
+                2,
+                &x,
+                m,
+                k,
+                &[Part {
+                    ty: GgmlType::Q4_1R,
+                    data: &packed,
+                    n,
+                }],
+                None,
+            );
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let mag: f32 = (0..k)
+                    .map(|e| (a[(i % n) * k + e] * x[(i / n) * k + e]).abs())
+                    .sum();
+                assert!(
+                    (g - w).abs() <= 1e-5 * mag + 1e-6,
+                    "{isa:?} n={n} k={k} [{i}]: {g} vs {w}"
+                );
+            }
+        }
+    }
+    assert!(repack_rows(&[0u8; 40], 1, 48, &mut [0u8; 40]).is_err()); // k not whole blocks
+    assert!(repack_rows(&[0u8; 40], 1, 64, &mut [0u8; 20]).is_err()); // sizes differ
+}
 
 /// Weights and activations at the ends of their ranges (the largest `vpmaddubsw` pairs, Q8_0's
 /// -128), the row one byte off alignment: every path gives the exact dot within f32 rounding.
@@ -29,9 +100,14 @@ fn q32_formats_are_exact_at_the_range_ends() {
             let data = &mut buf[1..];
             for blk in data.chunks_exact_mut(bytes) {
                 put_f16(blk, 0, 0.25);
-                if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+                if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_1R) {
                     put_f16(blk, 2, -0.5);
                 }
+            }
+            if ty == GgmlType::Q4_1R {
+                // the file's blocks, repacked (k = 352: one octet, then the file's layout)
+                let src = data.to_vec();
+                super::super::octets::repack_rows(&src, 1, k, data).unwrap();
             }
             let mut w = vec![0.0f32; k];
             dequantize(ty, data, 1, k, &mut w, 1).unwrap();

@@ -7,7 +7,7 @@ use super::*;
 use crate::dequant::{dequantize, GgmlType};
 use half::f16;
 
-pub(super) const TYPES: [GgmlType; 11] = [
+pub(super) const TYPES: [GgmlType; 12] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Bf16,
@@ -19,6 +19,7 @@ pub(super) const TYPES: [GgmlType; 11] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::Q4_1R,
 ];
 
 /// A tiny deterministic generator (xorshift).
@@ -41,6 +42,12 @@ pub(super) fn put_f16(b: &mut [u8], at: usize, v: f32) {
 
 /// Random but valid rows: random bytes with every float field set to a sane value.
 pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
+    if ty == GgmlType::Q4_1R {
+        let src = random_rows(GgmlType::Q4_1, n, k, rng);
+        let mut dst = vec![0u8; src.len()];
+        octets::repack_rows(&src, n, k, &mut dst).unwrap();
+        return dst;
+    }
     let rb = row_bytes(ty, k).unwrap();
     let mut data: Vec<u8> = (0..n * rb).map(|_| rng.next() as u8).collect();
     let (_, bytes) = ty.block();
@@ -54,7 +61,7 @@ pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Ve
             GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => {
                 put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs())
             }
-            GgmlType::Q4_1 | GgmlType::Q5_1 => {
+            GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_1R => {
                 put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs());
                 put_f16(blk, 2, 0.1 * rng.unit());
             }

@@ -1,0 +1,221 @@
+//! Q4_1 repacked at load into *octets* ([`GgmlType::Q4_1R`]): the same bytes as the file's
+//! blocks, not one more, arranged so that the decode loop does less work per block.
+//!
+//! A row's blocks go in groups of eight (an octet, 160 bytes, as eight 20-byte blocks are):
+//! the eight scales `d` (f16), the eight minimums `m` (f16), then four *pairs* of 32 bytes:
+//! pair p holds blocks a = 2p and b = 2p + 1 as their quant bytes interleaved four at a time
+//! (`a.qs[0..4], b.qs[0..4], a.qs[4..8], b.qs[4..8], ...`). The blocks after the last whole
+//! octet stay in the file's layout. [`repack_rows`] and [`unpack_octet`] convert.
+//!
+//! The AVX2 decode of a pair: one 32-byte load, the low nibbles (`and`) and the high ones
+//! (`shift`, `and`), two `vpmaddubsw` against the activations in the matching *pair order*
+//! ([`super::acts::Q8Rows::qp`]: per pair of blocks, `xa[0..4], xb[0..4], ...` then the same
+//! from value 16), one `vpaddw` and one `vpmaddwd`: eight exact i32 sums, lanes alternately
+//! block a's and b's, with no shuffles. An octet's eight scales are converted at once and
+//! multiplied by the activations' eight scales in one product; each pair takes its two by a
+//! lane permute. Against [`super::q32`]'s Q4_1 loop (broadcast, variable shift and mask per
+//! block, two unpacks per pair, the f16 scales converted pair by pair) that is about 7 in
+//! place of 11 instructions a block.
+//!
+//! Every row count (1 to [`ROWS`] activation rows) runs the same operations in the same order
+//! per output, so the results do not depend on the batch (greedy speculation stays exact).
+
+use super::{Acts, ROWS};
+
+/// Bytes of an octet (eight Q4_1 blocks).
+pub const OCTET: usize = 160;
+/// Bytes of a Q4_1 block.
+const BLOCK: usize = 20;
+
+/// The octet of eight file-layout Q4_1 blocks (`src`, 160 bytes) into `dst`.
+fn pack_octet(src: &[u8], dst: &mut [u8]) {
+    for j in 0..8 {
+        let b = &src[BLOCK * j..BLOCK * (j + 1)];
+        dst[2 * j..2 * j + 2].copy_from_slice(&b[0..2]);
+        dst[16 + 2 * j..16 + 2 * j + 2].copy_from_slice(&b[2..4]);
+    }
+    for p in 0..4 {
+        let (a, b) = (&src[BLOCK * 2 * p + 4..], &src[BLOCK * (2 * p + 1) + 4..]);
+        let out = &mut dst[32 + 32 * p..64 + 32 * p];
+        for g in 0..4 {
+            out[8 * g..8 * g + 4].copy_from_slice(&a[4 * g..4 * g + 4]);
+            out[8 * g + 4..8 * g + 8].copy_from_slice(&b[4 * g..4 * g + 4]);
+        }
+    }
+}
+
+/// An octet (160 bytes) back to eight file-layout Q4_1 blocks.
+pub fn unpack_octet(src: &[u8]) -> [u8; OCTET] {
+    let mut dst = [0u8; OCTET];
+    for j in 0..8 {
+        let b = &mut dst[BLOCK * j..BLOCK * (j + 1)];
+        b[0..2].copy_from_slice(&src[2 * j..2 * j + 2]);
+        b[2..4].copy_from_slice(&src[16 + 2 * j..16 + 2 * j + 2]);
+    }
+    for p in 0..4 {
+        let pair = &src[32 + 32 * p..64 + 32 * p];
+        for g in 0..4 {
+            let a = BLOCK * 2 * p + 4 + 4 * g;
+            dst[a..a + 4].copy_from_slice(&pair[8 * g..8 * g + 4]);
+            let b = BLOCK * (2 * p + 1) + 4 + 4 * g;
+            dst[b..b + 4].copy_from_slice(&pair[8 * g + 4..8 * g + 8]);
+        }
+    }
+    dst
+}
+
+/// `rows` rows of `k` values of file-layout Q4_1 (`src`) into octets (`dst`, the same size).
+pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<(), String> {
+    if k % 32 != 0 {
+        return Err(format!(
+            "Q4_1: a row of {k} values is not whole blocks of 32"
+        ));
+    }
+    let rb = k / 32 * BLOCK;
+    if src.len() != rows * rb || dst.len() != src.len() {
+        return Err(format!(
+            "Q4_1 repack: {} source and {} destination bytes for {rows} rows of {rb}",
+            src.len(),
+            dst.len()
+        ));
+    }
+    let full = k / 256 * OCTET;
+    for (s, d) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(rb)) {
+        for (so, dso) in s[..full]
+            .chunks_exact(OCTET)
+            .zip(d[..full].chunks_exact_mut(OCTET))
+        {
+            pack_octet(so, dso);
+        }
+        d[full..].copy_from_slice(&s[full..]);
+    }
+    Ok(())
+}
+
+/// The portable path: each octet unpacked to file-layout blocks, then [`super::q32`]'s.
+pub(super) unsafe fn scalar(
+    w: *const u8,
+    acts: &Acts<'_>,
+    m0: usize,
+    mc: usize,
+    out: &mut [f32; ROWS],
+) {
+    let nb = acts.k / 32;
+    let octets = nb / 8;
+    let mut acc = [0.0f32; ROWS];
+    for o in 0..octets {
+        let blocks = unpack_octet(std::slice::from_raw_parts(w.add(OCTET * o), OCTET));
+        super::scalar_blocks::<{ super::Q4_1 }>(blocks.as_ptr(), 8 * o, 8, acts, m0, mc, &mut acc);
+    }
+    let tail = w.add(OCTET * octets);
+    super::scalar_blocks::<{ super::Q4_1 }>(
+        tail,
+        8 * octets,
+        nb - 8 * octets,
+        acts,
+        m0,
+        mc,
+        &mut acc,
+    );
+    out[..mc].copy_from_slice(&acc[..mc]);
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// The AVX2 path: one instantiation per row count.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn avx2(
+    w: *const u8,
+    acts: &Acts<'_>,
+    m0: usize,
+    mc: usize,
+    out: &mut [f32; ROWS],
+) {
+    match mc {
+        4 => avx2_rows::<4>(w, acts, m0, out),
+        3 => avx2_rows::<3>(w, acts, m0, out),
+        2 => avx2_rows::<2>(w, acts, m0, out),
+        _ => avx2_rows::<1>(w, acts, m0, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn avx2_rows<const MC: usize>(
+    w: *const u8,
+    acts: &Acts<'_>,
+    m0: usize,
+    out: &mut [f32; ROWS],
+) {
+    let q8 = acts.q8.as_ref().unwrap_unchecked();
+    let (k, nb) = (acts.k, acts.k / 32);
+    let x = super::Rows {
+        xq: q8.qs.as_ptr().add(m0 * k),
+        xd: q8.d.as_ptr().add(m0 * nb),
+        xs: q8.s.as_ptr().add(m0 * nb),
+        k,
+        nb,
+    };
+    let xp = q8.qp.as_ptr().add(m0 * k);
+    let c = super::consts::<{ super::Q4_1 }>();
+    let low4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let idx: [__m256i; 4] = std::array::from_fn(|p| {
+        let (a, b) = (2 * p as i32, 2 * p as i32 + 1);
+        _mm256_setr_epi32(a, b, a, b, a, b, a, b)
+    });
+    let mut acc0 = [_mm256_setzero_ps(); MC];
+    let mut acc1 = [_mm256_setzero_ps(); MC];
+    let octets = nb / 8;
+    for o in 0..octets {
+        let p = w.add(OCTET * o);
+        let b = 8 * o;
+        let mut off = 0;
+        while off < OCTET {
+            crate::simd::prefetch_l2(p.wrapping_add(super::PREFETCH_BYTES + off) as *const i8);
+            off += 64;
+        }
+        let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+        let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
+        let mut sd = [_mm256_setzero_ps(); MC];
+        for i in 0..MC {
+            sd[i] = _mm256_mul_ps(d8, _mm256_loadu_ps(x.xd.add(i * nb + b)));
+            acc0[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(x.xs.add(i * nb + b)), acc0[i]);
+        }
+        for (pp, ix) in idx.iter().enumerate() {
+            let wv = _mm256_loadu_si256(p.add(32 + 32 * pp) as *const __m256i);
+            let lo = _mm256_and_si256(wv, low4);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(wv), low4);
+            for i in 0..MC {
+                let xq = xp.add(i * k + 32 * (b + 2 * pp));
+                let s16 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256(xq as *const __m256i)),
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xq.add(32) as *const __m256i)),
+                );
+                let v = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                let s = _mm256_permutevar8x32_ps(sd[i], *ix);
+                if pp % 2 == 0 {
+                    acc0[i] = _mm256_fmadd_ps(v, s, acc0[i]);
+                } else {
+                    acc1[i] = _mm256_fmadd_ps(v, s, acc1[i]);
+                }
+            }
+        }
+    }
+    if 8 * octets < nb {
+        super::tail::<{ super::Q4_1 }, MC>(
+            w.add(OCTET * octets),
+            x,
+            8 * octets,
+            nb - 8 * octets,
+            &c,
+            &mut acc0,
+            &mut acc1,
+        );
+    }
+    for i in 0..MC {
+        out[i] = super::hsum(_mm256_add_ps(acc0[i], acc1[i]));
+    }
+}
