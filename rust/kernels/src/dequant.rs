@@ -22,8 +22,8 @@
 //!   low 4 bits from ql[64 c + r % 64] >> 4 (r / 64), high 2 from qh[32 c + r % 32] >> 2 (r / 32);
 //!   x = (d * scales[v / 16]) * (q - 32).
 //! - Q4_1R (not a ggml type: specinfer's id [`Q4_1R_ID`]): Q4_1 rows repacked at load into
-//!   octets of eight blocks (`gguf_linear::q32::octets`), the blocks after the last octet as in
-//!   the file; rows read through [`row`].
+//!   groups of up to eight blocks (`gguf_linear::octets`), an odd last block as in the file;
+//!   rows read through [`row`].
 
 use half::f16;
 use rayon::prelude::*;
@@ -191,13 +191,14 @@ fn row(t: GgmlType, s: &[u8], o: &mut [f32]) {
     let (per, bytes) = t.block();
     let mut at = 0; // bytes of s read
     if t == GgmlType::Q4_1R {
-        use crate::gguf_linear::octets::{unpack_octet, OCTET};
-        for (ob, so) in o.chunks_exact_mut(256).zip(s.chunks_exact(OCTET)) {
-            let blocks = unpack_octet(so);
-            for (obb, sb) in ob.chunks_exact_mut(32).zip(blocks.chunks_exact(bytes)) {
-                block(GgmlType::Q4_1, sb, obb);
+        use crate::gguf_linear::octets::{groups, unpack_group};
+        for (b0, n) in groups(o.len() / 32) {
+            let blocks = unpack_group(&s[bytes * b0..bytes * (b0 + n)], n);
+            for j in 0..n {
+                let ob = &mut o[32 * (b0 + j)..32 * (b0 + j + 1)];
+                block(GgmlType::Q4_1, &blocks[bytes * j..bytes * (j + 1)], ob);
             }
-            at += OCTET;
+            at = bytes * (b0 + n);
         }
     }
     let done = at / bytes * per;

@@ -5,7 +5,9 @@
 //! the eight scales `d` (f16), the eight minimums `m` (f16), then four *pairs* of 32 bytes:
 //! pair p holds blocks a = 2p and b = 2p + 1 as their quant bytes interleaved four at a time
 //! (`a.qs[0..4], b.qs[0..4], a.qs[4..8], b.qs[4..8], ...`). The blocks after the last whole
-//! octet stay in the file's layout. [`repack_rows`] and [`unpack_octet`] convert.
+//! octet go the same way as a *short group* of 2, 4 or 6 (its scales, its minimums, its pairs:
+//! a row of 576 values is two octets and a group of 2); only an odd last block stays in the
+//! file's layout. [`repack_rows`] and [`unpack_group`] convert.
 //!
 //! The AVX2 decode of a pair: one 32-byte load, the low nibbles (`and`) and the high ones
 //! (`shift`, `and`), two `vpmaddubsw` against the activations in the matching *pair order*
@@ -27,16 +29,16 @@ pub const OCTET: usize = 160;
 /// Bytes of a Q4_1 block.
 const BLOCK: usize = 20;
 
-/// The octet of eight file-layout Q4_1 blocks (`src`, 160 bytes) into `dst`.
-fn pack_octet(src: &[u8], dst: &mut [u8]) {
-    for j in 0..8 {
+/// A group of `n` (2, 4, 6 or 8) file-layout Q4_1 blocks (`src`, 20 n bytes) into `dst`.
+fn pack_group(src: &[u8], dst: &mut [u8], n: usize) {
+    for j in 0..n {
         let b = &src[BLOCK * j..BLOCK * (j + 1)];
         dst[2 * j..2 * j + 2].copy_from_slice(&b[0..2]);
-        dst[16 + 2 * j..16 + 2 * j + 2].copy_from_slice(&b[2..4]);
+        dst[2 * n + 2 * j..2 * n + 2 * j + 2].copy_from_slice(&b[2..4]);
     }
-    for p in 0..4 {
+    for p in 0..n / 2 {
         let (a, b) = (&src[BLOCK * 2 * p + 4..], &src[BLOCK * (2 * p + 1) + 4..]);
-        let out = &mut dst[32 + 32 * p..64 + 32 * p];
+        let out = &mut dst[4 * n + 32 * p..4 * n + 32 * p + 32];
         for g in 0..4 {
             out[8 * g..8 * g + 4].copy_from_slice(&a[4 * g..4 * g + 4]);
             out[8 * g + 4..8 * g + 8].copy_from_slice(&b[4 * g..4 * g + 4]);
@@ -44,16 +46,17 @@ fn pack_octet(src: &[u8], dst: &mut [u8]) {
     }
 }
 
-/// An octet (160 bytes) back to eight file-layout Q4_1 blocks.
-pub fn unpack_octet(src: &[u8]) -> [u8; OCTET] {
+/// A group of `n` blocks (`src`, 20 n bytes) back to file-layout Q4_1 blocks (the first 20 n
+/// bytes of the result).
+pub fn unpack_group(src: &[u8], n: usize) -> [u8; OCTET] {
     let mut dst = [0u8; OCTET];
-    for j in 0..8 {
+    for j in 0..n {
         let b = &mut dst[BLOCK * j..BLOCK * (j + 1)];
         b[0..2].copy_from_slice(&src[2 * j..2 * j + 2]);
-        b[2..4].copy_from_slice(&src[16 + 2 * j..16 + 2 * j + 2]);
+        b[2..4].copy_from_slice(&src[2 * n + 2 * j..2 * n + 2 * j + 2]);
     }
-    for p in 0..4 {
-        let pair = &src[32 + 32 * p..64 + 32 * p];
+    for p in 0..n / 2 {
+        let pair = &src[4 * n + 32 * p..4 * n + 32 * p + 32];
         for g in 0..4 {
             let a = BLOCK * 2 * p + 4 + 4 * g;
             dst[a..a + 4].copy_from_slice(&pair[8 * g..8 * g + 4]);
@@ -64,7 +67,16 @@ pub fn unpack_octet(src: &[u8]) -> [u8; OCTET] {
     dst
 }
 
-/// `rows` rows of `k` values of file-layout Q4_1 (`src`) into octets (`dst`, the same size).
+/// The groups of a row of `nb` blocks: (first block, blocks) of each, octets then a short
+/// group (an odd last block is in none).
+pub fn groups(nb: usize) -> impl Iterator<Item = (usize, usize)> {
+    let short = nb % 8 & !1;
+    (0..nb / 8)
+        .map(|o| (8 * o, 8))
+        .chain((short > 0).then_some((nb / 8 * 8, short)))
+}
+
+/// `rows` rows of `k` values of file-layout Q4_1 (`src`) into groups (`dst`, the same size).
 pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<(), String> {
     if k % 32 != 0 {
         return Err(format!(
@@ -79,20 +91,18 @@ pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<
             dst.len()
         ));
     }
-    let full = k / 256 * OCTET;
     for (s, d) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(rb)) {
-        for (so, dso) in s[..full]
-            .chunks_exact(OCTET)
-            .zip(d[..full].chunks_exact_mut(OCTET))
-        {
-            pack_octet(so, dso);
+        let mut end = 0;
+        for (b0, n) in groups(k / 32) {
+            pack_group(&s[BLOCK * b0..], &mut d[BLOCK * b0..], n);
+            end = BLOCK * (b0 + n);
         }
-        d[full..].copy_from_slice(&s[full..]);
+        d[end..].copy_from_slice(&s[end..]);
     }
     Ok(())
 }
 
-/// The portable path: each octet unpacked to file-layout blocks, then [`super::q32`]'s.
+/// The portable path: each group unpacked to file-layout blocks, then [`super::q32`]'s.
 pub(super) unsafe fn scalar(
     w: *const u8,
     acts: &Acts<'_>,
@@ -101,22 +111,16 @@ pub(super) unsafe fn scalar(
     out: &mut [f32; ROWS],
 ) {
     let nb = acts.k / 32;
-    let octets = nb / 8;
     let mut acc = [0.0f32; ROWS];
-    for o in 0..octets {
-        let blocks = unpack_octet(std::slice::from_raw_parts(w.add(OCTET * o), OCTET));
-        super::scalar_blocks::<{ super::Q4_1 }>(blocks.as_ptr(), 8 * o, 8, acts, m0, mc, &mut acc);
+    let mut end = 0;
+    for (b0, n) in groups(nb) {
+        let src = std::slice::from_raw_parts(w.add(BLOCK * b0), BLOCK * n);
+        let blocks = unpack_group(src, n);
+        super::scalar_blocks::<{ super::Q4_1 }>(blocks.as_ptr(), b0, n, acts, m0, mc, &mut acc);
+        end = b0 + n;
     }
-    let tail = w.add(OCTET * octets);
-    super::scalar_blocks::<{ super::Q4_1 }>(
-        tail,
-        8 * octets,
-        nb - 8 * octets,
-        acts,
-        m0,
-        mc,
-        &mut acc,
-    );
+    let tail = w.add(BLOCK * end);
+    super::scalar_blocks::<{ super::Q4_1 }>(tail, end, nb - end, acts, m0, mc, &mut acc);
     out[..mc].copy_from_slice(&acc[..mc]);
 }
 
@@ -141,6 +145,54 @@ pub(super) unsafe fn avx2(
     }
 }
 
+/// The `P` pairs at `wp` of a group whose first block is `b`: `d8` / `m8` its scales and
+/// minimums, `xd(i)` / `xs(i)` activation row i's scales and scaled sums of its blocks (zero past
+/// the group). Per row: the minimums' terms into `acc0`, then pair p's products times its two
+/// scales into `acc0` (p even) or `acc1` (p odd).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn group<const MC: usize, const P: usize>(
+    wp: *const u8,
+    b: usize,
+    d8: __m256,
+    m8: __m256,
+    xd: impl Fn(usize) -> __m256,
+    xs: impl Fn(usize) -> __m256,
+    xp: *const i8,
+    k: usize,
+    idx: &[__m256i; 4],
+    acc0: &mut [__m256; MC],
+    acc1: &mut [__m256; MC],
+) {
+    let low4 = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut sd = [_mm256_setzero_ps(); MC];
+    for i in 0..MC {
+        sd[i] = _mm256_mul_ps(d8, xd(i));
+        acc0[i] = _mm256_fmadd_ps(m8, xs(i), acc0[i]);
+    }
+    for (pp, ix) in idx.iter().enumerate().take(P) {
+        let wv = _mm256_loadu_si256(wp.add(32 * pp) as *const __m256i);
+        let lo = _mm256_and_si256(wv, low4);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(wv), low4);
+        for i in 0..MC {
+            let xq = xp.add(i * k + 32 * (b + 2 * pp));
+            let s16 = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, _mm256_loadu_si256(xq as *const __m256i)),
+                _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xq.add(32) as *const __m256i)),
+            );
+            let v = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+            let s = _mm256_permutevar8x32_ps(sd[i], *ix);
+            if pp % 2 == 0 {
+                acc0[i] = _mm256_fmadd_ps(v, s, acc0[i]);
+            } else {
+                acc1[i] = _mm256_fmadd_ps(v, s, acc1[i]);
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn avx2_rows<const MC: usize>(
@@ -159,9 +211,6 @@ unsafe fn avx2_rows<const MC: usize>(
         nb,
     };
     let xp = q8.qp.as_ptr().add(m0 * k);
-    let c = super::consts::<{ super::Q4_1 }>();
-    let low4 = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
     let idx: [__m256i; 4] = std::array::from_fn(|p| {
         let (a, b) = (2 * p as i32, 2 * p as i32 + 1);
         _mm256_setr_epi32(a, b, a, b, a, b, a, b)
@@ -171,7 +220,6 @@ unsafe fn avx2_rows<const MC: usize>(
     let octets = nb / 8;
     for o in 0..octets {
         let p = w.add(OCTET * o);
-        let b = 8 * o;
         let mut off = 0;
         while off < OCTET {
             crate::simd::prefetch_l2(p.wrapping_add(super::PREFETCH_BYTES + off) as *const i8);
@@ -179,37 +227,53 @@ unsafe fn avx2_rows<const MC: usize>(
         }
         let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
         let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
-        let mut sd = [_mm256_setzero_ps(); MC];
-        for i in 0..MC {
-            sd[i] = _mm256_mul_ps(d8, _mm256_loadu_ps(x.xd.add(i * nb + b)));
-            acc0[i] = _mm256_fmadd_ps(m8, _mm256_loadu_ps(x.xs.add(i * nb + b)), acc0[i]);
-        }
-        for (pp, ix) in idx.iter().enumerate() {
-            let wv = _mm256_loadu_si256(p.add(32 + 32 * pp) as *const __m256i);
-            let lo = _mm256_and_si256(wv, low4);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(wv), low4);
-            for i in 0..MC {
-                let xq = xp.add(i * k + 32 * (b + 2 * pp));
-                let s16 = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256(xq as *const __m256i)),
-                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xq.add(32) as *const __m256i)),
-                );
-                let v = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-                let s = _mm256_permutevar8x32_ps(sd[i], *ix);
-                if pp % 2 == 0 {
-                    acc0[i] = _mm256_fmadd_ps(v, s, acc0[i]);
-                } else {
-                    acc1[i] = _mm256_fmadd_ps(v, s, acc1[i]);
-                }
-            }
+        let (xd, xs) = (
+            |i: usize| _mm256_loadu_ps(x.xd.add(i * nb + 8 * o)),
+            |i: usize| _mm256_loadu_ps(x.xs.add(i * nb + 8 * o)),
+        );
+        group::<MC, 4>(
+            p.add(32),
+            8 * o,
+            d8,
+            m8,
+            xd,
+            xs,
+            xp,
+            k,
+            &idx,
+            &mut acc0,
+            &mut acc1,
+        );
+    }
+    let short = nb % 8 & !1;
+    if short > 0 {
+        // a group of 2, 4 or 6: its scales and minimums, and the activations' sums, by masked
+        // loads (lanes past the group read as zero: nothing past the row is touched)
+        let (p, b) = (w.add(OCTET * octets), 8 * octets);
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(short as i32), lanes);
+        let half = _mm_cmpgt_epi32(_mm_set1_epi32(short as i32 / 2), _mm_setr_epi32(0, 1, 2, 3));
+        let d8 = _mm256_cvtph_ps(_mm_maskload_epi32(p as *const i32, half));
+        let m8 = _mm256_cvtph_ps(_mm_maskload_epi32(p.add(2 * short) as *const i32, half));
+        let (xd, xs) = (
+            |i: usize| _mm256_maskload_ps(x.xd.add(i * nb + b), mask),
+            |i: usize| _mm256_maskload_ps(x.xs.add(i * nb + b), mask),
+        );
+        let wp = p.add(4 * short);
+        match short {
+            2 => group::<MC, 1>(wp, b, d8, m8, xd, xs, xp, k, &idx, &mut acc0, &mut acc1),
+            4 => group::<MC, 2>(wp, b, d8, m8, xd, xs, xp, k, &idx, &mut acc0, &mut acc1),
+            _ => group::<MC, 3>(wp, b, d8, m8, xd, xs, xp, k, &idx, &mut acc0, &mut acc1),
         }
     }
-    if 8 * octets < nb {
+    if nb % 2 == 1 {
+        // an odd last block: the file's layout
+        let c = super::consts::<{ super::Q4_1 }>();
         super::tail::<{ super::Q4_1 }, MC>(
-            w.add(OCTET * octets),
+            w.add(BLOCK * (nb - 1)),
             x,
-            8 * octets,
-            nb - 8 * octets,
+            nb - 1,
+            1,
             &c,
             &mut acc0,
             &mut acc1,

@@ -21,22 +21,31 @@ const TYPES: [GgmlType; 6] = [
 /// rows of whole octets, an octet and a tail, and a tail alone.
 #[test]
 fn q4_1_octets_hold_the_same_blocks() {
-    use super::super::octets::{repack_rows, unpack_octet, OCTET};
+    use super::super::octets::{groups, repack_rows, unpack_group};
     let mut rng = Rng(7);
-    for (n, k) in [(5usize, 256usize), (7, 576), (3, 96), (2, 1536)] {
+    // whole octets; two and a group of 2 (SmolLM2's 576); an octet and groups of 4, 6; a group
+    // of 2 and an odd block; three octets and a group of 6 and an odd block
+    for (n, k) in [
+        (5usize, 256usize),
+        (7, 576),
+        (3, 384),
+        (4, 448),
+        (3, 96),
+        (2, 1248),
+    ] {
         let src = random_rows(GgmlType::Q4_1, n, k, &mut rng);
         let mut packed = vec![0u8; src.len()];
         repack_rows(&src, n, k, &mut packed).unwrap();
         let rb = k / 32 * 20;
         for (s, p) in src.chunks_exact(rb).zip(packed.chunks_exact(rb)) {
-            let full = k / 256 * OCTET;
-            for (so, po) in s[..full]
-                .chunks_exact(OCTET)
-                .zip(p[..full].chunks_exact(OCTET))
-            {
-                assert_eq!(&unpack_octet(po)[..], so);
+            let mut end = 0;
+            for (b0, g) in groups(k / 32) {
+                let range = 20 * b0..20 * (b0 + g);
+                assert_eq!(&unpack_group(&p[range.clone()], g)[..20 * g], &s[range]);
+                end = 20 * (b0 + g);
             }
-            assert_eq!(&s[full..], &p[full..]);
+            assert_eq!(&s[end..], &p[end..]);
+            assert!(k / 32 - end / 20 <= 1);
         }
         let (mut a, mut b) = (vec![0.0f32; n * k], vec![0.0f32; n * k]);
         dequantize(GgmlType::Q4_1, &src, n, k, &mut a, 1).unwrap();
