@@ -70,7 +70,7 @@ pub fn unpack_group(src: &[u8], n: usize) -> [u8; OCTET] {
 /// The groups of a row of `nb` blocks: (first block, blocks) of each, octets then a short
 /// group (an odd last block is in none).
 pub fn groups(nb: usize) -> impl Iterator<Item = (usize, usize)> {
-    let short = nb % 8 & !1;
+    let short = (nb % 8) & !1;
     (0..nb / 8)
         .map(|o| (8 * o, 8))
         .chain((short > 0).then_some((nb / 8 * 8, short)))
@@ -245,7 +245,7 @@ unsafe fn avx2_rows<const MC: usize>(
             &mut acc1,
         );
     }
-    let short = nb % 8 & !1;
+    let short = (nb % 8) & !1;
     if short > 0 {
         // a group of 2, 4 or 6: its scales and minimums, and the activations' sums, by masked
         // loads (lanes past the group read as zero: nothing past the row is touched)
