@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from specinfer.models.gguf_linear import Q4_1R, GgufWeight, StoredTensor, gguf_linear, row_bytes
+from specinfer.models.gguf_linear import Q4_0R, Q4_1R, GgufWeight, StoredTensor, gguf_linear, row_bytes
 
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # the package quantizes these
 K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]  # the package only dequantizes these: random valid blocks
@@ -121,22 +121,23 @@ def test_embedding_rows_are_the_gguf_dequantization(t):
     assert torch.equal(w.dequantize(slice(10, 20)), torch.from_numpy(ref)[10:20])
 
 
-def test_q4_1_rows_are_held_in_the_kernels_octets(tmp_path):
-    """Q4_1 rows of >= 256 values are repacked once at load into the kernel's octets: the same
-    bytes rearranged (named Q4_1, as large), products and embeddings equal to the package's
-    dequantization above; a file map's pages of the source are released, its bytes intact.
-    Shorter rows stay views of the file."""
+@pytest.mark.parametrize("t,repacked", [(T.Q4_1, Q4_1R), (T.Q4_0, Q4_0R)], ids=["Q4_1", "Q4_0"])
+def test_q4_rows_are_held_in_the_kernels_octets(tmp_path, t, repacked):
+    """Q4_0 / Q4_1 rows of >= 256 values are repacked once at load into the kernel's octets: the
+    same bytes rearranged (named as before, as large), products and embeddings equal to the
+    package's dequantization above; a file map's pages of the source are released, its bytes
+    intact. Shorter rows stay views of the file."""
     import mmap
 
-    st, ref = _stored(T.Q4_1, 40, 576, seed=5)
+    st, ref = _stored(t, 40, 576, seed=5)
     path = tmp_path / "q4_1.bin"
     path.write_bytes(st.data.tobytes())
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = np.frombuffer(memoryview(mapped), dtype=np.uint8).reshape(st.data.shape)
-    w = _weight(StoredTensor(int(T.Q4_1), view, 576))
+    w = _weight(StoredTensor(int(t), view, 576))
     ((_, p),) = w.parts
-    assert p.type_id == Q4_1R and p.type_name == "Q4_1" and w.type_names == ["Q4_1"]
+    assert p.type_id == repacked and p.type_name == t.name and w.type_names == [t.name]
     assert p.data.nbytes == view.nbytes and not np.shares_memory(p.data, view)
     assert not np.array_equal(p.data, view)  # rearranged
     assert np.array_equal(view, st.data)  # the map's pages released, the file's bytes as they were
@@ -145,13 +146,13 @@ def test_q4_1_rows_are_held_in_the_kernels_octets(tmp_path):
     ref64 = torch.from_numpy(ref).double()
     err = (gguf_linear(x, w).double() - x.double() @ ref64.T).abs()
     assert (err <= 0.02 * (x.double().abs() @ ref64.abs().T) + 1e-5).all()
-    short, _ = _stored(T.Q4_1, 8, 224)
+    short, _ = _stored(t, 8, 224)
     ((_, q),) = _weight(short).parts
-    assert q.type_id == int(T.Q4_1) and np.shares_memory(q.data, short.data)
+    assert q.type_id == int(t) and np.shares_memory(q.data, short.data)
 
 
 def test_stored_rows_are_views_of_the_bytes_not_copies():
-    st, _ = _stored(T.Q4_0, 64, 256)
+    st, _ = _stored(T.Q5_0, 64, 256)  # (Q4_0 / Q4_1 are repacked: the test above)
     w = _weight(st.rows(0, 32), st.rows(32, 64))
     assert all(np.shares_memory(p.data, st.data) for _, p in w.parts)
 

@@ -32,13 +32,13 @@ from specinfer._core import gguf_repack as _gguf_repack
 from specinfer._core import gguf_rows as _gguf_rows
 
 # ggml type id -> (values, bytes) per block, for the types the kernel multiplies
-# (Q4_1R: Q4_1 rows repacked in octets at load, the kernels' layout (rust/kernels/src/gguf_linear/
-# q32_octets.rs); not a ggml type, named as the data it holds)
-Q4_1R = 0x1003
+# (Q4_0R / Q4_1R: Q4_0 / Q4_1 rows repacked in octets at load, the kernels' layout
+# (rust/kernels/src/gguf_linear/q32_octets.rs); not ggml types, named as the data they hold)
+Q4_0R, Q4_1R = 0x1002, 0x1003
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-          12: (256, 144), 13: (256, 176), 14: (256, 210), Q4_1R: (32, 20)}
+          12: (256, 144), 13: (256, 176), 14: (256, 210), Q4_0R: (32, 18), Q4_1R: (32, 20)}
 TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
-              13: "Q5_K", 14: "Q6_K", Q4_1R: "Q4_1"}
+              13: "Q5_K", 14: "Q6_K", Q4_0R: "Q4_0", Q4_1R: "Q4_1"}
 
 
 def row_bytes(type_id: int, cols: int) -> int:
@@ -89,10 +89,10 @@ class StoredTensor:
         return StoredTensor(self.type_id, self.data[start:stop], self.cols)
 
     def kernel_layout(self) -> StoredTensor:
-        """The tensor in the kernels' layout: Q4_1 rows of >= 256 values repacked in octets (a
-        copy of the same size: ~1.5x the file layout's decode speed on AVX2, the notebook's
-        "GGUF: Q4_1 in octets"); every other type as it is (no copy)."""
-        if self.type_id != 3 or self.cols < 256:
+        """The tensor in the kernels' layout: Q4_0 and Q4_1 rows of >= 256 values repacked in
+        octets (a copy of the same size: 1.5-2.7x the file layout's decode speed on AVX2, the
+        notebook's "GGUF: ... Q4_1 in octets ..."); every other type as it is (no copy)."""
+        if self.type_id not in (2, 3) or self.cols < 256:
             return self
         out = np.empty_like(self.data)
         type_id = _gguf_repack(self.data.ctypes.data, self.data.nbytes, self.type_id, self.data.shape[0],

@@ -103,8 +103,9 @@ pub fn gguf_rows(
 }
 
 /// The kernels' own layout of `rows` rows of `cols` values of ggml type `type_id` (`src`,
-/// `src_len` bytes) written to `dst` (as many bytes): -> the layout's type id. Q4_1 rows of at
-/// least 256 values become Q4_1 octets (`gguf_linear::octets`); other types have none (error).
+/// `src_len` bytes) written to `dst` (as many bytes): -> the layout's type id. Q4_0 and Q4_1
+/// rows of at least 256 values become octets (`gguf_linear::octets`); other types have none
+/// (error).
 #[pyfunction]
 pub fn gguf_repack(
     py: Python<'_>,
@@ -115,13 +116,18 @@ pub fn gguf_repack(
     cols: usize,
     dst_ptr: usize,
 ) -> PyResult<u32> {
-    if ggml_type(type_id)? != GgmlType::Q4_1 || cols < 256 {
-        return Err(PyValueError::new_err(format!(
-            "ggml type {type_id} with {cols} values a row has no repacked layout"
-        )));
-    }
+    let ty = ggml_type(type_id)?;
+    let id = match ty {
+        GgmlType::Q4_0 if cols >= 256 => dequant::Q4_0R_ID,
+        GgmlType::Q4_1 if cols >= 256 => dequant::Q4_1R_ID,
+        _ => {
+            return Err(PyValueError::new_err(format!(
+                "ggml type {type_id} with {cols} values a row has no repacked layout"
+            )))
+        }
+    };
     if src_len == 0 {
-        return Ok(dequant::Q4_1R_ID);
+        return Ok(id);
     }
     py.detach(|| {
         // SAFETY: live, non-overlapping buffers of src_len bytes each from the Python caller.
@@ -131,10 +137,10 @@ pub fn gguf_repack(
                 std::slice::from_raw_parts_mut(dst_ptr as *mut u8, src_len),
             )
         };
-        kernel::octets::repack_rows(src, rows, cols, dst)
+        kernel::octets::repack_rows(ty, src, rows, cols, dst)
     })
     .map_err(PyValueError::new_err)?;
-    Ok(dequant::Q4_1R_ID)
+    Ok(id)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

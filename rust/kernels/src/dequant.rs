@@ -21,9 +21,9 @@
 //! - Q6_K (256, 210): ql[128], qh[64], scales (i8)[16], d; value v (c = v / 128, r = v % 128):
 //!   low 4 bits from ql[64 c + r % 64] >> 4 (r / 64), high 2 from qh[32 c + r % 32] >> 2 (r / 32);
 //!   x = (d * scales[v / 16]) * (q - 32).
-//! - Q4_1R (not a ggml type: specinfer's id [`Q4_1R_ID`]): Q4_1 rows repacked at load into
-//!   groups of up to eight blocks (`gguf_linear::octets`), an odd last block as in the file;
-//!   rows read through [`row`].
+//! - Q4_0R, Q4_1R (not ggml types: specinfer's ids [`Q4_0R_ID`], [`Q4_1R_ID`]): Q4_0 / Q4_1
+//!   rows repacked at load into groups of up to eight blocks (`gguf_linear::octets`), an odd
+//!   last block as in the file; rows read through [`row`].
 
 use half::f16;
 use rayon::prelude::*;
@@ -44,11 +44,15 @@ pub enum GgmlType {
     Q4K,
     Q5K,
     Q6K,
-    /// Q4_1 repacked in octets at load (`gguf_linear::q32::octets`); not a ggml type.
+    /// Q4_1 repacked in octets at load (`gguf_linear::octets`); not a ggml type.
     Q4_1R,
+    /// Q4_0 repacked in octets at load; not a ggml type.
+    Q4_0R,
 }
 
-/// The id of [`GgmlType::Q4_1R`]: outside ggml's range (its ids are below 64).
+/// The ids of [`GgmlType::Q4_0R`] and [`GgmlType::Q4_1R`]: outside ggml's range (its ids are
+/// below 64).
+pub const Q4_0R_ID: u32 = 0x1002;
 pub const Q4_1R_ID: u32 = 0x1003;
 
 impl GgmlType {
@@ -66,6 +70,7 @@ impl GgmlType {
             14 => Self::Q6K,
             30 => Self::Bf16,
             Q4_1R_ID => Self::Q4_1R,
+            Q4_0R_ID => Self::Q4_0R,
             _ => return None,
         })
     }
@@ -75,7 +80,7 @@ impl GgmlType {
         match self {
             Self::F32 => (1, 4),
             Self::F16 | Self::Bf16 => (1, 2),
-            Self::Q4_0 => (32, 18),
+            Self::Q4_0 | Self::Q4_0R => (32, 18),
             Self::Q4_1 | Self::Q4_1R => (32, 20),
             Self::Q5_0 => (32, 22),
             Self::Q5_1 => (32, 24),
@@ -110,7 +115,7 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
         GgmlType::F32 => out[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
         GgmlType::F16 => out[0] = h(b, 0),
         GgmlType::Bf16 => out[0] = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16),
-        GgmlType::Q4_0 => {
+        GgmlType::Q4_0 | GgmlType::Q4_0R => {
             let d = h(b, 0);
             for j in 0..16 {
                 out[j] = d * (((b[2 + j] & 0x0F) as i8 - 8) as f32);
@@ -190,13 +195,13 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
 fn row(t: GgmlType, s: &[u8], o: &mut [f32]) {
     let (per, bytes) = t.block();
     let mut at = 0; // bytes of s read
-    if t == GgmlType::Q4_1R {
+    if matches!(t, GgmlType::Q4_0R | GgmlType::Q4_1R) {
         use crate::gguf_linear::octets::{groups, unpack_group};
         for (b0, n) in groups(o.len() / 32) {
-            let blocks = unpack_group(&s[bytes * b0..bytes * (b0 + n)], n);
+            let blocks = unpack_group(t, &s[bytes * b0..bytes * (b0 + n)], n);
             for j in 0..n {
                 let ob = &mut o[32 * (b0 + j)..32 * (b0 + j + 1)];
-                block(GgmlType::Q4_1, &blocks[bytes * j..bytes * (j + 1)], ob);
+                block(t, &blocks[bytes * j..bytes * (j + 1)], ob);
             }
             at = bytes * (b0 + n);
         }

@@ -112,6 +112,7 @@ pub fn dot_fn(ty: GgmlType, path: Path) -> Option<DotFn> {
         | GgmlType::Q5_0
         | GgmlType::Q5_1
         | GgmlType::Q8_0
+        | GgmlType::Q4_0R
         | GgmlType::Q4_1R => q32::select(ty, path),
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select(ty, path),
     }
@@ -126,6 +127,7 @@ pub fn rows_fn_of(ty: GgmlType, path: Path) -> Option<RowsFn> {
         | GgmlType::Q5_0
         | GgmlType::Q5_1
         | GgmlType::Q8_0
+        | GgmlType::Q4_0R
         | GgmlType::Q4_1R => q32::select_rows(ty, path),
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select_rows(ty, path),
     }
@@ -138,7 +140,7 @@ pub fn needs(ty: GgmlType) -> acts::Forms {
         GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
             acts::Forms::Q8
         }
-        GgmlType::Q4_1R => acts::Forms::Q8 | acts::Forms::Q8P,
+        GgmlType::Q4_0R | GgmlType::Q4_1R => acts::Forms::Q8 | acts::Forms::Q8P,
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => acts::Forms::Q8K,
     }
 }

@@ -1,8 +1,9 @@
-//! Q4_1 repacked at load into *octets* ([`GgmlType::Q4_1R`]): the same bytes as the file's
-//! blocks, not one more, arranged so that the decode loop does less work per block.
+//! Q4_1 and Q4_0 repacked at load into *octets* ([`GgmlType::Q4_1R`], [`GgmlType::Q4_0R`]):
+//! the same bytes as the file's blocks, not one more, arranged so that the decode loop does
+//! less work per block.
 //!
-//! A row's blocks go in groups of eight (an octet, 160 bytes, as eight 20-byte blocks are):
-//! the eight scales `d` (f16), the eight minimums `m` (f16), then four *pairs* of 32 bytes:
+//! A row's blocks go in groups of eight (an octet, as many bytes as eight blocks): the eight
+//! scales `d` (f16), for Q4_1 the eight minimums `m` (f16), then four *pairs* of 32 bytes:
 //! pair p holds blocks a = 2p and b = 2p + 1 as their quant bytes interleaved four at a time
 //! (`a.qs[0..4], b.qs[0..4], a.qs[4..8], b.qs[4..8], ...`). The blocks after the last whole
 //! octet go the same way as a *short group* of 2, 4 or 6 (its scales, its minimums, its pairs:
@@ -17,28 +18,50 @@
 //! multiplied by the activations' eight scales in one product; each pair takes its two by a
 //! lane permute. Against [`super::q32`]'s Q4_1 loop (broadcast, variable shift and mask per
 //! block, two unpacks per pair, the f16 scales converted pair by pair) that is about 7 in
-//! place of 11 instructions a block.
+//! place of 11 instructions a block. Q4_0 (`x = d (q - 8)`) is Q4_1 with `m = -8 d`: the same
+//! loop, its minimums computed from the scales.
 //!
 //! Every row count (1 to [`ROWS`] activation rows) runs the same operations in the same order
 //! per output, so the results do not depend on the batch (greedy speculation stays exact).
 
-use super::{Acts, ROWS};
+use super::{Acts, BYTES, Q4_0, Q4_1, ROWS};
+use crate::dequant::GgmlType;
 
-/// Bytes of an octet (eight Q4_1 blocks).
+/// The largest octet (eight Q4_1 blocks).
 pub const OCTET: usize = 160;
-/// Bytes of a Q4_1 block.
-const BLOCK: usize = 20;
 
-/// A group of `n` (2, 4, 6 or 8) file-layout Q4_1 blocks (`src`, 20 n bytes) into `dst`.
-fn pack_group(src: &[u8], dst: &mut [u8], n: usize) {
+/// Where a file-layout block of format `F` keeps its quants (after d, and m for Q4_1).
+const fn qs_at(f: u8) -> usize {
+    if f == Q4_1 {
+        4
+    } else {
+        2
+    }
+}
+
+/// The format id of a file type or of its repacked type.
+fn format(ty: GgmlType) -> Option<u8> {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q4_0R => Some(Q4_0),
+        GgmlType::Q4_1 | GgmlType::Q4_1R => Some(Q4_1),
+        _ => None,
+    }
+}
+
+/// A group of `n` (2, 4, 6 or 8) file-layout blocks of format `F` (`src`) into `dst`: the
+/// scales, (Q4_1) the minimums, the pairs.
+fn pack_group<const F: u8>(src: &[u8], dst: &mut [u8], n: usize) {
+    let (bb, at) = (BYTES[F as usize], qs_at(F));
     for j in 0..n {
-        let b = &src[BLOCK * j..BLOCK * (j + 1)];
+        let b = &src[bb * j..bb * (j + 1)];
         dst[2 * j..2 * j + 2].copy_from_slice(&b[0..2]);
-        dst[2 * n + 2 * j..2 * n + 2 * j + 2].copy_from_slice(&b[2..4]);
+        if F == Q4_1 {
+            dst[2 * n + 2 * j..2 * n + 2 * j + 2].copy_from_slice(&b[2..4]);
+        }
     }
     for p in 0..n / 2 {
-        let (a, b) = (&src[BLOCK * 2 * p + 4..], &src[BLOCK * (2 * p + 1) + 4..]);
-        let out = &mut dst[4 * n + 32 * p..4 * n + 32 * p + 32];
+        let (a, b) = (&src[bb * 2 * p + at..], &src[bb * (2 * p + 1) + at..]);
+        let out = &mut dst[at * n + 32 * p..at * n + 32 * p + 32];
         for g in 0..4 {
             out[8 * g..8 * g + 4].copy_from_slice(&a[4 * g..4 * g + 4]);
             out[8 * g + 4..8 * g + 8].copy_from_slice(&b[4 * g..4 * g + 4]);
@@ -46,25 +69,35 @@ fn pack_group(src: &[u8], dst: &mut [u8], n: usize) {
     }
 }
 
-/// A group of `n` blocks (`src`, 20 n bytes) back to file-layout Q4_1 blocks (the first 20 n
-/// bytes of the result).
-pub fn unpack_group(src: &[u8], n: usize) -> [u8; OCTET] {
+fn unpack<const F: u8>(src: &[u8], n: usize) -> [u8; OCTET] {
+    let (bb, at) = (BYTES[F as usize], qs_at(F));
     let mut dst = [0u8; OCTET];
     for j in 0..n {
-        let b = &mut dst[BLOCK * j..BLOCK * (j + 1)];
+        let b = &mut dst[bb * j..bb * (j + 1)];
         b[0..2].copy_from_slice(&src[2 * j..2 * j + 2]);
-        b[2..4].copy_from_slice(&src[2 * n + 2 * j..2 * n + 2 * j + 2]);
+        if F == Q4_1 {
+            b[2..4].copy_from_slice(&src[2 * n + 2 * j..2 * n + 2 * j + 2]);
+        }
     }
     for p in 0..n / 2 {
-        let pair = &src[4 * n + 32 * p..4 * n + 32 * p + 32];
+        let pair = &src[at * n + 32 * p..at * n + 32 * p + 32];
         for g in 0..4 {
-            let a = BLOCK * 2 * p + 4 + 4 * g;
+            let a = bb * 2 * p + at + 4 * g;
             dst[a..a + 4].copy_from_slice(&pair[8 * g..8 * g + 4]);
-            let b = BLOCK * (2 * p + 1) + 4 + 4 * g;
+            let b = bb * (2 * p + 1) + at + 4 * g;
             dst[b..b + 4].copy_from_slice(&pair[8 * g + 4..8 * g + 8]);
         }
     }
     dst
+}
+
+/// A group of `n` blocks of `ty` (Q4_0 / Q4_1 or their repacked types; `src` its bytes) back
+/// to the file's layout (the first `n` blocks of the result).
+pub fn unpack_group(ty: GgmlType, src: &[u8], n: usize) -> [u8; OCTET] {
+    match format(ty) {
+        Some(Q4_0) => unpack::<Q4_0>(src, n),
+        _ => unpack::<Q4_1>(src, n),
+    }
 }
 
 /// The groups of a row of `nb` blocks: (first block, blocks) of each, octets then a short
@@ -76,17 +109,31 @@ pub fn groups(nb: usize) -> impl Iterator<Item = (usize, usize)> {
         .chain((short > 0).then_some((nb / 8 * 8, short)))
 }
 
-/// `rows` rows of `k` values of file-layout Q4_1 (`src`) into groups (`dst`, the same size).
-pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<(), String> {
-    if k % 32 != 0 {
-        return Err(format!(
-            "Q4_1: a row of {k} values is not whole blocks of 32"
-        ));
+/// `rows` rows of `k` values of file-layout Q4_0 or Q4_1 (`ty`, `src`) into groups (`dst`,
+/// the same size).
+pub fn repack_rows(
+    ty: GgmlType,
+    src: &[u8],
+    rows: usize,
+    k: usize,
+    dst: &mut [u8],
+) -> Result<(), String> {
+    match ty {
+        GgmlType::Q4_0 => repack::<Q4_0>(src, rows, k, dst),
+        GgmlType::Q4_1 => repack::<Q4_1>(src, rows, k, dst),
+        _ => Err(format!("{ty:?} has no repacked layout")),
     }
-    let rb = k / 32 * BLOCK;
+}
+
+fn repack<const F: u8>(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<(), String> {
+    if k % 32 != 0 {
+        return Err(format!("a row of {k} values is not whole blocks of 32"));
+    }
+    let bb = BYTES[F as usize];
+    let rb = k / 32 * bb;
     if src.len() != rows * rb || dst.len() != src.len() {
         return Err(format!(
-            "Q4_1 repack: {} source and {} destination bytes for {rows} rows of {rb}",
+            "repack: {} source and {} destination bytes for {rows} rows of {rb}",
             src.len(),
             dst.len()
         ));
@@ -94,8 +141,8 @@ pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<
     for (s, d) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(rb)) {
         let mut end = 0;
         for (b0, n) in groups(k / 32) {
-            pack_group(&s[BLOCK * b0..], &mut d[BLOCK * b0..], n);
-            end = BLOCK * (b0 + n);
+            pack_group::<F>(&s[bb * b0..], &mut d[bb * b0..], n);
+            end = bb * (b0 + n);
         }
         d[end..].copy_from_slice(&s[end..]);
     }
@@ -103,24 +150,22 @@ pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<
 }
 
 /// The portable path: each group unpacked to file-layout blocks, then [`super::q32`]'s.
-pub(super) unsafe fn scalar(
+pub(super) unsafe fn scalar<const F: u8>(
     w: *const u8,
     acts: &Acts<'_>,
     m0: usize,
     mc: usize,
     out: &mut [f32; ROWS],
 ) {
-    let nb = acts.k / 32;
+    let (nb, bb) = (acts.k / 32, BYTES[F as usize]);
     let mut acc = [0.0f32; ROWS];
     let mut end = 0;
     for (b0, n) in groups(nb) {
-        let src = std::slice::from_raw_parts(w.add(BLOCK * b0), BLOCK * n);
-        let blocks = unpack_group(src, n);
-        super::scalar_blocks::<{ super::Q4_1 }>(blocks.as_ptr(), b0, n, acts, m0, mc, &mut acc);
+        let blocks = unpack::<F>(std::slice::from_raw_parts(w.add(bb * b0), bb * n), n);
+        super::scalar_blocks::<F>(blocks.as_ptr(), b0, n, acts, m0, mc, &mut acc);
         end = b0 + n;
     }
-    let tail = w.add(BLOCK * end);
-    super::scalar_blocks::<{ super::Q4_1 }>(tail, end, nb - end, acts, m0, mc, &mut acc);
+    super::scalar_blocks::<F>(w.add(bb * end), end, nb - end, acts, m0, mc, &mut acc);
     out[..mc].copy_from_slice(&acc[..mc]);
 }
 
@@ -130,7 +175,7 @@ use std::arch::x86_64::*;
 /// The AVX2 path: one instantiation per row count.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn avx2(
+pub(super) unsafe fn avx2<const F: u8>(
     w: *const u8,
     acts: &Acts<'_>,
     m0: usize,
@@ -138,10 +183,10 @@ pub(super) unsafe fn avx2(
     out: &mut [f32; ROWS],
 ) {
     match mc {
-        4 => avx2_rows::<4>(w, acts, m0, out),
-        3 => avx2_rows::<3>(w, acts, m0, out),
-        2 => avx2_rows::<2>(w, acts, m0, out),
-        _ => avx2_rows::<1>(w, acts, m0, out),
+        4 => avx2_rows::<F, 4>(w, acts, m0, out),
+        3 => avx2_rows::<F, 3>(w, acts, m0, out),
+        2 => avx2_rows::<F, 2>(w, acts, m0, out),
+        _ => avx2_rows::<F, 1>(w, acts, m0, out),
     }
 }
 
@@ -195,7 +240,7 @@ unsafe fn group<const MC: usize, const P: usize>(
 
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn avx2_rows<const MC: usize>(
+unsafe fn avx2_rows<const F: u8, const MC: usize>(
     w: *const u8,
     acts: &Acts<'_>,
     m0: usize,
@@ -217,22 +262,35 @@ unsafe fn avx2_rows<const MC: usize>(
     });
     let mut acc0 = [_mm256_setzero_ps(); MC];
     let mut acc1 = [_mm256_setzero_ps(); MC];
+    let (bb, at) = (BYTES[F as usize], qs_at(F));
+    let octet = 8 * bb;
+    // Q4_0's minimums: -8 d
+    let minimums = |d8: __m256, at_m: *const u8, half: Option<__m128i>| {
+        if F == Q4_1 {
+            _mm256_cvtph_ps(match half {
+                None => _mm_loadu_si128(at_m as *const __m128i),
+                Some(h) => _mm_maskload_epi32(at_m as *const i32, h),
+            })
+        } else {
+            _mm256_mul_ps(d8, _mm256_set1_ps(-8.0))
+        }
+    };
     let octets = nb / 8;
     for o in 0..octets {
-        let p = w.add(OCTET * o);
+        let p = w.add(octet * o);
         let mut off = 0;
-        while off < OCTET {
+        while off < octet {
             crate::simd::prefetch_l2(p.wrapping_add(super::PREFETCH_BYTES + off) as *const i8);
             off += 64;
         }
         let d8 = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-        let m8 = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
+        let m8 = minimums(d8, p.add(16), None);
         let (xd, xs) = (
             |i: usize| _mm256_loadu_ps(x.xd.add(i * nb + 8 * o)),
             |i: usize| _mm256_loadu_ps(x.xs.add(i * nb + 8 * o)),
         );
         group::<MC, 4>(
-            p.add(32),
+            p.add(8 * at),
             8 * o,
             d8,
             m8,
@@ -249,17 +307,17 @@ unsafe fn avx2_rows<const MC: usize>(
     if short > 0 {
         // a group of 2, 4 or 6: its scales and minimums, and the activations' sums, by masked
         // loads (lanes past the group read as zero: nothing past the row is touched)
-        let (p, b) = (w.add(OCTET * octets), 8 * octets);
+        let (p, b) = (w.add(octet * octets), 8 * octets);
         let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(short as i32), lanes);
         let half = _mm_cmpgt_epi32(_mm_set1_epi32(short as i32 / 2), _mm_setr_epi32(0, 1, 2, 3));
         let d8 = _mm256_cvtph_ps(_mm_maskload_epi32(p as *const i32, half));
-        let m8 = _mm256_cvtph_ps(_mm_maskload_epi32(p.add(2 * short) as *const i32, half));
+        let m8 = minimums(d8, p.add(2 * short), Some(half));
         let (xd, xs) = (
             |i: usize| _mm256_maskload_ps(x.xd.add(i * nb + b), mask),
             |i: usize| _mm256_maskload_ps(x.xs.add(i * nb + b), mask),
         );
-        let wp = p.add(4 * short);
+        let wp = p.add(at * short);
         match short {
             2 => group::<MC, 1>(wp, b, d8, m8, xd, xs, xp, k, &idx, &mut acc0, &mut acc1),
             4 => group::<MC, 2>(wp, b, d8, m8, xd, xs, xp, k, &idx, &mut acc0, &mut acc1),
@@ -268,16 +326,8 @@ unsafe fn avx2_rows<const MC: usize>(
     }
     if nb % 2 == 1 {
         // an odd last block: the file's layout
-        let c = super::consts::<{ super::Q4_1 }>();
-        super::tail::<{ super::Q4_1 }, MC>(
-            w.add(BLOCK * (nb - 1)),
-            x,
-            nb - 1,
-            1,
-            &c,
-            &mut acc0,
-            &mut acc1,
-        );
+        let c = super::consts::<F>();
+        super::tail::<F, MC>(w.add(bb * (nb - 1)), x, nb - 1, 1, &c, &mut acc0, &mut acc1);
     }
     for i in 0..MC {
         out[i] = super::hsum(_mm256_add_ps(acc0[i], acc1[i]));

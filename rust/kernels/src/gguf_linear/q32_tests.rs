@@ -7,92 +7,83 @@ use super::super::{gguf_linear, Part};
 use crate::dequant::{dequantize, GgmlType};
 use crate::simd::Isa;
 
-const TYPES: [GgmlType; 6] = [
+const TYPES: [GgmlType; 7] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q4_1R,
+    GgmlType::Q4_0R,
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
 ];
 
-/// Q4_1 repacked in octets: the same values (dequantized bit for bit as the file's blocks,
-/// unpacked back to the same bytes) and products within f32 rounding of the file layout's, for
-/// rows of whole octets, an octet and a tail, and a tail alone.
+/// Q4_0 and Q4_1 repacked in octets: the same values (dequantized bit for bit as the file's
+/// blocks, unpacked back to the same bytes) and products within f32 rounding of the file
+/// layout's, for rows of whole octets, octets and short groups, odd last blocks.
 #[test]
-fn q4_1_octets_hold_the_same_blocks() {
+fn octets_hold_the_same_blocks() {
     use super::super::octets::{groups, repack_rows, unpack_group};
     let mut rng = Rng(7);
     // whole octets; two and a group of 2 (SmolLM2's 576); an octet and groups of 4, 6; a group
     // of 2 and an odd block; three octets and a group of 6 and an odd block
-    for (n, k) in [
+    let shapes = [
         (5usize, 256usize),
         (7, 576),
         (3, 384),
         (4, 448),
         (3, 96),
         (2, 1248),
+    ];
+    for (file, packed_ty) in [
+        (GgmlType::Q4_1, GgmlType::Q4_1R),
+        (GgmlType::Q4_0, GgmlType::Q4_0R),
     ] {
-        let src = random_rows(GgmlType::Q4_1, n, k, &mut rng);
-        let mut packed = vec![0u8; src.len()];
-        repack_rows(&src, n, k, &mut packed).unwrap();
-        let rb = k / 32 * 20;
-        for (s, p) in src.chunks_exact(rb).zip(packed.chunks_exact(rb)) {
-            let mut end = 0;
-            for (b0, g) in groups(k / 32) {
-                let range = 20 * b0..20 * (b0 + g);
-                assert_eq!(&unpack_group(&p[range.clone()], g)[..20 * g], &s[range]);
-                end = 20 * (b0 + g);
+        let bb = file.block().1;
+        for (n, k) in shapes {
+            let src = random_rows(file, n, k, &mut rng);
+            let mut packed = vec![0u8; src.len()];
+            repack_rows(file, &src, n, k, &mut packed).unwrap();
+            let rb = k / 32 * bb;
+            for (s, p) in src.chunks_exact(rb).zip(packed.chunks_exact(rb)) {
+                let mut end = 0;
+                for (b0, g) in groups(k / 32) {
+                    let range = bb * b0..bb * (b0 + g);
+                    assert_eq!(
+                        &unpack_group(packed_ty, &p[range.clone()], g)[..bb * g],
+                        &s[range]
+                    );
+                    end = bb * (b0 + g);
+                }
+                assert_eq!(&s[end..], &p[end..]);
+                assert!(k / 32 - end / bb <= 1);
             }
-            assert_eq!(&s[end..], &p[end..]);
-            assert!(k / 32 - end / 20 <= 1);
-        }
-        let (mut a, mut b) = (vec![0.0f32; n * k], vec![0.0f32; n * k]);
-        dequantize(GgmlType::Q4_1, &src, n, k, &mut a, 1).unwrap();
-        dequantize(GgmlType::Q4_1R, &packed, n, k, &mut b, 2).unwrap();
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
-        let m = 9;
-        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
-        for isa in Isa::supported() {
-            let want = run(
-                isa,
-                1,
-                &x,
-                m,
-                k,
-                &[Part {
-                    ty: GgmlType::Q4_1,
-                    data: &src,
-                    n,
-                }],
-                None,
-            );
-            let got = run(
-                isa,
-                2,
-                &x,
-                m,
-                k,
-                &[Part {
-                    ty: GgmlType::Q4_1R,
-                    data: &packed,
-                    n,
-                }],
-                None,
-            );
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                let mag: f32 = (0..k)
-                    .map(|e| (a[(i % n) * k + e] * x[(i / n) * k + e]).abs())
-                    .sum();
-                assert!(
-                    (g - w).abs() <= 1e-5 * mag + 1e-6,
-                    "{isa:?} n={n} k={k} [{i}]: {g} vs {w}"
-                );
+            let (mut a, mut b) = (vec![0.0f32; n * k], vec![0.0f32; n * k]);
+            dequantize(file, &src, n, k, &mut a, 1).unwrap();
+            dequantize(packed_ty, &packed, n, k, &mut b, 2).unwrap();
+            assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+            let m = 9;
+            let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+            for isa in Isa::supported() {
+                let part = |ty, data| [Part { ty, data, n }];
+                let want = run(isa, 1, &x, m, k, &part(file, &src), None);
+                let got = run(isa, 2, &x, m, k, &part(packed_ty, &packed), None);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let mag: f32 = (0..k)
+                        .map(|e| (a[(i % n) * k + e] * x[(i / n) * k + e]).abs())
+                        .sum();
+                    assert!(
+                        (g - w).abs() <= 1e-5 * mag + 1e-6,
+                        "{packed_ty:?} {isa:?} n={n} k={k} [{i}]: {g} vs {w}"
+                    );
+                }
             }
         }
     }
-    assert!(repack_rows(&[0u8; 40], 1, 48, &mut [0u8; 40]).is_err()); // k not whole blocks
-    assert!(repack_rows(&[0u8; 40], 1, 64, &mut [0u8; 20]).is_err()); // sizes differ
+    let q = GgmlType::Q4_1;
+    assert!(repack_rows(q, &[0u8; 40], 1, 48, &mut [0u8; 40]).is_err()); // k not whole blocks
+    assert!(repack_rows(q, &[0u8; 40], 1, 64, &mut [0u8; 20]).is_err()); // sizes differ
+    assert!(repack_rows(GgmlType::Q8_0, &[0u8; 34], 1, 32, &mut [0u8; 34]).is_err());
+    // no layout
 }
 
 /// Weights and activations at the ends of their ranges (the largest `vpmaddubsw` pairs, Q8_0's
@@ -113,10 +104,15 @@ fn q32_formats_are_exact_at_the_range_ends() {
                     put_f16(blk, 2, -0.5);
                 }
             }
-            if ty == GgmlType::Q4_1R {
-                // the file's blocks, repacked (k = 352: one octet, then the file's layout)
+            if matches!(ty, GgmlType::Q4_0R | GgmlType::Q4_1R) {
+                // the file's blocks, repacked (k = 352: an octet, a pair and an odd block)
+                let file = if ty == GgmlType::Q4_0R {
+                    GgmlType::Q4_0
+                } else {
+                    GgmlType::Q4_1
+                };
                 let src = data.to_vec();
-                super::super::octets::repack_rows(&src, 1, k, data).unwrap();
+                super::super::octets::repack_rows(file, &src, 1, k, data).unwrap();
             }
             let mut w = vec![0.0f32; k];
             dequantize(ty, data, 1, k, &mut w, 1).unwrap();
