@@ -103,45 +103,56 @@ impl Path {
     }
 }
 
-/// The dot function of type `ty` on `path`; None for a type this kernel does not multiply.
-pub fn dot_fn(ty: GgmlType, path: Path) -> Option<DotFn> {
+/// The kernel file that multiplies a type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Family {
+    Float,
+    Q32,
+    KQuant,
+}
+
+fn family(ty: GgmlType) -> Family {
     match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => float::select(ty, path),
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => Family::Float,
         GgmlType::Q4_0
         | GgmlType::Q4_1
         | GgmlType::Q5_0
         | GgmlType::Q5_1
         | GgmlType::Q8_0
         | GgmlType::Q4_0R
-        | GgmlType::Q4_1R => q32::select(ty, path),
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select(ty, path),
+        | GgmlType::Q4_1R => Family::Q32,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => Family::KQuant,
+    }
+}
+
+/// The dot function of type `ty` on `path`; None for a type this kernel does not multiply.
+pub fn dot_fn(ty: GgmlType, path: Path) -> Option<DotFn> {
+    match family(ty) {
+        Family::Float => float::select(ty, path),
+        Family::Q32 => q32::select(ty, path),
+        Family::KQuant => kquants::select(ty, path),
     }
 }
 
 /// The rows function of type `ty` on `path`.
 pub fn rows_fn_of(ty: GgmlType, path: Path) -> Option<RowsFn> {
-    match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => float::select_rows(ty, path),
-        GgmlType::Q4_0
-        | GgmlType::Q4_1
-        | GgmlType::Q5_0
-        | GgmlType::Q5_1
-        | GgmlType::Q8_0
-        | GgmlType::Q4_0R
-        | GgmlType::Q4_1R => q32::select_rows(ty, path),
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => kquants::select_rows(ty, path),
+    match family(ty) {
+        Family::Float => float::select_rows(ty, path),
+        Family::Q32 => q32::select_rows(ty, path),
+        Family::KQuant => kquants::select_rows(ty, path),
     }
 }
 
 /// Which activation forms a type's dot function reads.
 pub fn needs(ty: GgmlType) -> acts::Forms {
-    match ty {
-        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => acts::Forms::F32,
-        GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
-            acts::Forms::Q8
+    match family(ty) {
+        Family::Float => acts::Forms::F32,
+        // the octets read the quants in pair order too
+        Family::Q32 if matches!(ty, GgmlType::Q4_0R | GgmlType::Q4_1R) => {
+            acts::Forms::Q8 | acts::Forms::Q8P
         }
-        GgmlType::Q4_0R | GgmlType::Q4_1R => acts::Forms::Q8 | acts::Forms::Q8P,
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => acts::Forms::Q8K,
+        Family::Q32 => acts::Forms::Q8,
+        Family::KQuant => acts::Forms::Q8K,
     }
 }
 
