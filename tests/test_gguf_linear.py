@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from specinfer.models.gguf_linear import Q4_0R, Q4_1R, GgufWeight, StoredTensor, gguf_linear, row_bytes
+from specinfer.models.gguf_linear import Q4_0R, Q4_1R, Q4_KR, GgufWeight, StoredTensor, gguf_linear, row_bytes
 
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # the package quantizes these
 K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]  # the package only dequantizes these: random valid blocks
@@ -110,7 +110,7 @@ def test_parts_of_different_types_fill_their_columns():
     assert w.nbytes == sum(p.data.nbytes for p, _ in parts)
 
 
-@pytest.mark.parametrize("t", [T.Q4_1, T.Q6_K, T.Q8_0, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q4_1, T.Q4_K, T.Q6_K, T.Q8_0, T.F16], ids=lambda t: t.name)
 def test_embedding_rows_are_the_gguf_dequantization(t):
     st, ref = _stored(t, 300, 256, seed=3)
     w = _weight(st)
@@ -121,31 +121,43 @@ def test_embedding_rows_are_the_gguf_dequantization(t):
     assert torch.equal(w.dequantize(slice(10, 20)), torch.from_numpy(ref)[10:20])
 
 
-@pytest.mark.parametrize("t,repacked", [(T.Q4_1, Q4_1R), (T.Q4_0, Q4_0R)], ids=["Q4_1", "Q4_0"])
-def test_q4_rows_are_held_in_the_kernels_octets(tmp_path, t, repacked):
-    """Q4_0 / Q4_1 rows of >= 256 values are repacked once at load into the kernel's octets: the
-    same bytes rearranged (named as before, as large), products and embeddings equal to the
-    package's dequantization above; a file map's pages of the source are released, its bytes
-    intact. Shorter rows stay views of the file."""
+@pytest.mark.parametrize("t,repacked,cols", [(T.Q4_1, Q4_1R, 576), (T.Q4_0, Q4_0R, 576), (T.Q4_K, Q4_KR, 512)],
+                         ids=["Q4_1", "Q4_0", "Q4_K"])
+def test_q4_rows_are_held_in_the_kernels_layout(tmp_path, t, repacked, cols):
+    """Q4_0 / Q4_1 rows of >= 256 values are repacked once at load into the kernel's octets, Q4_K
+    rows into groups of eight rows (45 rows: five groups and five rows as stored): the same
+    bytes rearranged (named as before, as large), products and embeddings equal to the package's
+    dequantization above; a file map's pages of the source are released, its bytes intact.
+    Shorter Q4_0 / Q4_1 rows stay views of the file."""
     import mmap
 
-    st, ref = _stored(t, 40, 576, seed=5)
+    st, ref = _stored(t, 45, cols, seed=5)
     path = tmp_path / "q4_1.bin"
     path.write_bytes(st.data.tobytes())
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = np.frombuffer(memoryview(mapped), dtype=np.uint8).reshape(st.data.shape)
-    w = _weight(StoredTensor(int(t), view, 576))
+    w = _weight(StoredTensor(int(t), view, cols))
     ((_, p),) = w.parts
     assert p.type_id == repacked and p.type_name == t.name and w.type_names == [t.name]
     assert p.data.nbytes == view.nbytes and not np.shares_memory(p.data, view)
     assert not np.array_equal(p.data, view)  # rearranged
     assert np.array_equal(view, st.data)  # the map's pages released, the file's bytes as they were
     assert torch.equal(w.dequantize(), torch.from_numpy(ref))
-    x = torch.randn(3, 576)
+    ids = torch.tensor([44, 0, 7, 8, 39, 40])  # a group's ends, the rows after the groups
+    assert torch.equal(w.embedding(ids), torch.from_numpy(ref)[ids])
+    x = torch.randn(3, cols)
     ref64 = torch.from_numpy(ref).double()
     err = (gguf_linear(x, w).double() - x.double() @ ref64.T).abs()
     assert (err <= 0.02 * (x.double().abs() @ ref64.abs().T) + 1e-5).all()
+    if t == T.Q4_K:
+        # a row range of the groups: whole groups (or up to the end), else refused by name
+        half = w.row_slice(16, 45)
+        assert torch.equal(half.dequantize(), torch.from_numpy(ref)[16:45])
+        assert torch.equal(gguf_linear(x, half), gguf_linear(x, w)[:, 16:45])
+        with pytest.raises(ValueError, match="groups of 8 rows"):
+            w.row_slice(4, 16)
+        return
     short, _ = _stored(t, 8, 224)
     ((_, q),) = _weight(short).parts
     assert q.type_id == int(t) and np.shares_memory(q.data, short.data)

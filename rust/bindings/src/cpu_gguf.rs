@@ -104,8 +104,8 @@ pub fn gguf_rows(
 
 /// The kernels' own layout of `rows` rows of `cols` values of ggml type `type_id` (`src`,
 /// `src_len` bytes) written to `dst` (as many bytes): -> the layout's type id. Q4_0 and Q4_1
-/// rows of at least 256 values become octets (`gguf_linear::octets`); other types have none
-/// (error).
+/// rows of at least 256 values become octets (`gguf_linear::octets`), Q4_K rows groups of
+/// eight rows (`gguf_linear::q4k_groups`); other types have none (error).
 #[pyfunction]
 pub fn gguf_repack(
     py: Python<'_>,
@@ -120,6 +120,7 @@ pub fn gguf_repack(
     let id = match ty {
         GgmlType::Q4_0 if cols >= 256 => dequant::Q4_0R_ID,
         GgmlType::Q4_1 if cols >= 256 => dequant::Q4_1R_ID,
+        GgmlType::Q4K => dequant::Q4_KR_ID,
         _ => {
             return Err(PyValueError::new_err(format!(
                 "ggml type {type_id} with {cols} values a row has no repacked layout"
@@ -137,7 +138,11 @@ pub fn gguf_repack(
                 std::slice::from_raw_parts_mut(dst_ptr as *mut u8, src_len),
             )
         };
-        kernel::octets::repack_rows(ty, src, rows, cols, dst)
+        if ty == GgmlType::Q4K {
+            kernel::q4k_groups::repack_rows(src, rows, cols, dst)
+        } else {
+            kernel::octets::repack_rows(ty, src, rows, cols, dst)
+        }
     })
     .map_err(PyValueError::new_err)?;
     Ok(id)

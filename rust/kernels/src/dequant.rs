@@ -24,6 +24,9 @@
 //! - Q4_0R, Q4_1R (not ggml types: specinfer's ids [`Q4_0R_ID`], [`Q4_1R_ID`]): Q4_0 / Q4_1
 //!   rows repacked at load into groups of up to eight blocks (`gguf_linear::octets`), an odd
 //!   last block as in the file; rows read through [`row`].
+//! - Q4_KR (specinfer's [`Q4_KR_ID`]): Q4_K rows repacked at load in groups of eight rows
+//!   (`gguf_linear::q4k_groups`); a row is no longer one byte range, so tables of this type
+//!   are read through the group's file-layout view.
 
 use half::f16;
 use rayon::prelude::*;
@@ -48,12 +51,16 @@ pub enum GgmlType {
     Q4_1R,
     /// Q4_0 repacked in octets at load; not a ggml type.
     Q4_0R,
+    /// Q4_K repacked in groups of eight rows at load; not a ggml type.
+    Q4KR,
 }
 
 /// The ids of [`GgmlType::Q4_0R`] and [`GgmlType::Q4_1R`]: outside ggml's range (its ids are
 /// below 64).
 pub const Q4_0R_ID: u32 = 0x1002;
 pub const Q4_1R_ID: u32 = 0x1003;
+/// The id of [`GgmlType::Q4KR`].
+pub const Q4_KR_ID: u32 = 0x100C;
 
 impl GgmlType {
     pub fn from_id(id: u32) -> Option<Self> {
@@ -71,6 +78,7 @@ impl GgmlType {
             30 => Self::Bf16,
             Q4_1R_ID => Self::Q4_1R,
             Q4_0R_ID => Self::Q4_0R,
+            Q4_KR_ID => Self::Q4KR,
             _ => return None,
         })
     }
@@ -85,7 +93,7 @@ impl GgmlType {
             Self::Q5_0 => (32, 22),
             Self::Q5_1 => (32, 24),
             Self::Q8_0 => (32, 34),
-            Self::Q4K => (256, 144),
+            Self::Q4K | Self::Q4KR => (256, 144),
             Self::Q5K => (256, 176),
             Self::Q6K => (256, 210),
         }
@@ -154,7 +162,8 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
                 out[j] = (b[2 + j] as i8) as f32 * d;
             }
         }
-        GgmlType::Q4K | GgmlType::Q5K => {
+        // (a Q4_KR block here is one unpacked from its group: the file's layout)
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q4KR => {
             let (d, dmin) = (h(b, 0), h(b, 2));
             let (sc, mn) = scale_min_k4(&b[4..16]);
             let five = t == GgmlType::Q5K;
@@ -244,6 +253,11 @@ pub fn gather_rows(
         if id < 0 || id as usize >= rows {
             return Err(format!("row {id} is outside the table's {rows} rows"));
         }
+        if t == GgmlType::Q4KR {
+            let file = crate::gguf_linear::q4k_groups::file_row(src, rows, cols, id as usize)?;
+            row(GgmlType::Q4K, &file, o);
+            continue;
+        }
         row(
             t,
             &src[id as usize * row_bytes..(id as usize + 1) * row_bytes],
@@ -284,10 +298,14 @@ pub fn dequantize(
             out.len()
         ));
     }
-    let one_row = |(o, s): (&mut [f32], &[u8])| row(t, s, o);
     if cols == 0 || rows == 0 {
         return Ok(());
     }
+    if t == GgmlType::Q4KR {
+        let file = crate::gguf_linear::q4k_groups::file_layout(src, rows, cols)?;
+        return dequantize(GgmlType::Q4K, &file, rows, cols, out, num_threads);
+    }
+    let one_row = |(o, s): (&mut [f32], &[u8])| row(t, s, o);
     let work = || {
         out.par_chunks_mut(cols)
             .zip(src.par_chunks(row_bytes))

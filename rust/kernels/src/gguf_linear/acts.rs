@@ -66,12 +66,14 @@ fn pair_order(qs: &[i8], qp: &mut [i8]) {
     qp[64 * pairs..].copy_from_slice(&qs[64 * pairs..]);
 }
 
-/// Blocks of 256: `qs [m * k]`, `d [m * k / 256]`, `bsums [m * k / 16]` (i16 sums of 16 qs).
+/// Blocks of 256: `qs [m * k]`, `d [m * k / 256]`, `bsums [m * k / 16]` (i16 sums of 16 qs),
+/// `b32 [m * k / 32]` (sums of 32: the Q4_K groups' minimums read them in pairs).
 #[derive(Debug, Default)]
 pub struct Q8KRows {
     pub qs: Vec<i8>,
     pub d: Vec<f32>,
     pub bsums: Vec<i16>,
+    pub b32: Vec<i16>,
 }
 
 /// A call's activations: `x [m, k]` f32 and the quantized forms its parts need.
@@ -235,6 +237,7 @@ fn q8k_rows(x: &[f32], m: usize, k: usize, num_threads: usize) -> Q8KRows {
         qs: vec![0; m * k],
         d: vec![0.0; m * nb],
         bsums: vec![0; m * k / 16],
+        b32: Vec::new(),
     };
     let simd = simd_rows_available();
     let (qs, d, bs) = (
@@ -259,6 +262,7 @@ fn q8k_rows(x: &[f32], m: usize, k: usize, num_threads: usize) -> Q8KRows {
         }
         q8k_row(x, qs, d, bs)
     });
+    r.b32 = r.bsums.chunks_exact(2).map(|p| p[0] + p[1]).collect();
     r
 }
 

@@ -38,6 +38,9 @@ pub(super) fn select_rows(ty: GgmlType, path: Path) -> Option<super::RowsFn> {
         (GgmlType::Q4K, Path::Scalar) => rows_fn!(q45k_scalar::<false>),
         (GgmlType::Q5K, Path::Scalar) => rows_fn!(q45k_scalar::<true>),
         (GgmlType::Q6K, Path::Scalar) => rows_fn!(q6k_scalar),
+        (GgmlType::Q4KR, Path::Scalar) => super::kquants_x8::scalar,
+        #[cfg(target_arch = "x86_64")]
+        (GgmlType::Q4KR, Path::Avx2) => super::kquants_x8::avx2,
         #[cfg(target_arch = "x86_64")]
         (GgmlType::Q4K, Path::Avx2) => rows_fn!(q4k_avx2, "avx2,fma,f16c"),
         #[cfg(target_arch = "x86_64")]
@@ -104,6 +107,17 @@ unsafe fn scales_mins(p: *const u8) -> [u8; 16] {
 
 // ---------------------------------------------------------------------------------------------
 // Portable path
+
+/// Q4_K's portable dot (also the repacked groups' fallback, [`super::kquants_x8`]).
+pub(super) unsafe fn q4k_scalar(
+    w: *const u8,
+    acts: &Acts<'_>,
+    m0: usize,
+    mc: usize,
+    out: &mut [f32; ROWS],
+) {
+    q45k_scalar::<false>(w, acts, m0, mc, out)
+}
 
 /// Q4_K (144-byte blocks: d, dmin, scales[12], qs[128]) or Q5_K (`FIVE`; 176: d, dmin,
 /// scales[12], qh[32], qs[128]).
@@ -215,7 +229,13 @@ use super::hsum;
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k_avx2(w: *const u8, acts: &Acts<'_>, m0: usize, mc: usize, out: &mut [f32; ROWS]) {
+pub(super) unsafe fn q4k_avx2(
+    w: *const u8,
+    acts: &Acts<'_>,
+    m0: usize,
+    mc: usize,
+    out: &mut [f32; ROWS],
+) {
     match mc {
         4 => q45k_avx2_rows::<4, false>(w, acts, m0, out),
         3 => q45k_avx2_rows::<3, false>(w, acts, m0, out),
@@ -287,7 +307,7 @@ static PICK_I16: [[u8; 32]; 13] = {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::pointers_in_nomem_asm_block)] // the block reads nothing: it only hides `p`
-fn opaque<T>(mut p: *const T) -> *const T {
+pub(super) fn opaque<T>(mut p: *const T) -> *const T {
     // SAFETY: an empty asm statement that only "modifies" a register.
     unsafe {
         std::arch::asm!("/* {0} */", inout(reg) p, options(pure, nomem, nostack, preserves_flags))

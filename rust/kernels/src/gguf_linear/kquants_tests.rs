@@ -151,7 +151,15 @@ fn kquants_speed() {
         }
         bytes as f64 / best / 1e9
     };
-    for ty in TYPES {
+    // KQ_TYPES=Q4K,Q4KR picks (the types' Debug names; default: the file formats and Q4KR)
+    let types: Vec<GgmlType> = TYPES
+        .into_iter()
+        .chain([GgmlType::Q4KR])
+        .filter(|t| {
+            std::env::var("KQ_TYPES").map_or(true, |v| v.split(',').any(|n| n == format!("{t:?}")))
+        })
+        .collect();
+    for ty in types {
         let data = random_rows(ty, n, k, &mut rng);
         let bytes = data.len();
         let copies_n = (64 << 20) / bytes + 2;
@@ -189,7 +197,13 @@ fn kquants_speed() {
             let l2_rows = 128;
             let acts = Acts::new(&x, m, k, Forms::Q8K, 1);
             let mut ns = [0.0f64; 2];
-            for (i, path) in paths().into_iter().rev().enumerate() {
+            // (the repacked groups have no one-row dot function)
+            for (i, path) in paths()
+                .into_iter()
+                .rev()
+                .enumerate()
+                .filter(|_| ty != GgmlType::Q4KR)
+            {
                 let f = select(ty, path).unwrap();
                 let gbs = best(
                     &mut || {
@@ -245,6 +259,64 @@ fn kquants_speed() {
                     gbs[0] / gbs[1]
                 );
             }
+        }
+    }
+}
+
+/// Timing, the file layout against the groups of eight in alternation (`cargo test --release
+/// -p specinfer_kernels q4k_groups_speed -- --ignored --nocapture`): one 4096 x 4096 layer, one
+/// thread, ns per super-block and activation row for several row counts; "l2": the first 128
+/// rows only (compute alone), "cold": rotating over copies totalling > 64 MB.
+#[test]
+#[ignore]
+fn q4k_groups_speed() {
+    use std::time::Instant;
+    let (n, k) = (4096usize, 4096usize);
+    let mut rng = Rng(3);
+    let file = random_rows(GgmlType::Q4K, n, k, &mut rng);
+    let mut groups = vec![0u8; file.len()];
+    super::super::q4k_groups::repack_rows(&file, n, k, &mut groups).unwrap();
+    let copies_n = (64 << 20) / file.len() + 2;
+    let sets: Vec<Vec<Vec<u8>>> = [&file, &groups]
+        .iter()
+        .map(|d| (0..copies_n).map(|_| (*d).clone()).collect())
+        .collect();
+    let types = [GgmlType::Q4K, GgmlType::Q4KR];
+    for m in [1usize, 2, 4, 5, 8, 16] {
+        let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
+        let mut out = vec![0.0f32; m * n];
+        for (label, rows, cold) in [
+            ("l2", 128usize, false),
+            ("hot", n, false),
+            ("cold", n, true),
+        ] {
+            let mut best = [f64::INFINITY; 2];
+            let mut which = 0;
+            let t_all = Instant::now();
+            while t_all.elapsed().as_secs_f64() < 1.5 {
+                for (i, ty) in types.into_iter().enumerate() {
+                    let set = &sets[i];
+                    let d =
+                        &set[if cold { which % set.len() } else { 0 }][..rows * (k / 256) * 144];
+                    let part = [Part {
+                        ty,
+                        data: d,
+                        n: rows,
+                    }];
+                    let t = Instant::now();
+                    gguf_linear(Isa::Avx2, 1, &x, m, k, &part, None, &mut out[..m * rows]).unwrap();
+                    best[i] = best[i].min(t.elapsed().as_secs_f64());
+                }
+                which += 1;
+            }
+            let ns = |b: f64| b * 1e9 / (rows * (k / 256) * m) as f64;
+            println!(
+                "m={m:2} {label:4}: file {:5.2} ns, groups {:5.2} ns per super-block and row ({:.2}x; groups {:5.1} GB/s)",
+                ns(best[0]),
+                ns(best[1]),
+                best[0] / best[1],
+                (rows * (k / 256) * 144) as f64 / best[1] / 1e9
+            );
         }
     }
 }

@@ -16,15 +16,21 @@
 //! A decode, a 1 + k verification run and a prefill chunk therefore agree bit for bit on the
 //! rows they share, which keeps greedy speculative decoding token-for-token exact.
 //!
-//! Format files: [`q32`] (Q4_0 .. Q8_0), [`kquants`] (Q4_K, Q5_K, Q6_K), [`float`] (F32, F16,
+//! Format files: [`q32`] (Q4_0 .. Q8_0; its octets, Q4_0 and Q4_1 repacked), [`kquants`] (Q4_K,
+//! Q5_K, Q6_K), [`kquants_x8`] (Q4_K repacked in groups of eight rows), [`float`] (F32, F16,
 //! BF16); each has a portable path and an AVX2 path, chosen by [`Path`].
 
 pub mod acts;
 mod float;
 mod kquants;
+mod kquants_x8;
 mod q32;
 
 pub use q32::octets;
+/// Q4_K in groups of eight rows ([`GgmlType::Q4KR`]).
+pub mod q4k_groups {
+    pub use super::kquants_x8::{file_layout, file_row, repack_rows, GROUP_BLOCK};
+}
 
 use crate::dequant::GgmlType;
 use crate::paged_attention::AttentionError as KernelError;
@@ -121,7 +127,7 @@ fn family(ty: GgmlType) -> Family {
         | GgmlType::Q8_0
         | GgmlType::Q4_0R
         | GgmlType::Q4_1R => Family::Q32,
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => Family::KQuant,
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q4KR => Family::KQuant,
     }
 }
 
@@ -208,10 +214,11 @@ pub fn check_parts(parts: &[Part<'_>], k: usize) -> Result<usize, KernelError> {
     Ok(n)
 }
 
-/// Rows of one part per work item (a multiple of 4; items are the unit threads take).
+/// Rows of one part per work item (a multiple of 8, so that items start on the repacked
+/// types' groups of eight rows; items are the unit threads take).
 fn rows_per_item(n_total: usize, num_threads: usize) -> usize {
     let want = n_total.div_ceil(8 * num_threads.max(1));
-    want.clamp(8, 256).next_multiple_of(4)
+    want.clamp(8, 256).next_multiple_of(8)
 }
 
 /// The sum of the eight lanes, in one fixed order (the same for every row count).

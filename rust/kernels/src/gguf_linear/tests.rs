@@ -7,7 +7,7 @@ use super::*;
 use crate::dequant::{dequantize, GgmlType};
 use half::f16;
 
-pub(super) const TYPES: [GgmlType; 13] = [
+pub(super) const TYPES: [GgmlType; 14] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Bf16,
@@ -21,6 +21,7 @@ pub(super) const TYPES: [GgmlType; 13] = [
     GgmlType::Q6K,
     GgmlType::Q4_1R,
     GgmlType::Q4_0R,
+    GgmlType::Q4KR,
 ];
 
 /// A tiny deterministic generator (xorshift).
@@ -54,6 +55,12 @@ pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Ve
         octets::repack_rows(file, &src, n, k, &mut dst).unwrap();
         return dst;
     }
+    if ty == GgmlType::Q4KR {
+        let src = random_rows(GgmlType::Q4K, n, k, rng);
+        let mut dst = vec![0u8; src.len()];
+        q4k_groups::repack_rows(&src, n, k, &mut dst).unwrap();
+        return dst;
+    }
     let rb = row_bytes(ty, k).unwrap();
     let mut data: Vec<u8> = (0..n * rb).map(|_| rng.next() as u8).collect();
     let (_, bytes) = ty.block();
@@ -71,7 +78,7 @@ pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Ve
                 put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs());
                 put_f16(blk, 2, 0.1 * rng.unit());
             }
-            GgmlType::Q4K | GgmlType::Q5K => {
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q4KR => {
                 put_f16(blk, 0, 0.001 + 0.002 * rng.unit().abs());
                 put_f16(blk, 2, 0.001 + 0.002 * rng.unit().abs());
             }

@@ -1,0 +1,350 @@
+//! Q4_K repacked at load in *groups of eight rows* ([`GgmlType::Q4KR`]): the same bytes as the
+//! file's super-blocks, not one more, arranged so that one AVX2 lane holds one weight row and
+//! the loop needs no shuffle per sub-block.
+//!
+//! Rows `8 g .. 8 g + 8` of a tensor take the bytes of those eight rows (`8 * row_bytes`), one
+//! *group super-block* of 8 x 144 = 1152 bytes per super-block `b` of the row, in order:
+//!
+//! | bytes | holds |
+//! |---|---|
+//! | 0 .. 16 | the eight rows' `d` (f16) |
+//! | 16 .. 32 | their `dmin` |
+//! | 32 .. 64 | word `a` (scale bytes 0 .. 4) of each row |
+//! | 64 .. 96 | word `b` (bytes 4 .. 8) of each row |
+//! | 96 .. 128 | word `c` (bytes 8 .. 12) of each row |
+//! | 128 .. 1152 | for `j` in 0 .. 4, chunk `c` in 0 .. 8, row `r`: the row's quant bytes `qs[32 j + 4 c ..][..4]` |
+//!
+//! The rows after the last whole group (`n % 8` of them) stay in the file's layout.
+//!
+//! The AVX2 loop ([`avx2`]), per group super-block: the six-bit scales and minimums of all
+//! eight rows unpacked at once (the file's `a`, `b`, `c` words side by side: a dozen
+//! instructions for eight rows), then per 32-byte load of quants (four bytes of each row: eight
+//! values of sub-block `2 j` in the low nibbles, eight of `2 j + 1` in the high ones) two
+//! `vpmaddubsw` against the activations' matching four bytes broadcast to every lane, summed in
+//! i16 over the sub-block (16 products of <= 15 * 127: no overflow), then one `vpmaddwd` by the
+//! rows' scales per sub-block and one per pair of sub-blocks for the minimums' term. Every
+//! lane ends a super-block with its row's exact i32 sums: the float work (d, dmin, the
+//! activation's scale) is three lane-wise operations for eight rows, and a row's result is its
+//! lane: no horizontal sum. About 34 vector instructions per super-block and row against ~86 for
+//! the file layout ([`super::kquants`]), the multiplies 9.5 against 17.
+//!
+//! Every row count (1 to [`ROWS`] activation rows) runs each output's operations in the same
+//! order, so the results do not depend on the batch; they differ from the file layout's kernel
+//! only in f32 rounding (one exact i32 sum per super-block instead of eight partial lanes).
+
+use super::{Acts, ROWS};
+
+/// Bytes of one Q4_K super-block.
+const BLOCK: usize = 144;
+/// Bytes of one group super-block (eight rows').
+pub const GROUP_BLOCK: usize = 8 * BLOCK;
+
+/// One group super-block from the file layout: `rows[r]` is row r's super-block (144 bytes).
+fn pack_block(rows: [&[u8]; 8], dst: &mut [u8]) {
+    for (r, s) in rows.iter().enumerate() {
+        dst[2 * r..2 * r + 2].copy_from_slice(&s[0..2]);
+        dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&s[2..4]);
+        for w in 0..3 {
+            let at = 32 + 32 * w + 4 * r;
+            dst[at..at + 4].copy_from_slice(&s[4 + 4 * w..8 + 4 * w]);
+        }
+        for j in 0..4 {
+            for c in 0..8 {
+                let at = 128 + 256 * j + 32 * c + 4 * r;
+                let from = 16 + 32 * j + 4 * c;
+                dst[at..at + 4].copy_from_slice(&s[from..from + 4]);
+            }
+        }
+    }
+}
+
+/// Row `r` (< 8) of a group super-block back to the file layout.
+fn unpack_block(src: &[u8], r: usize, dst: &mut [u8]) {
+    dst[0..2].copy_from_slice(&src[2 * r..2 * r + 2]);
+    dst[2..4].copy_from_slice(&src[16 + 2 * r..16 + 2 * r + 2]);
+    for w in 0..3 {
+        let at = 32 + 32 * w + 4 * r;
+        dst[4 + 4 * w..8 + 4 * w].copy_from_slice(&src[at..at + 4]);
+    }
+    for j in 0..4 {
+        for c in 0..8 {
+            let at = 128 + 256 * j + 32 * c + 4 * r;
+            let to = 16 + 32 * j + 4 * c;
+            dst[to..to + 4].copy_from_slice(&src[at..at + 4]);
+        }
+    }
+}
+
+fn check(len: usize, rows: usize, k: usize) -> Result<usize, String> {
+    if k % 256 != 0 {
+        return Err(format!(
+            "Q4_K: a row of {k} values is not a whole number of super-blocks"
+        ));
+    }
+    let rb = k / 256 * BLOCK;
+    if len != rows * rb {
+        return Err(format!(
+            "Q4_K: {len} bytes for {rows} rows of {k} values (want {})",
+            rows * rb
+        ));
+    }
+    Ok(rb)
+}
+
+/// `rows` file-layout Q4_K rows of `k` values (`src`) into groups of eight (`dst`, the same
+/// size); the last `rows % 8` rows copied as they are.
+pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<(), String> {
+    let rb = check(src.len(), rows, k)?;
+    if dst.len() != src.len() {
+        return Err(format!(
+            "Q4_K repack: {} bytes out for {} in",
+            dst.len(),
+            src.len()
+        ));
+    }
+    let nb = k / 256;
+    for g in 0..rows / 8 {
+        let (s, d) = (
+            &src[8 * g * rb..8 * (g + 1) * rb],
+            &mut dst[8 * g * rb..8 * (g + 1) * rb],
+        );
+        for b in 0..nb {
+            let blocks: [&[u8]; 8] =
+                std::array::from_fn(|r| &s[r * rb + b * BLOCK..r * rb + (b + 1) * BLOCK]);
+            pack_block(blocks, &mut d[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK]);
+        }
+    }
+    let done = rows / 8 * 8 * rb;
+    dst[done..].copy_from_slice(&src[done..]);
+    Ok(())
+}
+
+/// Row `row` of a repacked tensor of `rows` rows of `k` values (`src`) in the file layout.
+pub fn file_row(src: &[u8], rows: usize, k: usize, row: usize) -> Result<Vec<u8>, String> {
+    let rb = check(src.len(), rows, k)?;
+    if row >= rows {
+        return Err(format!("row {row} is outside the table's {rows} rows"));
+    }
+    if row >= rows / 8 * 8 {
+        return Ok(src[row * rb..(row + 1) * rb].to_vec());
+    }
+    let group = &src[row / 8 * 8 * rb..(row / 8 + 1) * 8 * rb];
+    let mut out = vec![0u8; rb];
+    for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
+        unpack_block(&group[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK], row % 8, o);
+    }
+    Ok(out)
+}
+
+/// The whole repacked tensor back in the file layout.
+pub fn file_layout(src: &[u8], rows: usize, k: usize) -> Result<Vec<u8>, String> {
+    let rb = check(src.len(), rows, k)?;
+    let mut out = Vec::with_capacity(src.len());
+    for r in 0..rows {
+        out.extend_from_slice(&file_row(src, rows, k, r)?);
+        debug_assert_eq!(out.len(), (r + 1) * rb);
+    }
+    Ok(out)
+}
+
+/// The portable path: each group's rows back to the file layout, then the file layout's dot.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn scalar(
+    w: *const u8,
+    row_bytes: usize,
+    rows: usize,
+    acts: &Acts<'_>,
+    m0: usize,
+    mc: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let dot = super::kquants::q4k_scalar;
+    let mut row = vec![0u8; row_bytes];
+    let mut tmp = [0.0f32; ROWS];
+    for r in 0..rows {
+        let at = if r < rows / 8 * 8 {
+            let group = w.add(r / 8 * 8 * row_bytes);
+            for b in 0..row_bytes / BLOCK {
+                let g = std::slice::from_raw_parts(group.add(b * GROUP_BLOCK), GROUP_BLOCK);
+                unpack_block(g, r % 8, &mut row[b * BLOCK..(b + 1) * BLOCK]);
+            }
+            row.as_ptr()
+        } else {
+            w.add(r * row_bytes)
+        };
+        dot(at, acts, m0, mc, &mut tmp);
+        for (i, &v) in tmp.iter().enumerate().take(mc) {
+            *out.add(i * ldo + r) = v;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) use avx2_path::avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2_path {
+    use super::{Acts, GROUP_BLOCK, ROWS};
+    use std::arch::x86_64::*;
+
+    /// `vpshufb` masks: 0 .. 4, scale byte `s` of each 32-bit lane as the lane's i16 pair
+    /// `[sc, sc]`; 4, 5: bytes `2 t`, `2 t + 1` as the pair `[m_2t, m_2t+1]`.
+    static PICK: [[u8; 32]; 6] = {
+        let mut m = [[0x80u8; 32]; 6];
+        let mut i = 0;
+        while i < 32 {
+            let lane = 4 * ((i % 16) / 4) as u8;
+            let mut s = 0;
+            while s < 4 {
+                if i % 2 == 0 {
+                    m[s][i] = lane + s as u8;
+                }
+                s += 1;
+            }
+            if i % 4 == 0 {
+                m[4][i] = lane;
+                m[5][i] = lane + 2;
+            } else if i % 4 == 2 {
+                m[4][i] = lane + 1;
+                m[5][i] = lane + 3;
+            }
+            i += 1;
+        }
+        m
+    };
+
+    /// The rows function: whole groups through [`group`], the file-layout rows after them
+    /// through the file layout's kernel.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn avx2(
+        w: *const u8,
+        row_bytes: usize,
+        rows: usize,
+        acts: &Acts<'_>,
+        m0: usize,
+        mc: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        for g in 0..rows / 8 {
+            let (gw, go) = (w.add(8 * g * row_bytes), out.add(8 * g));
+            match mc {
+                4 => group::<4>(gw, acts, m0, go, ldo),
+                3 => group::<3>(gw, acts, m0, go, ldo),
+                2 => group::<2>(gw, acts, m0, go, ldo),
+                _ => group::<1>(gw, acts, m0, go, ldo),
+            }
+        }
+        let mut tmp = [0.0f32; ROWS];
+        for r in rows / 8 * 8..rows {
+            super::super::kquants::q4k_avx2(w.add(r * row_bytes), acts, m0, mc, &mut tmp);
+            for (i, &v) in tmp.iter().enumerate().take(mc) {
+                *out.add(i * ldo + r) = v;
+            }
+        }
+    }
+
+    /// Eight weight rows (a group, at `w`) against activation rows `m0 .. m0 + MC`: output
+    /// `out[i * ldo + r]` for row `r` of the group and activation row `m0 + i`.
+    #[inline(always)]
+    unsafe fn group<const MC: usize>(
+        w: *const u8,
+        acts: &Acts<'_>,
+        m0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let q8 = acts.q8k.as_ref().unwrap_unchecked();
+        let (k, nb) = (acts.k, acts.k / 256);
+        let xq = q8.qs.as_ptr().add(m0 * k);
+        let xd = q8.d.as_ptr().add(m0 * nb);
+        let xb = q8.b32.as_ptr().add(m0 * (k / 32));
+        let low4 = _mm256_set1_epi8(0x0F);
+        let low6 = _mm256_set1_epi8(0x3F);
+        let bits45 = _mm256_set1_epi8(0x30);
+        let pick = super::super::kquants::opaque(PICK.as_ptr());
+        let mask = |i: usize| _mm256_loadu_si256(pick.add(i) as *const __m256i);
+        let mut acc = [_mm256_setzero_ps(); MC];
+        for b in 0..nb {
+            let p = w.add(b * GROUP_BLOCK);
+            let mut off = 0;
+            while off < GROUP_BLOCK {
+                crate::simd::prefetch_l2(p.wrapping_add(off + 4 * GROUP_BLOCK) as *const i8);
+                off += 64;
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
+            let wa = _mm256_loadu_si256(p.add(32) as *const __m256i);
+            let wb = _mm256_loadu_si256(p.add(64) as *const __m256i);
+            let wc = _mm256_loadu_si256(p.add(96) as *const __m256i);
+            // per lane (row): scales 0..4, scales 4..8, mins 0..4, mins 4..8 (`scale_min_k4`)
+            let sc_lo = _mm256_and_si256(wa, low6);
+            let sc_hi = _mm256_or_si256(
+                _mm256_and_si256(wc, low4),
+                _mm256_and_si256(_mm256_srli_epi32::<2>(wa), bits45),
+            );
+            let mn_lo = _mm256_and_si256(wb, low6);
+            let mn_hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi32::<4>(wc), low4),
+                _mm256_and_si256(_mm256_srli_epi32::<2>(wb), bits45),
+            );
+            let q = p.add(128);
+            let mut isum = [_mm256_setzero_si256(); MC];
+            for j in 0..4 {
+                let sc = if j < 2 { sc_lo } else { sc_hi };
+                // sub-blocks 2 j (low nibbles of the j-th 256 bytes) and 2 j + 1 (high)
+                let mut lo = [_mm256_setzero_si256(); MC];
+                let mut hi = [_mm256_setzero_si256(); MC];
+                for c in 0..8 {
+                    let bytes = _mm256_loadu_si256(q.add(256 * j + 32 * c) as *const __m256i);
+                    let vl = _mm256_and_si256(bytes, low4);
+                    let vh = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), low4);
+                    for r in 0..MC {
+                        let x = xq.add(r * k + 256 * b + 64 * j + 4 * c);
+                        let xl = _mm256_set1_epi32(std::ptr::read_unaligned(x as *const i32));
+                        let xh =
+                            _mm256_set1_epi32(std::ptr::read_unaligned(x.add(32) as *const i32));
+                        lo[r] = _mm256_add_epi16(lo[r], _mm256_maddubs_epi16(vl, xl));
+                        hi[r] = _mm256_add_epi16(hi[r], _mm256_maddubs_epi16(vh, xh));
+                    }
+                }
+                let s_lo = _mm256_shuffle_epi8(sc, mask((2 * j) % 4));
+                let s_hi = _mm256_shuffle_epi8(sc, mask((2 * j + 1) % 4));
+                for r in 0..MC {
+                    let both = _mm256_add_epi32(
+                        _mm256_madd_epi16(lo[r], s_lo),
+                        _mm256_madd_epi16(hi[r], s_hi),
+                    );
+                    isum[r] = _mm256_add_epi32(isum[r], both);
+                }
+            }
+            // the minimums' term: sum_s m_s * (sum of the activation's 32 values of s)
+            let mins = [
+                _mm256_shuffle_epi8(mn_lo, mask(4)),
+                _mm256_shuffle_epi8(mn_lo, mask(5)),
+                _mm256_shuffle_epi8(mn_hi, mask(4)),
+                _mm256_shuffle_epi8(mn_hi, mask(5)),
+            ];
+            for (r, a) in acc.iter_mut().enumerate() {
+                let bp = xb.add(r * (k / 32) + 8 * b) as *const i32;
+                let mut summ = _mm256_setzero_si256();
+                for (t, mv) in mins.iter().enumerate() {
+                    let pair = _mm256_set1_epi32(std::ptr::read_unaligned(bp.add(t)));
+                    summ = _mm256_add_epi32(summ, _mm256_madd_epi16(*mv, pair));
+                }
+                // (d * sumi - dmin * summ) * d_x
+                let f = _mm256_fnmadd_ps(
+                    _mm256_cvtepi32_ps(summ),
+                    dmin,
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(isum[r]), d),
+                );
+                *a = _mm256_fmadd_ps(f, _mm256_set1_ps(*xd.add(r * nb + b)), *a);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(i * ldo), *a);
+        }
+    }
+}
