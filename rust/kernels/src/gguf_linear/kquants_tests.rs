@@ -271,7 +271,15 @@ fn kquants_speed() {
 #[ignore]
 fn q4k_groups_speed() {
     use std::time::Instant;
-    let (n, k) = (4096usize, 4096usize);
+    // Q4K_SHAPE=n,k for another layer (e.g. 17920,1536: Qwen2.5-1.5B's gate | up)
+    let shape: Vec<usize> = std::env::var("Q4K_SHAPE")
+        .map(|v| v.split(',').filter_map(|t| t.parse().ok()).collect())
+        .unwrap_or_default();
+    let (n, k) = if shape.len() == 2 {
+        (shape[0], shape[1])
+    } else {
+        (4096usize, 4096usize)
+    };
     let mut rng = Rng(3);
     let file = random_rows(GgmlType::Q4K, n, k, &mut rng);
     let mut groups = vec![0u8; file.len()];

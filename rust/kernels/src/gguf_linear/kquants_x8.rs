@@ -269,6 +269,7 @@ mod avx2_path {
         let mut acc = [_mm256_setzero_ps(); MC];
         for b in 0..nb {
             let p = w.add(b * GROUP_BLOCK);
+            // (4 group super-blocks ahead; 1 to 16 measured the same from memory, none 0.8x)
             let mut off = 0;
             while off < GROUP_BLOCK {
                 crate::simd::prefetch_l2(p.wrapping_add(off + 4 * GROUP_BLOCK) as *const i8);
