@@ -63,7 +63,10 @@ def test_gguf_files_default_to_stored_weights_on_cpu(tiny_gguf):
     layer = gen.engine.loaded.model.layers[0]
     assert isinstance(layer.qkv_weight, GgufWeight) and len(layer.qkv_weight.parts) == 3  # q | k | v as stored
     assert set(layer.qkv_weight.type_names) <= {t.upper() for t in TYPES}
-    assert isinstance(gen.engine.loaded.model.embed_tokens, GgufWeight)
+    model = gen.engine.loaded.model
+    assert isinstance(model.embed_tokens, GgufWeight)
+    # an untied table is only looked up: no kernel-layout copy of it (the LM head has its own)
+    assert not model.embed_tokens.for_gemm and model.lm_head.for_gemm
     assert Generator(str(path), max_model_len=128, quantization=None).engine.quantization is None
 
 
@@ -118,6 +121,12 @@ def test_greedy_speculation_on_stored_weights_equals_plain(tiny_gguf, qwen_gguf,
         spec = SPECS[method](hf, qwen_gguf[1])
     tot = check_greedy_exact(path, spec, stored_ref, settings=SETTINGS[:2])
     assert tot["num_draft_tokens"] > 0
+
+
+def test_a_tied_table_is_held_for_the_gemm(qwen_gguf):
+    """Tied embeddings are the LM head too: the table is held in the kernels' layout."""
+    model = Generator(str(qwen_gguf[1]), max_model_len=64).engine.loaded.model
+    assert model.lm_head is model.embed_tokens and model.embed_tokens.for_gemm
 
 
 def test_a_stored_draft_model_with_its_own_file(qwen_gguf):

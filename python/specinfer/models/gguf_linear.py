@@ -104,11 +104,27 @@ class StoredTensor:
         of eight rows")."""
         if not ((self.type_id in (2, 3) and self.cols >= 256) or self.type_id == 12):
             return self
-        out = np.empty_like(self.data)
+        out = _resident_buffer(self.data.shape)
         type_id = _gguf_repack(self.data.ctypes.data, self.data.nbytes, self.type_id, self.data.shape[0],
                                self.cols, out.ctypes.data)
         _release_file_pages(self.data)
         return StoredTensor(type_id, out, self.cols)
+
+
+def _resident_buffer(shape: tuple[int, int]) -> np.ndarray:
+    """uint8 memory for a repacked copy, in small pages (first touched by the repack's threads):
+    numpy's allocator asks for transparent huge pages on large arrays, and on this project's VMs
+    the first touch of each 2 MB page (zeroed, and compacted for where memory is fragmented) made
+    a Qwen2.5-1.5B build 3.8 s instead of 1.7 s; huge pages did not speed the decode (1.02x,
+    notebook "GGUF: Q4_K in groups of eight rows"). (MAP_POPULATE, mapping it all in one call,
+    was slower than the repack's two threads touching it.)"""
+    nbytes = int(np.prod(shape))
+    if nbytes == 0 or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return np.empty(shape, dtype=np.uint8)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype=np.uint8).reshape(shape)  # the array keeps the mapping alive
 
 
 def _release_file_pages(data: np.ndarray) -> None:
@@ -141,6 +157,9 @@ class GgufWeight:
         self._shape = torch.Size((n, k))
         self._parts: dict[int, StoredTensor] = {}  # first row -> part
         self._kernel_parts = None
+        # False for a table only looked up (an untied embedding): its rows stay in the file's
+        # layout, which `embedding` reads directly (no repacked copy to build or hold)
+        self.for_gemm = True
 
     @property
     def shape(self) -> torch.Size:
@@ -171,7 +190,7 @@ class GgufWeight:
         start, stop, _ = (rows or slice(None)).indices(n)
         if tuple(tensor.shape) != (stop - start, k):
             raise ValueError(f"stored tensor {tuple(tensor.shape)} does not fill rows {start}:{stop} of {n} x {k}")
-        self._parts[start] = tensor.kernel_layout()
+        self._parts[start] = tensor.kernel_layout() if self.for_gemm else tensor
         self._kernel_parts = None
 
     def _kernel_args(self) -> list[tuple[int, int, int]]:
@@ -220,6 +239,7 @@ class GgufWeight:
         """Rows start:stop as a weight sharing this one's memory (tensor-parallel shards)."""
         n, k = self._shape
         out = GgufWeight(stop - start, k)
+        out.for_gemm = self.for_gemm
         for p_start, p in self.parts:
             p_stop = p_start + p.data.shape[0]
             lo, hi = max(start, p_start), min(stop, p_stop)

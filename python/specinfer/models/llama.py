@@ -188,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
         self.packed = False
         gemm = dict(dtype=dtype, device=device, quantization=quantization)
         self.embed_tokens = _gemm_weight(cfg.vocab_size, cfg.hidden_size, **gemm)
+        if isinstance(self.embed_tokens, GgufWeight) and not cfg.tie_word_embeddings:
+            self.embed_tokens.for_gemm = False  # rows looked up only: kept in the file's layout
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, device, quantization) for i in range(cfg.num_layers))
         self.norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:

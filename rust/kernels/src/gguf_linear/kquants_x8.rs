@@ -39,39 +39,29 @@ const BLOCK: usize = 144;
 /// Bytes of one group super-block (eight rows').
 pub const GROUP_BLOCK: usize = 8 * BLOCK;
 
-/// One group super-block from the file layout: `rows[r]` is row r's super-block (144 bytes).
-fn pack_block(rows: [&[u8]; 8], dst: &mut [u8]) {
-    for (r, s) in rows.iter().enumerate() {
-        dst[2 * r..2 * r + 2].copy_from_slice(&s[0..2]);
-        dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&s[2..4]);
-        for w in 0..3 {
-            let at = 32 + 32 * w + 4 * r;
-            dst[at..at + 4].copy_from_slice(&s[4 + 4 * w..8 + 4 * w]);
-        }
-        for j in 0..4 {
-            for c in 0..8 {
-                let at = 128 + 256 * j + 32 * c + 4 * r;
-                let from = 16 + 32 * j + 4 * c;
-                dst[at..at + 4].copy_from_slice(&s[from..from + 4]);
-            }
-        }
+// A super-block's bytes 4 .. 144 (the three scale words, then the 32 words of quants) are 35
+// words of four bytes: word `i` of row `r` goes to `32 + 32 i + 4 r` of its group super-block
+// (the table above: words 0 .. 3 are a, b, c; word 3 + 8 j + c is `qs[32 j + 4 c ..][..4]`).
+
+/// Row `r`'s super-block `s` (file layout, 144 bytes) into its group super-block `dst`.
+#[inline(always)]
+fn pack_block(s: &[u8], r: usize, dst: &mut [u8]) {
+    dst[2 * r..2 * r + 2].copy_from_slice(&s[0..2]);
+    dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&s[2..4]);
+    for i in 0..35 {
+        let at = 32 + 32 * i + 4 * r;
+        dst[at..at + 4].copy_from_slice(&s[4 + 4 * i..8 + 4 * i]);
     }
 }
 
-/// Row `r` (< 8) of a group super-block back to the file layout.
+/// Row `r` (< 8) of a group super-block `src` back to the file layout.
+#[inline(always)]
 fn unpack_block(src: &[u8], r: usize, dst: &mut [u8]) {
     dst[0..2].copy_from_slice(&src[2 * r..2 * r + 2]);
     dst[2..4].copy_from_slice(&src[16 + 2 * r..16 + 2 * r + 2]);
-    for w in 0..3 {
-        let at = 32 + 32 * w + 4 * r;
-        dst[4 + 4 * w..8 + 4 * w].copy_from_slice(&src[at..at + 4]);
-    }
-    for j in 0..4 {
-        for c in 0..8 {
-            let at = 128 + 256 * j + 32 * c + 4 * r;
-            let to = 16 + 32 * j + 4 * c;
-            dst[to..to + 4].copy_from_slice(&src[at..at + 4]);
-        }
+    for i in 0..35 {
+        let at = 32 + 32 * i + 4 * r;
+        dst[4 + 4 * i..8 + 4 * i].copy_from_slice(&src[at..at + 4]);
     }
 }
 
@@ -92,8 +82,10 @@ fn check(len: usize, rows: usize, k: usize) -> Result<usize, String> {
 }
 
 /// `rows` file-layout Q4_K rows of `k` values (`src`) into groups of eight (`dst`, the same
-/// size); the last `rows % 8` rows copied as they are.
+/// size); the last `rows % 8` rows copied as they are. Groups in parallel (a load-time copy:
+/// Qwen2.5-1.5B's 757 MB of Q4_K in ~0.2 s on two cores).
 pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<(), String> {
+    use rayon::prelude::*;
     let rb = check(src.len(), rows, k)?;
     if dst.len() != src.len() {
         return Err(format!(
@@ -102,20 +94,29 @@ pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<
             src.len()
         ));
     }
-    let nb = k / 256;
-    for g in 0..rows / 8 {
-        let (s, d) = (
-            &src[8 * g * rb..8 * (g + 1) * rb],
-            &mut dst[8 * g * rb..8 * (g + 1) * rb],
-        );
-        for b in 0..nb {
-            let blocks: [&[u8]; 8] =
-                std::array::from_fn(|r| &s[r * rb + b * BLOCK..r * rb + (b + 1) * BLOCK]);
-            pack_block(blocks, &mut d[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK]);
+    let full = rows / 8 * 8 * rb;
+    let (groups, tail) = dst.split_at_mut(full);
+    let pack = |(d, s): (&mut [u8], &[u8])| {
+        for (b, out) in d.chunks_exact_mut(GROUP_BLOCK).enumerate() {
+            for r in 0..8 {
+                pack_block(&s[r * rb + b * BLOCK..r * rb + (b + 1) * BLOCK], r, out);
+            }
         }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    match crate::threads::pool(threads).filter(|_| threads > 1 && full >= 1 << 20) {
+        Some(p) => p.install(|| {
+            groups
+                .par_chunks_mut(8 * rb)
+                .zip(src[..full].par_chunks(8 * rb))
+                .for_each(pack)
+        }),
+        None => groups
+            .chunks_mut(8 * rb)
+            .zip(src[..full].chunks(8 * rb))
+            .for_each(pack),
     }
-    let done = rows / 8 * 8 * rb;
-    dst[done..].copy_from_slice(&src[done..]);
+    tail.copy_from_slice(&src[full..]);
     Ok(())
 }
 
