@@ -105,7 +105,7 @@ pub fn gguf_rows(
 /// The kernels' own layout of `rows` rows of `cols` values of ggml type `type_id` (`src`,
 /// `src_len` bytes) written to `dst` (as many bytes): -> the layout's type id. Q4_0 and Q4_1
 /// rows of at least 256 values become octets (`gguf_linear::octets`), Q4_K rows groups of
-/// eight rows (`gguf_linear::q4k_groups`); other types have none (error).
+/// eight rows (`gguf_linear::row_groups`); other types have none (error).
 #[pyfunction]
 pub fn gguf_repack(
     py: Python<'_>,
@@ -138,8 +138,8 @@ pub fn gguf_repack(
                 std::slice::from_raw_parts_mut(dst_ptr as *mut u8, src_len),
             )
         };
-        if ty == GgmlType::Q4K {
-            kernel::q4k_groups::repack_rows(src, rows, cols, dst)
+        if kernel::row_groups::grouped(ty).is_some() {
+            kernel::row_groups::repack_rows(ty, src, rows, cols, dst)
         } else {
             kernel::octets::repack_rows(ty, src, rows, cols, dst)
         }

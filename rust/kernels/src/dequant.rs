@@ -25,8 +25,8 @@
 //!   rows repacked at load into groups of up to eight blocks (`gguf_linear::octets`), an odd
 //!   last block as in the file; rows read through [`row`].
 //! - Q4_KR (specinfer's [`Q4_KR_ID`]): Q4_K rows repacked at load in groups of eight rows
-//!   (`gguf_linear::q4k_groups`); a row is no longer one byte range, so tables of this type
-//!   are read through the group's file-layout view.
+//!   (`gguf_linear::row_groups`); a row is no longer one byte range, so tables of this type are
+//!   read through the group's file-layout view.
 
 use half::f16;
 use rayon::prelude::*;
@@ -254,8 +254,8 @@ pub fn gather_rows(
             return Err(format!("row {id} is outside the table's {rows} rows"));
         }
         if t == GgmlType::Q4KR {
-            let file = crate::gguf_linear::q4k_groups::file_row(src, rows, cols, id as usize)?;
-            row(GgmlType::Q4K, &file, o);
+            let file = crate::gguf_linear::row_groups::file_row(t, src, rows, cols, id as usize)?;
+            row(t, &file, o);
             continue;
         }
         row(
@@ -302,8 +302,8 @@ pub fn dequantize(
         return Ok(());
     }
     if t == GgmlType::Q4KR {
-        let file = crate::gguf_linear::q4k_groups::file_layout(src, rows, cols)?;
-        return dequantize(GgmlType::Q4K, &file, rows, cols, out, num_threads);
+        let (file_type, file) = crate::gguf_linear::row_groups::file_layout(t, src, rows, cols)?;
+        return dequantize(file_type, &file, rows, cols, out, num_threads);
     }
     let one_row = |(o, s): (&mut [f32], &[u8])| row(t, s, o);
     let work = || {

@@ -38,7 +38,7 @@ pub(super) fn select_rows(ty: GgmlType, path: Path) -> Option<super::RowsFn> {
         (GgmlType::Q4K, Path::Scalar) => rows_fn!(q45k_scalar::<false>),
         (GgmlType::Q5K, Path::Scalar) => rows_fn!(q45k_scalar::<true>),
         (GgmlType::Q6K, Path::Scalar) => rows_fn!(q6k_scalar),
-        (GgmlType::Q4KR, Path::Scalar) => super::kquants_x8::scalar,
+        (GgmlType::Q4KR, Path::Scalar) => super::kquants_x8::scalar_rows(ty)?,
         #[cfg(target_arch = "x86_64")]
         (GgmlType::Q4KR, Path::Avx2) => super::kquants_x8::avx2,
         #[cfg(target_arch = "x86_64")]

@@ -67,48 +67,97 @@ fn check_direct(ty: GgmlType, data: &[u8], n: usize, x: &[f32], m: usize, k: usi
     }
 }
 
+/// Activations of +-1 (with a few zeros): q = +-127 (amax 1); row 0 all +1, row 1 all -1.
+fn extreme_x(m: usize, k: usize, rng: &mut Rng) -> Vec<f32> {
+    (0..m * k)
+        .map(|i| match i / k {
+            0 => 1.0,
+            1 => -1.0,
+            _ => [1.0, -1.0, 1.0, -1.0, 0.0][(rng.next() % 5) as usize],
+        })
+        .collect()
+}
+
+/// `n` rows of file type `ty` into `data`: the first `full` rows with every field at its
+/// maximum (Q6_K's scales alternating -128 and 127), the others random bytes.
+fn extreme_rows(ty: GgmlType, data: &mut [u8], k: usize, full: usize, rng: &mut Rng) {
+    let (_, bytes) = ty.block();
+    for (bi, blk) in data.chunks_exact_mut(bytes).enumerate() {
+        let max = bi < full * (k / 256);
+        for v in blk.iter_mut() {
+            *v = if max { 0xFF } else { rng.next() as u8 };
+        }
+        match ty {
+            GgmlType::Q6K => {
+                if max {
+                    for (g, s) in blk[192..208].iter_mut().enumerate() {
+                        *s = if g % 2 == 0 { 0x80 } else { 0x7F };
+                    }
+                }
+                put_f16(blk, 208, 0.003);
+            }
+            _ => {
+                put_f16(blk, 0, 0.003);
+                put_f16(blk, 2, 0.002);
+            }
+        }
+    }
+}
+
 /// The largest weight values and scales against activations of +-127: the products stay
 /// exact (no i16 saturation in the pairwise sums), with the rows read from odd addresses.
 #[test]
 fn extreme_values_from_unaligned_rows() {
     let (n, k, m) = (3usize, 512usize, 6usize);
     let mut rng = Rng(42);
-    // activations: +-1 with a few zeros -> q = +-127 (amax 1); row 0 all +1, row 1 all -1
-    let x: Vec<f32> = (0..m * k)
-        .map(|i| match i / k {
-            0 => 1.0,
-            1 => -1.0,
-            _ => [1.0, -1.0, 1.0, -1.0, 0.0][(rng.next() % 5) as usize],
-        })
-        .collect();
+    let x = extreme_x(m, k, &mut rng);
     for ty in TYPES {
         let rb = row_bytes(ty, k).unwrap();
         let mut buf = vec![0u8; n * rb + 1];
         let data = &mut buf[1..]; // odd address
-        let (_, bytes) = ty.block();
-        for (bi, blk) in data.chunks_exact_mut(bytes).enumerate() {
-            // row 0: every field at its maximum; the others random bytes
-            let full = bi < k / 256;
-            for v in blk.iter_mut() {
-                *v = if full { 0xFF } else { rng.next() as u8 };
-            }
-            match ty {
-                GgmlType::Q6K => {
-                    if full {
-                        // scales alternating -128 and 127
-                        for (g, s) in blk[192..208].iter_mut().enumerate() {
-                            *s = if g % 2 == 0 { 0x80 } else { 0x7F };
-                        }
+        extreme_rows(ty, data, k, 1, &mut rng);
+        check_direct(ty, data, n, &x, m, k);
+    }
+}
+
+/// The same extremes through the groups of eight rows (a whole group at its maximum, then
+/// random rows and three rows after the group): each output the exact dot within f32 rounding.
+#[test]
+fn extreme_values_in_groups_of_eight_rows() {
+    let (n, k, m) = (19usize, 512usize, 6usize);
+    let mut rng = Rng(43);
+    let x = extreme_x(m, k, &mut rng);
+    for (file, grouped) in [(GgmlType::Q4K, GgmlType::Q4KR)] {
+        let mut src = vec![0u8; n * row_bytes(file, k).unwrap()];
+        extreme_rows(file, &mut src, k, 8, &mut rng);
+        let mut data = vec![0u8; src.len()];
+        super::super::row_groups::repack_rows(file, &src, n, k, &mut data).unwrap();
+        let w = dequant_rows(file, &src, n, k);
+        let xs = seen_x(file, &x, m, k);
+        for isa in Isa::supported() {
+            let part = [Part {
+                ty: grouped,
+                data: &data,
+                n,
+            }];
+            let mut out = vec![f32::NAN; m * n];
+            gguf_linear(isa, 1, &x, m, k, &part, None, &mut out).unwrap();
+            for mi in 0..m {
+                for ni in 0..n {
+                    let (mut exact, mut mag) = (0.0f64, 0.0f64);
+                    for e in 0..k {
+                        let p = w[ni * k + e] as f64 * xs[mi * k + e] as f64;
+                        exact += p;
+                        mag += p.abs();
                     }
-                    put_f16(blk, 208, 0.003);
-                }
-                _ => {
-                    put_f16(blk, 0, 0.003);
-                    put_f16(blk, 2, 0.002);
+                    let got = out[mi * n + ni] as f64;
+                    assert!(
+                        (got - exact).abs() <= 1e-5 * mag + 1e-6,
+                        "{grouped:?} {isa:?} [{mi},{ni}]: {got} vs exact {exact}"
+                    );
                 }
             }
         }
-        check_direct(ty, data, n, &x, m, k);
     }
 }
 
@@ -281,15 +330,16 @@ fn q4k_groups_speed() {
         (4096usize, 4096usize)
     };
     let mut rng = Rng(3);
-    let file = random_rows(GgmlType::Q4K, n, k, &mut rng);
+    let types = [GgmlType::Q4K, GgmlType::Q4KR];
+    let bytes = types[0].block().1;
+    let file = random_rows(types[0], n, k, &mut rng);
     let mut groups = vec![0u8; file.len()];
-    super::super::q4k_groups::repack_rows(&file, n, k, &mut groups).unwrap();
+    super::super::row_groups::repack_rows(types[0], &file, n, k, &mut groups).unwrap();
     let copies_n = (64 << 20) / file.len() + 2;
     let sets: Vec<Vec<Vec<u8>>> = [&file, &groups]
         .iter()
         .map(|d| (0..copies_n).map(|_| (*d).clone()).collect())
         .collect();
-    let types = [GgmlType::Q4K, GgmlType::Q4KR];
     for m in [1usize, 2, 4, 5, 8, 16] {
         let x: Vec<f32> = (0..m * k).map(|_| rng.unit()).collect();
         let mut out = vec![0.0f32; m * n];
@@ -305,7 +355,7 @@ fn q4k_groups_speed() {
                 for (i, ty) in types.into_iter().enumerate() {
                     let set = &sets[i];
                     let d =
-                        &set[if cold { which % set.len() } else { 0 }][..rows * (k / 256) * 144];
+                        &set[if cold { which % set.len() } else { 0 }][..rows * (k / 256) * bytes];
                     let part = [Part {
                         ty,
                         data: d,
@@ -323,7 +373,7 @@ fn q4k_groups_speed() {
                 ns(best[0]),
                 ns(best[1]),
                 best[0] / best[1],
-                (rows * (k / 256) * 144) as f64 / best[1] / 1e9
+                (rows * (k / 256) * bytes) as f64 / best[1] / 1e9
             );
         }
     }

@@ -33,63 +33,111 @@
 //! only in f32 rounding (one exact i32 sum per super-block instead of eight partial lanes).
 
 use super::{Acts, ROWS};
+use crate::dequant::GgmlType;
 
-/// Bytes of one Q4_K super-block.
-const BLOCK: usize = 144;
-/// Bytes of one group super-block (eight rows').
-pub const GROUP_BLOCK: usize = 8 * BLOCK;
+/// How a format's super-block spreads over its group super-block: its f16 fields (`halves`:
+/// their offsets in the block) first, each as eight values (16 bytes), then the block's
+/// `words` four-byte words from byte `words_at`: word `i` of row `r` at
+/// `16 * halves + 32 i + 4 r`.
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    name: &'static str,
+    block: usize,
+    halves: &'static [usize],
+    words_at: usize,
+    words: usize,
+}
 
-// A super-block's bytes 4 .. 144 (the three scale words, then the 32 words of quants) are 35
-// words of four bytes: word `i` of row `r` goes to `32 + 32 i + 4 r` of its group super-block
-// (the table above: words 0 .. 3 are a, b, c; word 3 + 8 j + c is `qs[32 j + 4 c ..][..4]`).
+/// Q4_K: d, dmin; then the scale words a, b, c and the 32 words of quants (the table above).
+const Q4K: Layout = Layout {
+    name: "Q4_K",
+    block: 144,
+    halves: &[0, 2],
+    words_at: 4,
+    words: 35,
+};
+/// Bytes of one Q4_K group super-block (eight rows').
+pub const GROUP_BLOCK: usize = 8 * 144;
 
-/// Row `r`'s super-block `s` (file layout, 144 bytes) into its group super-block `dst`.
+/// The file type a grouped type (or a file type) holds, with its layout.
+fn layout(ty: GgmlType) -> Option<(GgmlType, Layout)> {
+    match ty {
+        GgmlType::Q4K | GgmlType::Q4KR => Some((GgmlType::Q4K, Q4K)),
+        _ => None,
+    }
+}
+
+/// The grouped type of a file type that has one.
+pub fn grouped(ty: GgmlType) -> Option<GgmlType> {
+    match ty {
+        GgmlType::Q4K => Some(GgmlType::Q4KR),
+        _ => None,
+    }
+}
+
+/// Row `r`'s super-block `s` (file layout) into its group super-block `dst`.
 #[inline(always)]
-fn pack_block(s: &[u8], r: usize, dst: &mut [u8]) {
-    dst[2 * r..2 * r + 2].copy_from_slice(&s[0..2]);
-    dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&s[2..4]);
-    for i in 0..35 {
-        let at = 32 + 32 * i + 4 * r;
-        dst[at..at + 4].copy_from_slice(&s[4 + 4 * i..8 + 4 * i]);
+fn pack_block(l: &Layout, s: &[u8], r: usize, dst: &mut [u8]) {
+    for (f, &at) in l.halves.iter().enumerate() {
+        dst[16 * f + 2 * r..16 * f + 2 * r + 2].copy_from_slice(&s[at..at + 2]);
+    }
+    let base = 16 * l.halves.len() + 4 * r;
+    for i in 0..l.words {
+        let (to, from) = (base + 32 * i, l.words_at + 4 * i);
+        dst[to..to + 4].copy_from_slice(&s[from..from + 4]);
     }
 }
 
 /// Row `r` (< 8) of a group super-block `src` back to the file layout.
 #[inline(always)]
-fn unpack_block(src: &[u8], r: usize, dst: &mut [u8]) {
-    dst[0..2].copy_from_slice(&src[2 * r..2 * r + 2]);
-    dst[2..4].copy_from_slice(&src[16 + 2 * r..16 + 2 * r + 2]);
-    for i in 0..35 {
-        let at = 32 + 32 * i + 4 * r;
-        dst[4 + 4 * i..8 + 4 * i].copy_from_slice(&src[at..at + 4]);
+fn unpack_block(l: &Layout, src: &[u8], r: usize, dst: &mut [u8]) {
+    for (f, &at) in l.halves.iter().enumerate() {
+        dst[at..at + 2].copy_from_slice(&src[16 * f + 2 * r..16 * f + 2 * r + 2]);
+    }
+    let base = 16 * l.halves.len() + 4 * r;
+    for i in 0..l.words {
+        let (from, to) = (base + 32 * i, l.words_at + 4 * i);
+        dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
     }
 }
 
-fn check(len: usize, rows: usize, k: usize) -> Result<usize, String> {
+fn check(ty: GgmlType, len: usize, rows: usize, k: usize) -> Result<(usize, Layout), String> {
+    let Some((_, l)) = layout(ty) else {
+        return Err(format!("{ty:?} has no groups of eight rows"));
+    };
     if k % 256 != 0 {
         return Err(format!(
-            "Q4_K: a row of {k} values is not a whole number of super-blocks"
+            "{}: a row of {k} values is not a whole number of super-blocks",
+            l.name
         ));
     }
-    let rb = k / 256 * BLOCK;
+    let rb = k / 256 * l.block;
     if len != rows * rb {
         return Err(format!(
-            "Q4_K: {len} bytes for {rows} rows of {k} values (want {})",
+            "{}: {len} bytes for {rows} rows of {k} values (want {})",
+            l.name,
             rows * rb
         ));
     }
-    Ok(rb)
+    Ok((rb, l))
 }
 
-/// `rows` file-layout Q4_K rows of `k` values (`src`) into groups of eight (`dst`, the same
-/// size); the last `rows % 8` rows copied as they are. Groups in parallel (a load-time copy:
-/// Qwen2.5-1.5B's 757 MB of Q4_K in ~0.2 s on two cores).
-pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<(), String> {
+/// `rows` file-layout rows of `k` values of `ty` (Q4_K; `src`) into groups of eight
+/// (`dst`, the same size); the last `rows % 8` rows copied as they are. Groups in parallel (a
+/// load-time copy: Qwen2.5-1.5B's 626 MB of Q4_K GEMM weights in ~0.2 s on two cores).
+pub fn repack_rows(
+    ty: GgmlType,
+    src: &[u8],
+    rows: usize,
+    k: usize,
+    dst: &mut [u8],
+) -> Result<(), String> {
     use rayon::prelude::*;
-    let rb = check(src.len(), rows, k)?;
+    let (rb, l) = check(ty, src.len(), rows, k)?;
     if dst.len() != src.len() {
         return Err(format!(
-            "Q4_K repack: {} bytes out for {} in",
+            "{} repack: {} bytes out for {} in",
+            l.name,
             dst.len(),
             src.len()
         ));
@@ -97,9 +145,10 @@ pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<
     let full = rows / 8 * 8 * rb;
     let (groups, tail) = dst.split_at_mut(full);
     let pack = |(d, s): (&mut [u8], &[u8])| {
-        for (b, out) in d.chunks_exact_mut(GROUP_BLOCK).enumerate() {
+        for (b, out) in d.chunks_exact_mut(8 * l.block).enumerate() {
             for r in 0..8 {
-                pack_block(&s[r * rb + b * BLOCK..r * rb + (b + 1) * BLOCK], r, out);
+                let at = r * rb + b * l.block;
+                pack_block(&l, &s[at..at + l.block], r, out);
             }
         }
     };
@@ -120,9 +169,16 @@ pub fn repack_rows(src: &[u8], rows: usize, k: usize, dst: &mut [u8]) -> Result<
     Ok(())
 }
 
-/// Row `row` of a repacked tensor of `rows` rows of `k` values (`src`) in the file layout.
-pub fn file_row(src: &[u8], rows: usize, k: usize, row: usize) -> Result<Vec<u8>, String> {
-    let rb = check(src.len(), rows, k)?;
+/// Row `row` of a grouped tensor of type `ty` (`rows` rows of `k` values, `src`) in the file
+/// layout.
+pub fn file_row(
+    ty: GgmlType,
+    src: &[u8],
+    rows: usize,
+    k: usize,
+    row: usize,
+) -> Result<Vec<u8>, String> {
+    let (rb, l) = check(ty, src.len(), rows, k)?;
     if row >= rows {
         return Err(format!("row {row} is outside the table's {rows} rows"));
     }
@@ -131,26 +187,39 @@ pub fn file_row(src: &[u8], rows: usize, k: usize, row: usize) -> Result<Vec<u8>
     }
     let group = &src[row / 8 * 8 * rb..(row / 8 + 1) * 8 * rb];
     let mut out = vec![0u8; rb];
-    for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
-        unpack_block(&group[b * GROUP_BLOCK..(b + 1) * GROUP_BLOCK], row % 8, o);
+    for (b, o) in out.chunks_exact_mut(l.block).enumerate() {
+        unpack_block(
+            &l,
+            &group[b * 8 * l.block..(b + 1) * 8 * l.block],
+            row % 8,
+            o,
+        );
     }
     Ok(out)
 }
 
-/// The whole repacked tensor back in the file layout.
-pub fn file_layout(src: &[u8], rows: usize, k: usize) -> Result<Vec<u8>, String> {
-    let rb = check(src.len(), rows, k)?;
+/// A whole grouped tensor of type `ty` back in the file layout: (the file type, its bytes).
+pub fn file_layout(
+    ty: GgmlType,
+    src: &[u8],
+    rows: usize,
+    k: usize,
+) -> Result<(GgmlType, Vec<u8>), String> {
+    let (rb, _) = check(ty, src.len(), rows, k)?;
     let mut out = Vec::with_capacity(src.len());
     for r in 0..rows {
-        out.extend_from_slice(&file_row(src, rows, k, r)?);
+        out.extend_from_slice(&file_row(ty, src, rows, k, r)?);
         debug_assert_eq!(out.len(), (r + 1) * rb);
     }
-    Ok(out)
+    Ok((layout(ty).map_or(ty, |(f, _)| f), out))
 }
 
-/// The portable path: each group's rows back to the file layout, then the file layout's dot.
+/// The portable path for a grouped type: each group's rows back to the file layout, then the
+/// file layout's dot.
 #[allow(clippy::too_many_arguments)]
-pub(super) unsafe fn scalar(
+unsafe fn scalar_with(
+    l: &Layout,
+    dot: super::DotFn,
     w: *const u8,
     row_bytes: usize,
     rows: usize,
@@ -160,15 +229,15 @@ pub(super) unsafe fn scalar(
     out: *mut f32,
     ldo: usize,
 ) {
-    let dot = super::kquants::q4k_scalar;
     let mut row = vec![0u8; row_bytes];
     let mut tmp = [0.0f32; ROWS];
+    let gb = 8 * l.block;
     for r in 0..rows {
         let at = if r < rows / 8 * 8 {
             let group = w.add(r / 8 * 8 * row_bytes);
-            for b in 0..row_bytes / BLOCK {
-                let g = std::slice::from_raw_parts(group.add(b * GROUP_BLOCK), GROUP_BLOCK);
-                unpack_block(g, r % 8, &mut row[b * BLOCK..(b + 1) * BLOCK]);
+            for b in 0..row_bytes / l.block {
+                let g = std::slice::from_raw_parts(group.add(b * gb), gb);
+                unpack_block(l, g, r % 8, &mut row[b * l.block..(b + 1) * l.block]);
             }
             row.as_ptr()
         } else {
@@ -178,6 +247,38 @@ pub(super) unsafe fn scalar(
         for (i, &v) in tmp.iter().enumerate().take(mc) {
             *out.add(i * ldo + r) = v;
         }
+    }
+}
+
+/// The portable rows function of a grouped type.
+pub(super) fn scalar_rows(ty: GgmlType) -> Option<super::RowsFn> {
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q4k(
+        w: *const u8,
+        rb: usize,
+        n: usize,
+        a: &Acts<'_>,
+        m0: usize,
+        mc: usize,
+        o: *mut f32,
+        ldo: usize,
+    ) {
+        scalar_with(
+            &Q4K,
+            super::kquants::q4k_scalar,
+            w,
+            rb,
+            n,
+            a,
+            m0,
+            mc,
+            o,
+            ldo,
+        )
+    }
+    match ty {
+        GgmlType::Q4KR => Some(q4k),
+        _ => None,
     }
 }
 

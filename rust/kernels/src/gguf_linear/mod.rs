@@ -28,8 +28,8 @@ mod q32;
 
 pub use q32::octets;
 /// Q4_K in groups of eight rows ([`GgmlType::Q4KR`]).
-pub mod q4k_groups {
-    pub use super::kquants_x8::{file_layout, file_row, repack_rows, GROUP_BLOCK};
+pub mod row_groups {
+    pub use super::kquants_x8::{file_layout, file_row, grouped, repack_rows, GROUP_BLOCK};
 }
 
 use crate::dequant::GgmlType;

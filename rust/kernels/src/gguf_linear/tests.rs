@@ -58,7 +58,7 @@ pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Ve
     if ty == GgmlType::Q4KR {
         let src = random_rows(GgmlType::Q4K, n, k, rng);
         let mut dst = vec![0u8; src.len()];
-        q4k_groups::repack_rows(&src, n, k, &mut dst).unwrap();
+        row_groups::repack_rows(GgmlType::Q4K, &src, n, k, &mut dst).unwrap();
         return dst;
     }
     let rb = row_bytes(ty, k).unwrap();
