@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from specinfer.models.gguf_linear import Q4_0R, Q4_1R, Q4_KR, GgufWeight, StoredTensor, gguf_linear, row_bytes
+from specinfer.models.gguf_linear import Q4_0R, Q4_1R, Q4_KR, Q5_0R, GgufWeight, StoredTensor, gguf_linear, row_bytes
 
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # the package quantizes these
 K_TYPES = [T.Q4_K, T.Q5_K, T.Q6_K]  # the package only dequantizes these: random valid blocks
@@ -121,14 +121,14 @@ def test_embedding_rows_are_the_gguf_dequantization(t):
     assert torch.equal(w.dequantize(slice(10, 20)), torch.from_numpy(ref)[10:20])
 
 
-@pytest.mark.parametrize("t,repacked,cols", [(T.Q4_1, Q4_1R, 576), (T.Q4_0, Q4_0R, 576), (T.Q4_K, Q4_KR, 512)],
-                         ids=["Q4_1", "Q4_0", "Q4_K"])
+@pytest.mark.parametrize("t,repacked,cols", [(T.Q4_1, Q4_1R, 576), (T.Q4_0, Q4_0R, 576), (T.Q5_0, Q5_0R, 576),
+                                             (T.Q4_K, Q4_KR, 512)], ids=["Q4_1", "Q4_0", "Q5_0", "Q4_K"])
 def test_q4_rows_are_held_in_the_kernels_layout(tmp_path, t, repacked, cols):
-    """Q4_0 / Q4_1 rows of >= 256 values are repacked once at load into the kernel's octets, Q4_K
+    """Q4_0 / Q4_1 / Q5_0 rows of >= 256 values are repacked once at load into the kernel's octets, Q4_K
     rows into groups of eight rows (45 rows: five groups and five rows as stored): the same
     bytes rearranged (named as before, as large), products and embeddings equal to the package's
     dequantization above; a file map's pages of the source are released, its bytes intact.
-    Shorter Q4_0 / Q4_1 rows stay views of the file."""
+    Shorter Q4_0 / Q4_1 / Q5_0 rows stay views of the file."""
     import mmap
 
     st, ref = _stored(t, 45, cols, seed=5)
@@ -164,7 +164,7 @@ def test_q4_rows_are_held_in_the_kernels_layout(tmp_path, t, repacked, cols):
 
 
 def test_stored_rows_are_views_of_the_bytes_not_copies():
-    st, _ = _stored(T.Q5_0, 64, 256)  # (Q4_0 / Q4_1 are repacked: the test above)
+    st, _ = _stored(T.Q5_1, 64, 256)  # (Q4_0 / Q4_1 / Q5_0 are repacked: the test above)
     w = _weight(st.rows(0, 32), st.rows(32, 64))
     assert all(np.shares_memory(p.data, st.data) for _, p in w.parts)
 

@@ -32,14 +32,14 @@ from specinfer._core import gguf_repack as _gguf_repack
 from specinfer._core import gguf_rows as _gguf_rows
 
 # ggml type id -> (values, bytes) per block, for the types the kernel multiplies
-# (Q4_0R / Q4_1R: Q4_0 / Q4_1 rows repacked in octets at load, the kernels' layout
+# (Q4_0R / Q4_1R / Q5_0R: Q4_0 / Q4_1 / Q5_0 rows repacked in octets at load, the kernels' layout
 # (rust/kernels/src/gguf_linear/q32_octets.rs); Q4_KR: Q4_K rows repacked in groups of eight
 # rows (kquants_x8.rs); not ggml types, named as the data they hold)
-Q4_0R, Q4_1R, Q4_KR = 0x1002, 0x1003, 0x100C
+Q4_0R, Q4_1R, Q5_0R, Q4_KR = 0x1002, 0x1003, 0x1006, 0x100C
 BLOCKS = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-          12: (256, 144), 13: (256, 176), 14: (256, 210), Q4_0R: (32, 18), Q4_1R: (32, 20), Q4_KR: (256, 144)}
+          12: (256, 144), 13: (256, 176), 14: (256, 210), Q4_0R: (32, 18), Q4_1R: (32, 20), Q5_0R: (32, 22), Q4_KR: (256, 144)}
 TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
-              13: "Q5_K", 14: "Q6_K", Q4_0R: "Q4_0", Q4_1R: "Q4_1", Q4_KR: "Q4_K"}
+              13: "Q5_K", 14: "Q6_K", Q4_0R: "Q4_0", Q4_1R: "Q4_1", Q5_0R: "Q5_0", Q4_KR: "Q4_K"}
 # the repacked types whose rows are interleaved in groups of this many (a row range must start on
 # a group and end on one or at the tensor's end)
 ROW_GROUPS = {Q4_KR: 8}
@@ -98,11 +98,11 @@ class StoredTensor:
 
     def kernel_layout(self) -> StoredTensor:
         """The tensor in the kernels' layout (a copy of the same size; every other type as it is,
-        no copy): Q4_0 and Q4_1 rows of >= 256 values repacked in octets (1.5-2.7x the file
+        no copy): Q4_0, Q4_1 and Q5_0 rows of >= 256 values repacked in octets (1.4-2.7x the file
         layout's decode speed on AVX2, the notebook's "GGUF: ... Q4_1 in octets ..."), Q4_K rows in
         groups of eight rows (1.8x at one activation row, 1.5-1.7x at 4-16: "GGUF: Q4_K in groups
         of eight rows")."""
-        if not ((self.type_id in (2, 3) and self.cols >= 256) or self.type_id == 12):
+        if not ((self.type_id in (2, 3, 6) and self.cols >= 256) or self.type_id == 12):
             return self
         out = _resident_buffer(self.data.shape)
         type_id = _gguf_repack(self.data.ctypes.data, self.data.nbytes, self.type_id, self.data.shape[0],

@@ -103,8 +103,8 @@ pub fn gguf_rows(
 }
 
 /// The kernels' own layout of `rows` rows of `cols` values of ggml type `type_id` (`src`,
-/// `src_len` bytes) written to `dst` (as many bytes): -> the layout's type id. Q4_0 and Q4_1
-/// rows of at least 256 values become octets (`gguf_linear::octets`), Q4_K rows groups of
+/// `src_len` bytes) written to `dst` (as many bytes): -> the layout's type id. Q4_0, Q4_1 and
+/// Q5_0 rows of at least 256 values become octets (`gguf_linear::octets`), Q4_K rows groups of
 /// eight rows (`gguf_linear::row_groups`); other types have none (error).
 #[pyfunction]
 pub fn gguf_repack(
@@ -120,6 +120,7 @@ pub fn gguf_repack(
     let id = match ty {
         GgmlType::Q4_0 if cols >= 256 => dequant::Q4_0R_ID,
         GgmlType::Q4_1 if cols >= 256 => dequant::Q4_1R_ID,
+        GgmlType::Q5_0 if cols >= 256 => dequant::Q5_0R_ID,
         GgmlType::Q4K => dequant::Q4_KR_ID,
         _ => {
             return Err(PyValueError::new_err(format!(

@@ -21,7 +21,8 @@
 //! - Q6_K (256, 210): ql[128], qh[64], scales (i8)[16], d; value v (c = v / 128, r = v % 128):
 //!   low 4 bits from ql[64 c + r % 64] >> 4 (r / 64), high 2 from qh[32 c + r % 32] >> 2 (r / 32);
 //!   x = (d * scales[v / 16]) * (q - 32).
-//! - Q4_0R, Q4_1R (not ggml types: specinfer's ids [`Q4_0R_ID`], [`Q4_1R_ID`]): Q4_0 / Q4_1
+//! - Q4_0R, Q4_1R, Q5_0R (not ggml types: specinfer's ids [`Q4_0R_ID`], [`Q4_1R_ID`],
+//!   [`Q5_0R_ID`]): Q4_0 / Q4_1 / Q5_0
 //!   rows repacked at load into groups of up to eight blocks (`gguf_linear::octets`), an odd
 //!   last block as in the file; rows read through [`row`].
 //! - Q4_KR (specinfer's [`Q4_KR_ID`]): Q4_K rows repacked at load in groups of eight rows
@@ -51,6 +52,8 @@ pub enum GgmlType {
     Q4_1R,
     /// Q4_0 repacked in octets at load; not a ggml type.
     Q4_0R,
+    /// Q5_0 repacked in octets at load; not a ggml type.
+    Q5_0R,
     /// Q4_K repacked in groups of eight rows at load; not a ggml type.
     Q4KR,
 }
@@ -59,6 +62,8 @@ pub enum GgmlType {
 /// below 64).
 pub const Q4_0R_ID: u32 = 0x1002;
 pub const Q4_1R_ID: u32 = 0x1003;
+/// The id of [`GgmlType::Q5_0R`].
+pub const Q5_0R_ID: u32 = 0x1006;
 /// The id of [`GgmlType::Q4KR`].
 pub const Q4_KR_ID: u32 = 0x100C;
 
@@ -78,6 +83,7 @@ impl GgmlType {
             30 => Self::Bf16,
             Q4_1R_ID => Self::Q4_1R,
             Q4_0R_ID => Self::Q4_0R,
+            Q5_0R_ID => Self::Q5_0R,
             Q4_KR_ID => Self::Q4KR,
             _ => return None,
         })
@@ -90,7 +96,7 @@ impl GgmlType {
             Self::F16 | Self::Bf16 => (1, 2),
             Self::Q4_0 | Self::Q4_0R => (32, 18),
             Self::Q4_1 | Self::Q4_1R => (32, 20),
-            Self::Q5_0 => (32, 22),
+            Self::Q5_0 | Self::Q5_0R => (32, 22),
             Self::Q5_1 => (32, 24),
             Self::Q8_0 => (32, 34),
             Self::Q4K | Self::Q4KR => (256, 144),
@@ -138,7 +144,8 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
                 out[j + 16] = d * ((b[4 + j] >> 4) as f32) + m;
             }
         }
-        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+        // (a Q5_0R block here is one after the row's last octet: the file's layout)
+        GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5_0R => {
             let affine = t == GgmlType::Q5_1;
             let d = h(b, 0);
             let (m, at) = if affine { (h(b, 2), 4) } else { (0.0, 2) };
@@ -204,7 +211,7 @@ fn block(t: GgmlType, b: &[u8], out: &mut [f32]) {
 fn row(t: GgmlType, s: &[u8], o: &mut [f32]) {
     let (per, bytes) = t.block();
     let mut at = 0; // bytes of s read
-    if matches!(t, GgmlType::Q4_0R | GgmlType::Q4_1R) {
+    if matches!(t, GgmlType::Q4_0R | GgmlType::Q4_1R | GgmlType::Q5_0R) {
         use crate::gguf_linear::octets::{groups, unpack_group};
         for (b0, n) in groups(o.len() / 32) {
             let blocks = unpack_group(t, &s[bytes * b0..bytes * (b0 + n)], n);

@@ -126,7 +126,8 @@ fn family(ty: GgmlType) -> Family {
         | GgmlType::Q5_1
         | GgmlType::Q8_0
         | GgmlType::Q4_0R
-        | GgmlType::Q4_1R => Family::Q32,
+        | GgmlType::Q4_1R
+        | GgmlType::Q5_0R => Family::Q32,
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K | GgmlType::Q4KR => Family::KQuant,
     }
 }
@@ -154,7 +155,7 @@ pub fn needs(ty: GgmlType) -> acts::Forms {
     match family(ty) {
         Family::Float => acts::Forms::F32,
         // the octets read the quants in pair order too
-        Family::Q32 if matches!(ty, GgmlType::Q4_0R | GgmlType::Q4_1R) => {
+        Family::Q32 if matches!(ty, GgmlType::Q4_0R | GgmlType::Q4_1R | GgmlType::Q5_0R) => {
             acts::Forms::Q8 | acts::Forms::Q8P
         }
         Family::Q32 => acts::Forms::Q8,

@@ -56,6 +56,7 @@ pub(super) fn select_rows(ty: GgmlType, path: Path) -> Option<super::RowsFn> {
             GgmlType::Q8_0 => rows_fn!(scalar::<Q8_0>),
             GgmlType::Q4_1R => rows_fn!(octets::scalar::<Q4_1>),
             GgmlType::Q4_0R => rows_fn!(octets::scalar::<Q4_0>),
+            GgmlType::Q5_0R => rows_fn!(octets::scalar::<Q5_0>),
             _ => return None,
         }),
         #[cfg(target_arch = "x86_64")]
@@ -71,6 +72,7 @@ pub(super) fn select_rows(ty: GgmlType, path: Path) -> Option<super::RowsFn> {
                 GgmlType::Q8_0 => rows_fn!(avx2::<Q8_0>, "avx2,fma,f16c"),
                 GgmlType::Q4_1R => rows_fn!(octets::avx2::<Q4_1>, "avx2,fma,f16c"),
                 GgmlType::Q4_0R => rows_fn!(octets::avx2::<Q4_0>, "avx2,fma,f16c"),
+                GgmlType::Q5_0R => rows_fn!(octets::avx2::<Q5_0>, "avx2,fma,f16c"),
                 _ => return None,
             })
         }
@@ -87,6 +89,7 @@ pub(super) fn select(ty: GgmlType, path: Path) -> Option<DotFn> {
             GgmlType::Q8_0 => scalar::<Q8_0>,
             GgmlType::Q4_1R => octets::scalar::<Q4_1>,
             GgmlType::Q4_0R => octets::scalar::<Q4_0>,
+            GgmlType::Q5_0R => octets::scalar::<Q5_0>,
             _ => return None,
         }),
         #[cfg(target_arch = "x86_64")]
@@ -103,6 +106,7 @@ pub(super) fn select(ty: GgmlType, path: Path) -> Option<DotFn> {
                 GgmlType::Q8_0 => avx2::<Q8_0>,
                 GgmlType::Q4_1R => octets::avx2::<Q4_1>,
                 GgmlType::Q4_0R => octets::avx2::<Q4_0>,
+                GgmlType::Q5_0R => octets::avx2::<Q5_0>,
                 _ => return None,
             })
         }

@@ -7,17 +7,18 @@ use super::super::{gguf_linear, Part};
 use crate::dequant::{dequantize, GgmlType};
 use crate::simd::Isa;
 
-const TYPES: [GgmlType; 7] = [
+const TYPES: [GgmlType; 8] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q4_1R,
     GgmlType::Q4_0R,
+    GgmlType::Q5_0R,
     GgmlType::Q5_0,
     GgmlType::Q5_1,
     GgmlType::Q8_0,
 ];
 
-/// Q4_0 and Q4_1 repacked in octets: the same values (dequantized bit for bit as the file's
+/// Q4_0, Q4_1 and Q5_0 repacked in octets: the same values (dequantized bit for bit as the file's
 /// blocks, unpacked back to the same bytes) and products within f32 rounding of the file
 /// layout's, for rows of whole octets, octets and short groups, odd last blocks.
 #[test]
@@ -37,6 +38,7 @@ fn octets_hold_the_same_blocks() {
     for (file, packed_ty) in [
         (GgmlType::Q4_1, GgmlType::Q4_1R),
         (GgmlType::Q4_0, GgmlType::Q4_0R),
+        (GgmlType::Q5_0, GgmlType::Q5_0R),
     ] {
         let bb = file.block().1;
         for (n, k) in shapes {
@@ -104,12 +106,12 @@ fn q32_formats_are_exact_at_the_range_ends() {
                     put_f16(blk, 2, -0.5);
                 }
             }
-            if matches!(ty, GgmlType::Q4_0R | GgmlType::Q4_1R) {
+            if matches!(ty, GgmlType::Q4_0R | GgmlType::Q4_1R | GgmlType::Q5_0R) {
                 // the file's blocks, repacked (k = 352: an octet, a pair and an odd block)
-                let file = if ty == GgmlType::Q4_0R {
-                    GgmlType::Q4_0
-                } else {
-                    GgmlType::Q4_1
+                let file = match ty {
+                    GgmlType::Q4_0R => GgmlType::Q4_0,
+                    GgmlType::Q5_0R => GgmlType::Q5_0,
+                    _ => GgmlType::Q4_1,
                 };
                 let src = data.to_vec();
                 super::super::octets::repack_rows(file, &src, 1, k, data).unwrap();

@@ -7,7 +7,7 @@ use super::*;
 use crate::dequant::{dequantize, GgmlType};
 use half::f16;
 
-pub(super) const TYPES: [GgmlType; 14] = [
+pub(super) const TYPES: [GgmlType; 15] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::Bf16,
@@ -22,6 +22,7 @@ pub(super) const TYPES: [GgmlType; 14] = [
     GgmlType::Q4_1R,
     GgmlType::Q4_0R,
     GgmlType::Q4KR,
+    GgmlType::Q5_0R,
 ];
 
 /// A tiny deterministic generator (xorshift).
@@ -44,11 +45,11 @@ pub(super) fn put_f16(b: &mut [u8], at: usize, v: f32) {
 
 /// Random but valid rows: random bytes with every float field set to a sane value.
 pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Vec<u8> {
-    if matches!(ty, GgmlType::Q4_0R | GgmlType::Q4_1R) {
-        let file = if ty == GgmlType::Q4_0R {
-            GgmlType::Q4_0
-        } else {
-            GgmlType::Q4_1
+    if matches!(ty, GgmlType::Q4_0R | GgmlType::Q4_1R | GgmlType::Q5_0R) {
+        let file = match ty {
+            GgmlType::Q4_0R => GgmlType::Q4_0,
+            GgmlType::Q5_0R => GgmlType::Q5_0,
+            _ => GgmlType::Q4_1,
         };
         let src = random_rows(file, n, k, rng);
         let mut dst = vec![0u8; src.len()];
@@ -71,9 +72,11 @@ pub(super) fn random_rows(ty: GgmlType, n: usize, k: usize, rng: &mut Rng) -> Ve
             GgmlType::Bf16 => {
                 blk.copy_from_slice(&((rng.unit().to_bits() >> 16) as u16).to_le_bytes())
             }
-            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::Q4_0R => {
-                put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs())
-            }
+            GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::Q8_0
+            | GgmlType::Q4_0R
+            | GgmlType::Q5_0R => put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs()),
             GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_1R => {
                 put_f16(blk, 0, 0.01 + 0.02 * rng.unit().abs());
                 put_f16(blk, 2, 0.1 * rng.unit());
