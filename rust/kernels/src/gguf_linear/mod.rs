@@ -215,11 +215,19 @@ pub fn check_parts(parts: &[Part<'_>], k: usize) -> Result<usize, KernelError> {
     Ok(n)
 }
 
-/// Rows of one part per work item (a multiple of 8, so that items start on the repacked
-/// types' groups of eight rows; items are the unit threads take).
+/// Rows of one part per work item (a multiple of 4; items are the unit threads take).
 fn rows_per_item(n_total: usize, num_threads: usize) -> usize {
     let want = n_total.div_ceil(8 * num_threads.max(1));
-    want.clamp(8, 256).next_multiple_of(8)
+    want.clamp(8, 256).next_multiple_of(4)
+}
+
+/// The rows a type's layout interleaves (an item of its part starts on a multiple).
+fn row_group(ty: GgmlType) -> usize {
+    if ty == GgmlType::Q4KR {
+        8
+    } else {
+        1
+    }
 }
 
 /// The sum of the eight lanes, in one fixed order (the same for every row count).
@@ -292,6 +300,7 @@ pub fn gguf_linear(
     let mut items = Vec::new();
     let mut col = 0;
     for (pi, p) in parts.iter().enumerate() {
+        let per = per.next_multiple_of(row_group(p.ty));
         let mut r = 0;
         while r < p.n {
             let rows = per.min(p.n - r);
