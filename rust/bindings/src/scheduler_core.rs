@@ -386,6 +386,41 @@ impl SchedulerCore {
         SchedulerOutput::new(py, out, &self.spare_block_tables)
     }
 
+    /// Schedules the next step while the pending one is on the device (plain steps only;
+    /// rust/scheduler/src/lookahead.rs): None when it cannot be (then schedule() after
+    /// update()). Its `input_ids` hold -1 at `ahead_input_pos`, to be filled on the device
+    /// with the pending step's emitted tokens `ahead_src`.
+    fn schedule_ahead(&mut self, py: Python<'_>) -> PyResult<Option<SchedulerOutput>> {
+        let buf = self
+            .spare_block_tables
+            .lock()
+            .ok()
+            .and_then(|mut p| p.pop())
+            .unwrap_or_default();
+        let inner = &mut self.inner;
+        let padding = self.token_padding.as_ref();
+        let out = py
+            .detach(|| {
+                let mut out = inner.schedule_ahead(buf)?;
+                if let (Some(p), Some(o)) = (padding, out.as_mut()) {
+                    p.pad(o, inner.config().block_size);
+                }
+                Ok(out)
+            })
+            .map_err(to_py)?;
+        out.map(|o| SchedulerOutput::new(py, o, &self.spare_block_tables))
+            .transpose()
+    }
+
+    /// Undoes the step scheduled ahead (the pending one stays); False when there was none.
+    fn cancel_ahead(&mut self) -> bool {
+        self.inner.cancel_ahead()
+    }
+
+    fn has_ahead_step(&self) -> bool {
+        self.inner.has_ahead_step()
+    }
+
     /// Pad every scheduled batch's token axis up to the smallest of `token_buckets` (static-shape
     /// platforms). Padded tokens belong to no sequence and write their K/V only into
     /// `null_block`, a block id outside the pool (>= num_blocks). `None` turns padding off.
@@ -427,7 +462,8 @@ impl SchedulerCore {
     }
 
     /// Undoes the pending step as if schedule() had not run (a failure between
-    /// schedule() and update()); False when no step was pending.
+    /// schedule() and update()), and a step scheduled ahead of it first; False when no
+    /// step was pending.
     fn cancel_step(&mut self) -> bool {
         self.inner.cancel_step()
     }
@@ -491,6 +527,10 @@ struct SchedulerOutput {
     seq_req_indices: Py<PyArray1<i32>>,
     preempted_req_ids: Py<PyArray1<u64>>,
     num_cached_tokens: Py<PyArray1<i32>>,
+    /// int64[A] (a step scheduled ahead) input_ids entries the pending step's tokens fill
+    ahead_input_pos: Py<PyArray1<i64>>,
+    /// int64[A] for each, the index of its token in the pending step's emitted tokens
+    ahead_src: Py<PyArray1<i64>>,
     num_prefill_tokens: usize,
     num_prefill_requests: usize,
     num_verify_requests: usize,
@@ -524,6 +564,8 @@ impl SchedulerOutput {
             seq_req_indices: o.seq_req_indices.into_pyarray(py).unbind(),
             preempted_req_ids: o.preempted_req_ids.into_pyarray(py).unbind(),
             num_cached_tokens: o.num_cached_tokens.into_pyarray(py).unbind(),
+            ahead_input_pos: o.ahead_input_pos.into_pyarray(py).unbind(),
+            ahead_src: o.ahead_src.into_pyarray(py).unbind(),
             num_prefill_tokens: o.num_prefill_tokens,
             num_prefill_requests: o.num_prefill_requests,
             num_verify_requests: o.num_verify_requests,

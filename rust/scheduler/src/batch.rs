@@ -19,6 +19,8 @@ use crate::tree::TreeLayout;
 pub struct ScheduledRun {
     pub slot: u32,
     pub req_id: RequestId,
+    /// The request's `generation` when scheduled (the run is dead if it differs now).
+    pub generation: u64,
     /// Context already in the KV cache before this step (after any prefix-cache hit).
     pub num_computed_tokens: u32,
     pub num_scheduled_tokens: u32,
@@ -66,6 +68,12 @@ pub struct SchedulerOutput {
     pub seq_req_indices: Vec<i32>,      // [S]
     pub preempted_req_ids: Vec<u64>,    // [P]
     pub num_cached_tokens: Vec<i32>,    // [R]
+    /// A step scheduled ahead (`Scheduler::schedule_ahead`): the token indices of
+    /// `input_ids` that decode from the pending step's emitted tokens (written -1), and
+    /// for each the index of its token in that step's emitted tokens (one per sampled
+    /// run, in run order). Empty for `schedule`.
+    pub ahead_input_pos: Vec<i64>, // [A]
+    pub ahead_src: Vec<i64>,            // [A]
     pub num_prefill_tokens: usize,
     pub num_prefill_requests: usize,
     pub num_verify_requests: usize,

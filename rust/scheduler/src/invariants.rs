@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use crate::block_pool::DEAD_BLOCK;
 use crate::error::{CoreError, Result};
 use crate::kv_cache_manager::cdiv;
+use crate::lookahead::PLACEHOLDER_TOKEN;
 use crate::request::RequestStatus;
 use crate::scheduler::Scheduler;
 use crate::tree::{is_chain, MAX_TREE_NODES};
@@ -92,6 +93,24 @@ impl Scheduler {
                             req.id
                         ));
                     }
+                }
+                if self.ahead.is_none() && (req.has_placeholder || req.num_ahead_tokens != 0) {
+                    return broken(format!(
+                        "request {}: a placeholder or ahead tokens with no step scheduled ahead",
+                        req.id
+                    ));
+                }
+                if req.has_placeholder != (req.token_ids.last() == Some(&PLACEHOLDER_TOKEN)) {
+                    return broken(format!(
+                        "request {}: placeholder flag and tokens disagree",
+                        req.id
+                    ));
+                }
+                if req.num_ahead_tokens as usize > req.num_computed_tokens {
+                    return broken(format!(
+                        "request {}: more ahead tokens than computed",
+                        req.id
+                    ));
                 }
                 if req.block_hashes.len() > req.block_ids.len() {
                     return broken(format!("request {}: more block hashes than blocks", req.id));

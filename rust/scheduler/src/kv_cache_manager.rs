@@ -190,7 +190,7 @@ impl KvCacheManager {
             return;
         }
         let bs = self.block_size;
-        let confirmed = req.num_computed_tokens.min(req.num_tokens());
+        let confirmed = req.num_confirmed_tokens().min(req.num_tokens());
         let num_full = (confirmed / bs).min(req.block_ids.len());
         for i in req.block_hashes.len()..num_full {
             debug_assert!(

@@ -80,8 +80,16 @@ pub struct Request {
     /// Prefix-cache hashes of the leading full, confirmed blocks (`<= block_ids.len()`),
     /// dead ones included (a later block's hash chains through them).
     pub block_hashes: Vec<BlockHash>,
-    /// Step number in which this request was last scheduled (guards `update`).
-    pub last_scheduled_step: u64,
+    /// Unique per `add_request` (the scheduler's counter): a pending run belongs to this
+    /// request only if their generations match (guards `update` and `cancel_step` against
+    /// a request aborted, and maybe re-added under its id, since `schedule`).
+    pub generation: u64,
+    /// The last token is a placeholder for the token the pending step will emit: a step
+    /// scheduled ahead (`schedule_ahead`) decodes from it. `update` replaces it.
+    pub has_placeholder: bool,
+    /// Tokens the step scheduled ahead added to `num_computed_tokens` (not yet confirmed
+    /// when the older step is updated).
+    pub num_ahead_tokens: u32,
 }
 
 impl Request {
@@ -98,7 +106,9 @@ impl Request {
             block_ids: Vec::new(),
             num_dead_blocks: 0,
             block_hashes: Vec::new(),
-            last_scheduled_step: u64::MAX,
+            generation: 0,
+            has_placeholder: false,
+            num_ahead_tokens: 0,
         }
     }
 
@@ -109,6 +119,12 @@ impl Request {
 
     pub fn num_tokens(&self) -> usize {
         self.token_ids.len()
+    }
+
+    /// Tokens whose KV is confirmed: computed by updated steps (a step scheduled ahead's
+    /// tokens are not, until the step before it is updated and it becomes the pending one).
+    pub fn num_confirmed_tokens(&self) -> usize {
+        self.num_computed_tokens - self.num_ahead_tokens as usize
     }
 
     pub fn num_output_tokens(&self) -> usize {

@@ -32,6 +32,7 @@ use crate::config::SchedulerConfig;
 use crate::error::{CoreError, Result};
 use crate::hash::FxBuildHasher;
 use crate::kv_cache_manager::{CachedPrefix, KvCacheManager};
+use crate::lookahead::AheadStep;
 use crate::ngram::{propose_with, NgramScratch};
 use crate::request::{Request, RequestId, RequestStatus, StopParams};
 use crate::suffix::{SuffixCache, SuffixProposal};
@@ -69,6 +70,10 @@ pub struct Scheduler {
     ngram_scratch: NgramScratch,
     /// Suffix decoding's tries (`enable_suffix`); None unless that method runs.
     pub(crate) suffix: Option<SuffixCache>,
+    /// The next request's `generation`.
+    next_generation: u64,
+    /// A step scheduled ahead of the pending one (`schedule_ahead`), not yet pending itself.
+    pub(crate) ahead: Option<AheadStep>,
 }
 
 impl Scheduler {
@@ -93,6 +98,8 @@ impl Scheduler {
             prefix_scratch: CachedPrefix::default(),
             ngram_scratch: NgramScratch::default(),
             suffix: None,
+            next_generation: 0,
+            ahead: None,
         })
     }
 
@@ -147,7 +154,9 @@ impl Scheduler {
         let mut prompt = prompt;
         let max_len = (prompt.len() + stop.max_tokens as usize).min(self.config.max_model_len);
         prompt.reserve_exact(max_len - prompt.len());
-        let req = Request::new(id, prompt, stop);
+        let mut req = Request::new(id, prompt, stop);
+        req.generation = self.next_generation;
+        self.next_generation += 1;
         let slot = match self.free_slots.pop() {
             Some(s) => {
                 self.requests[s as usize] = Some(req);
@@ -386,21 +395,45 @@ impl Scheduler {
                 "schedule() called again before update() of the previous step",
             ));
         }
-        let step = self.stats.num_steps;
         self.stats.num_steps += 1;
-        self.runs.clear();
-        let cfg = &self.config;
-        let (max_len, lookahead) = (cfg.max_model_len, cfg.num_lookahead_tokens);
-        let mut budget = cfg.max_num_batched_tokens;
+        let mut runs = std::mem::take(&mut self.runs);
+        runs.clear();
+        let mut budget = self.config.max_num_batched_tokens;
         let mut preempted = Vec::new();
+        self.schedule_running(&mut runs, &mut budget, Some(&mut preempted));
+        if preempted.is_empty() {
+            self.admit_waiting(&mut runs, &mut budget);
+        }
+        self.pending_update = !runs.is_empty();
+        let out = pack(
+            &runs,
+            &self.requests,
+            self.config.block_size,
+            self.config.batch_expansion,
+            preempted,
+            block_table_buf,
+        );
+        self.runs = runs;
+        Ok(out)
+    }
 
+    /// Step 1 of the module doc: runs of the running requests, FCFS, appended to `runs`.
+    /// With `preempted` None a slot allocation that would need a preemption stops the
+    /// loop instead (a step scheduled ahead never preempts): -> false.
+    pub(crate) fn schedule_running(
+        &mut self,
+        runs: &mut Vec<ScheduledRun>,
+        budget: &mut usize,
+        mut preempted: Option<&mut Vec<RequestId>>,
+    ) -> bool {
+        let (max_len, lookahead) = (self.config.max_model_len, self.config.num_lookahead_tokens);
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && *budget > 0 {
             let slot = self.running[i];
             let req = self.requests[slot as usize]
                 .as_mut()
                 .expect("running slot is live");
-            let n = (req.num_tokens_with_spec() - req.num_computed_tokens).min(budget);
+            let n = (req.num_tokens_with_spec() - req.num_computed_tokens).min(*budget);
             if n == 0 {
                 i += 1;
                 continue;
@@ -408,11 +441,7 @@ impl Scheduler {
             let end = req.num_computed_tokens + n;
             let sampled = end >= req.num_tokens();
             let reserve = if sampled { lookahead } else { 0 };
-            let num_blocks_before = self.requests[slot as usize]
-                .as_ref()
-                .expect("running slot is live")
-                .block_ids
-                .len() as u32;
+            let num_blocks_before = req.block_ids.len() as u32;
             let mut self_preempted = false;
             loop {
                 let req = self.requests[slot as usize]
@@ -421,8 +450,11 @@ impl Scheduler {
                 if self.kv.allocate_slots(req, None, n, reserve, max_len) {
                     break;
                 }
+                let Some(preempted) = preempted.as_deref_mut() else {
+                    return false;
+                };
                 let victim = self.running.pop().expect("the request itself is running");
-                self.preempt(victim, &mut preempted);
+                self.preempt(victim, preempted);
                 if victim == slot {
                     self_preempted = true;
                     break;
@@ -434,9 +466,10 @@ impl Scheduler {
             let req = self.requests[slot as usize]
                 .as_mut()
                 .expect("running slot is live");
-            self.runs.push(ScheduledRun {
+            runs.push(ScheduledRun {
                 slot,
                 req_id: req.id,
+                generation: req.generation,
                 num_computed_tokens: req.num_computed_tokens as u32,
                 num_scheduled_tokens: n as u32,
                 num_draft_tokens: end.saturating_sub(req.num_tokens()) as u32,
@@ -449,27 +482,14 @@ impl Scheduler {
                 num_blocks_before,
             });
             req.num_computed_tokens += n;
-            req.last_scheduled_step = step;
-            budget -= n;
+            *budget -= n;
             i += 1;
         }
-
-        if preempted.is_empty() {
-            self.admit_waiting(step, &mut budget);
-        }
-        self.pending_update = !self.runs.is_empty();
-        let out = pack(
-            &self.runs,
-            &self.requests,
-            self.config.block_size,
-            self.config.batch_expansion,
-            preempted,
-            block_table_buf,
-        );
-        Ok(out)
+        true
     }
 
-    fn admit_waiting(&mut self, step: u64, budget: &mut usize) {
+    /// Step 2 of the module doc: waiting requests, FCFS, while they fit.
+    pub(crate) fn admit_waiting(&mut self, runs: &mut Vec<ScheduledRun>, budget: &mut usize) {
         let bs = self.config.block_size;
         while let Some(&slot) = self.waiting.front() {
             if self.running.len() >= self.config.max_num_seqs || *budget == 0 {
@@ -501,9 +521,10 @@ impl Scheduler {
             self.waiting.pop_front();
             req.status = RequestStatus::Running;
             self.running.push(slot);
-            self.runs.push(ScheduledRun {
+            runs.push(ScheduledRun {
                 slot,
                 req_id: req.id,
+                generation: req.generation,
                 num_computed_tokens: req.num_computed_tokens as u32,
                 num_scheduled_tokens: n as u32,
                 num_draft_tokens: 0,
@@ -516,7 +537,6 @@ impl Scheduler {
                 num_blocks_before: 0,
             });
             req.num_computed_tokens += n;
-            req.last_scheduled_step = step;
             *budget -= n;
         }
     }
@@ -542,24 +562,34 @@ impl Scheduler {
 
     /// Undoes the pending step as if `schedule()` had not run (the step is a
     /// transaction: the forward, sampling or anything between `schedule` and
-    /// `update` may fail). Each scheduled request gets back its computed-token
-    /// count (its proposal was never touched); blocks allocated by the step are released;
-    /// requests admitted by the step return to the front of the waiting queue in
-    /// their order. Preemptions done by the step stand (a preempted request is in a
-    /// consistent state: it recomputes). Requests aborted or finished since
-    /// `schedule` are skipped. Returns false when no step was pending.
+    /// `update` may fail), and a step scheduled ahead of it first (`cancel_ahead`).
+    /// Each scheduled request gets back its computed-token count (its proposal was
+    /// never touched); blocks allocated by the step are released; requests admitted
+    /// by the step return to the front of the waiting queue in their order.
+    /// Preemptions done by the step stand (a preempted request is in a consistent
+    /// state: it recomputes). Requests aborted or finished since `schedule` are
+    /// skipped. Returns false when no step was pending.
     pub fn cancel_step(&mut self) -> bool {
         if !self.pending_update {
             return false;
         }
+        self.cancel_ahead();
         self.pending_update = false;
-        let step = self.stats.num_steps - 1;
+        let runs = std::mem::take(&mut self.runs);
+        self.undo_runs(&runs);
+        self.runs = runs;
+        self.runs.clear();
+        true
+    }
+
+    /// Gives back what `runs` (the newest scheduled step's) took: see `cancel_step`.
+    pub(crate) fn undo_runs(&mut self, runs: &[ScheduledRun]) {
         let mut readmit = Vec::new();
-        for run in self.runs.iter() {
+        for run in runs {
             let Some(req) = self.requests[run.slot as usize].as_mut() else {
                 continue;
             };
-            if req.id != run.req_id || req.last_scheduled_step != step {
+            if req.generation != run.generation || req.status != RequestStatus::Running {
                 continue; // aborted (and maybe replaced) since schedule()
             }
             if run.newly_admitted {
@@ -592,8 +622,6 @@ impl Scheduler {
                 self.waiting.push_front(slot);
             }
         }
-        self.runs.clear();
-        true
     }
 }
 

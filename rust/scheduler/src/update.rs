@@ -119,7 +119,6 @@ impl Scheduler {
             }
         }
         self.pending_update = false;
-        let step = self.stats.num_steps - 1;
         let max_len = self.config.max_model_len;
         let mut out = UpdateOutput::with_capacity(self.runs.len(), sampled_token_ids.len());
         let mut any_finished = false;
@@ -127,11 +126,14 @@ impl Scheduler {
             let Some(req) = self.requests[run.slot as usize].as_mut() else {
                 continue;
             };
-            if req.id != run.req_id
-                || req.last_scheduled_step != step
-                || req.status != RequestStatus::Running
-            {
+            if req.generation != run.generation || req.status != RequestStatus::Running {
                 continue; // aborted (and maybe replaced) since schedule()
+            }
+            if req.has_placeholder {
+                // a step scheduled ahead decodes from this step's token: it takes the
+                // placeholder's place (run.sampled: one token, no drafts)
+                req.token_ids.pop();
+                req.has_placeholder = false;
             }
             let tokens =
                 &sampled_token_ids[cu_num_sampled[i] as usize..cu_num_sampled[i + 1] as usize];
@@ -185,8 +187,9 @@ impl Scheduler {
                 }
             }
             self.kv.cache_confirmed_blocks(req);
-            if finish.is_none() {
-                // sliding window: blocks no later query of this request can read
+            if finish.is_none() && req.num_ahead_tokens == 0 {
+                // sliding window: blocks no later query of this request can read (a request
+                // in a step scheduled ahead waits for that step's update)
                 self.stats.num_window_freed_blocks += self.kv.free_dead_blocks(req) as u64;
             }
             if let Some((reason, t)) = finish {
@@ -212,17 +215,14 @@ impl Scheduler {
             let requests = &self.requests;
             self.running.retain(|&s| requests[s as usize].is_some());
         }
+        self.promote_ahead();
         Ok(out)
     }
 
     /// The request of a pending run, unless it was aborted (and maybe replaced) since.
     fn live_scheduled(&self, run: &crate::batch::ScheduledRun) -> Option<&Request> {
         let req = self.requests[run.slot as usize].as_ref()?;
-        let step = self.stats.num_steps - 1;
-        (req.id == run.req_id
-            && req.last_scheduled_step == step
-            && req.status == RequestStatus::Running)
-            .then_some(req)
+        (req.generation == run.generation && req.status == RequestStatus::Running).then_some(req)
     }
 }
 

@@ -548,3 +548,118 @@ fn ngram_drafts_in_core_refused_between_schedule_and_update() {
         Err(CoreError::InvalidArgument { .. })
     ));
 }
+
+#[test]
+fn a_step_scheduled_ahead_decodes_from_the_pending_steps_tokens() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, prompt(5, 100), stop(2)).unwrap();
+    s.add_request(2, prompt(3, 200), stop(1)).unwrap(); // its first token ends it by length
+    let eos = StopParams {
+        max_tokens: 9,
+        eos_token_id: Some(0),
+        ..Default::default()
+    };
+    s.add_request(3, prompt(4, 300), eos).unwrap();
+    assert!(matches!(
+        s.schedule_ahead(Vec::new()),
+        Err(CoreError::InvalidCallOrder(_))
+    ));
+    let n = s.schedule().unwrap();
+    let ahead = s
+        .schedule_ahead(Vec::new())
+        .unwrap()
+        .expect("plain: scheduled ahead");
+    assert_eq!(ahead.req_ids, vec![1, 3], "request 2 ends by length at N");
+    assert_eq!(ahead.num_computed_tokens, vec![5, 4]);
+    assert_eq!(ahead.positions, vec![5, 4]);
+    assert_eq!(ahead.input_ids, vec![-1, -1]);
+    assert_eq!(
+        (ahead.ahead_input_pos, ahead.ahead_src),
+        (vec![0, 1], vec![0, 2])
+    );
+    s.check_invariants().unwrap();
+    // N emits: request 3 hits EOS, so its run in N+1 is dead
+    let up = s.update(&[50, 51, 0], &n.cu_num_logits).unwrap();
+    assert_eq!(up.finished_req_ids, vec![2, 3]);
+    assert_eq!(s.request(1).unwrap().token_ids[5..], [50]);
+    assert!(s.request(3).is_none());
+    s.check_invariants().unwrap();
+    // N+1 is pending: its update takes request 1's token, skips the dead run
+    assert!(s.schedule().is_err());
+    let up = s.update(&[60, 61], &[0, 1, 2]).unwrap();
+    assert_eq!((up.req_ids, up.new_token_ids), (vec![1], vec![60]));
+    assert_eq!(up.finished_req_ids, vec![1]);
+    assert!(!s.has_unfinished_requests());
+    assert_eq!(s.num_free_blocks(), 16);
+}
+
+#[test]
+fn nothing_is_scheduled_ahead_of_a_verification_or_where_it_would_preempt() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, prompt(4, 100), stop(8)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[7], &[0, 1]).unwrap();
+    s.set_draft_tokens(&[1], &[0, 2], &[8, 9], None).unwrap();
+    s.schedule().unwrap();
+    assert!(
+        s.schedule_ahead(Vec::new()).unwrap().is_none(),
+        "N verifies drafts"
+    );
+    assert!(!s.has_ahead_step());
+    // two blocks of 2, two requests: N decodes both inside their blocks; N+1 would need a
+    // third block, i.e. a preemption
+    let mut cfg = config(2, 2, 100);
+    cfg.max_model_len = 4;
+    let mut s = Scheduler::new(cfg).unwrap();
+    s.add_request(1, vec![100], stop(3)).unwrap();
+    s.add_request(2, vec![200], stop(3)).unwrap();
+    s.schedule().unwrap();
+    s.update(&[7, 8], &[0, 1, 2]).unwrap();
+    let n = s.schedule().unwrap();
+    assert_eq!(n.req_ids, vec![1, 2]);
+    let computed: Vec<usize> = [1, 2]
+        .iter()
+        .map(|&id| s.request(id).unwrap().num_computed_tokens)
+        .collect();
+    assert!(
+        s.schedule_ahead(Vec::new()).unwrap().is_none(),
+        "N+1 would preempt"
+    );
+    assert!(!s.has_ahead_step());
+    for (id, c) in [1u64, 2].into_iter().zip(computed) {
+        let r = s.request(id).unwrap();
+        assert_eq!(
+            (r.num_computed_tokens, r.token_ids.len(), r.has_placeholder),
+            (c, 2, false)
+        );
+    }
+    assert_eq!(s.num_free_blocks(), 0);
+    s.check_invariants().unwrap();
+    s.update(&[9, 9], &[0, 1, 2]).unwrap();
+    assert_eq!(
+        s.schedule().unwrap().preempted_req_ids,
+        vec![2],
+        "the usual schedule preempts"
+    );
+}
+
+#[test]
+fn cancelling_keeps_or_undoes_the_step_ahead_as_asked() {
+    let mut s = Scheduler::new(config(16, 4, 100)).unwrap();
+    s.add_request(1, prompt(6, 100), stop(8)).unwrap();
+    let free = s.num_free_blocks();
+    s.schedule().unwrap();
+    s.schedule_ahead(Vec::new()).unwrap().unwrap();
+    assert!(s.cancel_ahead() && !s.cancel_ahead());
+    assert_eq!(
+        s.request(1).unwrap().token_ids.len(),
+        6,
+        "the placeholder is gone"
+    );
+    s.schedule_ahead(Vec::new()).unwrap().unwrap();
+    assert!(s.cancel_step(), "both go");
+    let r = s.request(1).unwrap();
+    assert_eq!((r.token_ids.len(), r.num_computed_tokens), (6, 0));
+    assert_eq!(s.num_free_blocks(), free);
+    s.check_invariants().unwrap();
+}

@@ -10,13 +10,18 @@
 //! cancellation; emitted tokens follow random paths. A simulated KV (`tree_sim`)
 //! checks after every update that each confirmed position's slot holds the KV of
 //! its token along the accepted path, i.e. that packing and the copy list are right.
+//! Steps scheduled ahead (`schedule_ahead`, op `Ahead`): through, cancelled with or
+//! without the step before, with aborts between; the simulated KV checked after each.
 //! Also: the O(len) n-gram proposer equals a naive reference.
 
 mod tree_sim;
 
 use proptest::prelude::*;
 use specinfer_scheduler::ngram::propose;
-use specinfer_scheduler::{Scheduler, SchedulerConfig, SchedulerOutput, StopParams, DEAD_BLOCK};
+use specinfer_scheduler::{
+    Scheduler, SchedulerConfig, SchedulerOutput, StopParams, AHEAD_INPUT, DEAD_BLOCK,
+    PLACEHOLDER_TOKEN,
+};
 use tree_sim::{expected_copies, random_path, SimKv};
 
 const VOCAB: u32 = 6;
@@ -50,6 +55,15 @@ enum Op {
     Finish {
         pick: usize,
     },
+    /// schedule N, schedule N+1 ahead of it, then per `mode`: 0 both go through, 1 a
+    /// failure cancels both, 2 N+1 alone is cancelled, 3 N goes through and N+1's forward
+    /// fails (cancelled once pending); `abort_pick` aborts a request between N's update
+    /// and N+1's (modes 0, 3) or before the cancel.
+    Ahead {
+        seed: u64,
+        mode: u8,
+        abort_pick: Option<usize>,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -63,6 +77,8 @@ fn op() -> impl Strategy<Value = Op> {
         2 => prop::option::weighted(0.3, any::<usize>()).prop_map(|abort_pick| Op::FailedStep { abort_pick }),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
         1 => any::<usize>().prop_map(|pick| Op::Finish { pick }),
+        4 => (any::<u64>(), 0u8..4, prop::option::weighted(0.3, any::<usize>()))
+            .prop_map(|(seed, mode, abort_pick)| Op::Ahead { seed, mode, abort_pick }),
     ]
 }
 
@@ -77,6 +93,8 @@ fn op_trees() -> impl Strategy<Value = Op> {
         8 => any::<u64>().prop_map(|seed| Op::Step { seed }),
         2 => prop::option::weighted(0.3, any::<usize>()).prop_map(|abort_pick| Op::FailedStep { abort_pick }),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
+        2 => (any::<u64>(), 0u8..4, prop::option::weighted(0.3, any::<usize>()))
+            .prop_map(|(seed, mode, abort_pick)| Op::Ahead { seed, mode, abort_pick }),
     ]
 }
 
@@ -180,7 +198,13 @@ fn check_batch(s: &Scheduler, out: &SchedulerOutput) {
                 out.slot_mapping[t],
                 row[pos / bs] as i64 * bs as i64 + (pos % bs) as i64
             );
-            assert_eq!(out.input_ids[t], req.token_with_spec(pos) as i64);
+            if out.input_ids[t] == AHEAD_INPUT {
+                // a step scheduled ahead decodes from the pending step's token
+                assert_eq!(req.token_with_spec(pos), PLACEHOLDER_TOKEN);
+                assert!(out.ahead_input_pos.contains(&(t as i64)));
+            } else {
+                assert_eq!(out.input_ids[t], req.token_with_spec(pos) as i64);
+            }
             last_slot_pos = pos;
         }
         assert_eq!(out.seq_lens[seq] as usize, last_slot_pos + 1);
@@ -516,6 +540,298 @@ fn n_running(out: &SchedulerOutput, was_running: &[u64]) -> usize {
         .count()
 }
 
+/// The rest of a step once `out` is scheduled and its forward ran: random emitted tokens
+/// (partial acceptance, tree paths, random stops), update and its checks, then usually
+/// random drafts for the next step.
+fn complete_step(
+    s: &mut Scheduler,
+    out: &SchedulerOutput,
+    live: &mut Vec<u64>,
+    rng: &mut Rng,
+    all_accept: bool,
+    kv: &mut SimKv,
+    trees: bool,
+) {
+    let bs = s.config().block_size;
+    let out = out.clone();
+    let mut tokens = vec![];
+    let mut cu = vec![0i32];
+    let mut expect_kept = vec![];
+    let mut tree_paths = vec![]; // (request, root, path)
+    for r in 0..out.num_reqs() {
+        let rows = (out.cu_num_logits[r + 1] - out.cu_num_logits[r]) as u64;
+        let verified = out.num_draft_tokens[r] as usize;
+        let d0 = out.num_draft_tokens[..r].iter().sum::<i32>() as usize;
+        let drafts = &out.draft_token_ids[d0..d0 + verified];
+        if rows == 0 {
+        } else if all_accept {
+            tokens.push(3);
+        } else if is_tree_run(&out, r) {
+            let parents = &out.draft_parents[d0..d0 + verified];
+            let path = random_path(drafts, parents, |n| rng.below(n));
+            tokens.extend(path.iter().map(|&k| drafts[k] as u32));
+            tokens.push(rng.below(VOCAB as u64) as u32);
+            tree_paths.push((r, path));
+        } else {
+            // accept a random prefix of the verified drafts, then a recovered or
+            // bonus token unless every draft of a split proposal was accepted
+            let accepted = rng.below(verified as u64 + 1) as usize;
+            tokens.extend(drafts[..accepted].iter().map(|&t| t as u32));
+            let split = verified as u64 == rows;
+            if accepted < verified || !split {
+                tokens.push(rng.below(VOCAB as u64) as u32);
+            } else {
+                let req = s.request(out.req_ids[r]).unwrap();
+                expect_kept.push((out.req_ids[r], req.draft_token_ids[verified..].to_vec()));
+            }
+        }
+        cu.push(tokens.len() as i32);
+    }
+    let up = s.update(&tokens, &cu).unwrap();
+    // the copy list: exactly the accepted paths' moves, in the requests' blocks
+    let mut want = vec![];
+    for (r, path) in tree_paths {
+        let m = up
+            .req_ids
+            .iter()
+            .position(|&id| id == out.req_ids[r])
+            .unwrap();
+        let num_new = (up.cu_num_new[m + 1] - up.cu_num_new[m]) as usize;
+        let seq = out
+            .seq_req_indices
+            .iter()
+            .position(|&x| x as usize == r)
+            .unwrap();
+        let row = out.block_table_row(seq);
+        let slot = |p: usize| row[p / bs] as i64 * bs as i64 + (p % bs) as i64;
+        let root = out.num_computed_tokens[r] as usize;
+        for (src, dst) in expected_copies(root, &path, num_new) {
+            assert!(dst < src);
+            want.push((slot(src), slot(dst)));
+        }
+    }
+    let got: Vec<(i64, i64)> = up
+        .kv_copy_src
+        .iter()
+        .copied()
+        .zip(up.kv_copy_dst.iter().copied())
+        .collect();
+    assert_eq!(got, want, "copy list");
+    // one gather then one scatter equals applying the pairs in order (the engine
+    // relies on it): distinct dsts, and no src was written by an earlier pair
+    let mut written = std::collections::HashSet::new();
+    for (src, dst) in up.kv_copy_src.iter().zip(&up.kv_copy_dst) {
+        assert!(
+            !written.contains(src),
+            "a copy reads a slot an earlier copy wrote"
+        );
+        assert!(written.insert(*dst), "duplicate copy destination");
+    }
+    kv.apply_copies(&up);
+    live.retain(|id| !up.finished_req_ids.contains(id));
+    kv.check(s, live);
+    for (id, rest) in expect_kept {
+        if let Some(req) = s.request(id) {
+            assert_eq!(
+                req.draft_token_ids, rest,
+                "a fully accepted split keeps the rest"
+            );
+        }
+    }
+    if !all_accept && rng.below(3) > 0 {
+        set_random_drafts(s, live, rng, trees); // usually speculate on the next step
+    }
+    for &id in live.iter() {
+        let req = s.request(id).unwrap();
+        assert!(
+            req.num_computed_tokens < req.num_tokens(),
+            "computed must trail tokens after update"
+        );
+        check_window(s, id);
+    }
+}
+
+/// Step N, and N+1 scheduled ahead of it (`Op::Ahead`). N+1 must decode exactly the
+/// requests N sampled that its token does not end by length (from placeholders, whose
+/// packed inputs the device fills from N's tokens), continue prompt chunks, never
+/// preempt, and hold no drafts; cancelling it (alone or with N) restores every request;
+/// going through, the simulated KV holds every confirmed position's token.
+fn ahead_step(
+    s: &mut Scheduler,
+    live: &mut Vec<u64>,
+    rng: &mut Rng,
+    mode: u8,
+    abort_pick: Option<usize>,
+    kv: &mut SimKv,
+    trees: bool,
+) {
+    let bs = s.config().block_size;
+    let max_len = s.config().max_model_len;
+    let before: Vec<(u64, Snapshot)> = live.iter().map(|&id| (id, snapshot(s, id))).collect();
+    let out = s.schedule().unwrap();
+    check_batch(s, &out);
+    kv.forward(&out, bs);
+    if out.num_reqs() == 0 {
+        return;
+    }
+    let scheduled: Vec<(u64, Snapshot)> = live.iter().map(|&id| (id, snapshot(s, id))).collect();
+    let free_scheduled = s.num_free_blocks();
+    let Some(mut ahead) = s.schedule_ahead(Vec::new()).unwrap() else {
+        assert!(!s.has_ahead_step());
+        s.check_invariants().unwrap();
+        assert_eq!(
+            scheduled,
+            live.iter()
+                .map(|&id| (id, snapshot(s, id)))
+                .collect::<Vec<_>>(),
+            "a refused schedule_ahead changes nothing"
+        );
+        assert_eq!(s.num_free_blocks(), free_scheduled);
+        complete_step(s, &out, live, rng, false, kv, trees);
+        return;
+    };
+    assert!(s.has_ahead_step());
+    assert!(
+        s.schedule_ahead(Vec::new()).is_err(),
+        "one step ahead at most"
+    );
+    assert!(
+        s.set_draft_tokens(&[], &[0], &[], None).is_err(),
+        "no proposal while steps are pending"
+    );
+    s.check_invariants().unwrap();
+    check_batch(s, &ahead);
+    assert!(
+        ahead.preempted_req_ids.is_empty(),
+        "a step ahead never preempts"
+    );
+    assert!(ahead.num_draft_tokens.iter().all(|&d| d == 0));
+    assert!(out.num_draft_tokens.iter().all(|&d| d == 0));
+    // which of N's runs sample, in order: their index is the emitted token's
+    let sampled: Vec<usize> = (0..out.num_reqs())
+        .filter(|&r| out.cu_num_logits[r + 1] > out.cu_num_logits[r])
+        .collect();
+    for (&pos, &src) in ahead.ahead_input_pos.iter().zip(&ahead.ahead_src) {
+        let id = out.req_ids[sampled[src as usize]];
+        let seq = (0..ahead.num_seqs())
+            .find(|&q| ahead.query_start_loc[q] as i64 == pos)
+            .expect("a placeholder opens its run's query");
+        assert_eq!(ahead.req_ids[ahead.seq_req_indices[seq] as usize], id);
+    }
+    for &r in &sampled {
+        let id = out.req_ids[r];
+        let req = s.request(id).unwrap();
+        let ends_by_length =
+            req.num_output_tokens() >= req.stop.max_tokens as usize || req.num_tokens() >= max_len;
+        if req.has_placeholder {
+            assert!(!ends_by_length);
+        }
+        if ahead.req_ids.contains(&id) {
+            assert!(
+                req.has_placeholder,
+                "N+1 decodes a sampled request from its placeholder"
+            );
+        }
+    }
+    match mode {
+        1 | 2 => {
+            let mut aborted = None;
+            if let Some(pick) = abort_pick.filter(|_| !live.is_empty()) {
+                let id = live.remove(pick % live.len());
+                assert!(s.abort_request(id));
+                aborted = Some(id);
+            }
+            let restored = if mode == 1 {
+                assert!(s.cancel_step());
+                assert!(!s.has_ahead_step() && !s.cancel_step());
+                &before
+            } else {
+                assert!(s.cancel_ahead());
+                assert!(!s.cancel_ahead());
+                &scheduled
+            };
+            s.check_invariants().unwrap();
+            for (id, snap) in restored.iter().filter(|(id, _)| Some(*id) != aborted) {
+                if mode == 1 && out.preempted_req_ids.contains(id) {
+                    continue; // N's preemptions stand
+                }
+                assert_eq!(&snapshot(s, *id), snap, "request {id} not restored");
+            }
+            if mode == 2 {
+                if aborted.is_none() {
+                    assert_eq!(
+                        s.num_free_blocks(),
+                        free_scheduled,
+                        "cancel_ahead leaked or took blocks"
+                    );
+                }
+                complete_step(s, &out, live, rng, false, kv, trees);
+            }
+            return;
+        }
+        _ => {}
+    }
+    // N's tokens: one per sampled run (random: EOS and stop tokens end some requests)
+    let tokens: Vec<u32> = sampled
+        .iter()
+        .map(|_| rng.below(VOCAB as u64) as u32)
+        .collect();
+    let mut cu = vec![0i32];
+    let mut n = 0;
+    for r in 0..out.num_reqs() {
+        n += i32::from(out.cu_num_logits[r + 1] > out.cu_num_logits[r]);
+        cu.push(n);
+    }
+    // the device: N+1's forward reads N's tokens, and runs before anything after it
+    for (&pos, &src) in ahead.ahead_input_pos.iter().zip(&ahead.ahead_src) {
+        ahead.input_ids[pos as usize] = tokens[src as usize] as i64;
+    }
+    if mode != 3 {
+        kv.forward(&ahead, bs);
+    }
+    let up = s.update(&tokens, &cu).unwrap();
+    assert!(up.kv_copy_src.is_empty());
+    live.retain(|id| !up.finished_req_ids.contains(id));
+    s.check_invariants().unwrap();
+    if mode != 3 {
+        kv.check(s, live); // (N+1's positions count as computed once it is the pending step)
+    }
+    for (r, &t) in sampled.iter().zip(&tokens) {
+        let id = out.req_ids[*r];
+        if let Some(req) = s.request(id) {
+            assert!(!req.has_placeholder && req.num_ahead_tokens == 0);
+            let want = scheduled
+                .iter()
+                .find(|(i, _)| *i == id)
+                .unwrap()
+                .1
+                .token_ids
+                .len();
+            assert_eq!(
+                req.token_ids.len(),
+                want + 1,
+                "request {id}: N's token appended once"
+            );
+            assert_eq!(*req.token_ids.last().unwrap(), t);
+        }
+    }
+    if let Some(pick) = abort_pick.filter(|_| !live.is_empty()) {
+        let id = live.remove(pick % live.len());
+        assert!(s.abort_request(id));
+        s.check_invariants().unwrap();
+    }
+    if mode == 3 {
+        // N+1's forward failed: cancelled, its KV never written; nothing N confirmed
+        // (prefix-cached) may count on it
+        assert!(s.cancel_step());
+        s.check_invariants().unwrap();
+        kv.check(s, live);
+        return;
+    }
+    // N+1 is the pending step now: its dead runs (requests N ended, or aborted) are skipped
+    complete_step(s, &ahead, live, rng, false, kv, trees);
+}
+
 fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
     let mut s = Scheduler::new(cfg.clone()).unwrap();
     let mut kv = SimKv::default();
@@ -536,101 +852,7 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
             assert_eq!(s.num_running(), 0);
             return;
         }
-        let mut tokens = vec![];
-        let mut cu = vec![0i32];
-        let mut expect_kept = vec![];
-        let mut tree_paths = vec![]; // (request, root, path)
-        for r in 0..out.num_reqs() {
-            let rows = (out.cu_num_logits[r + 1] - out.cu_num_logits[r]) as u64;
-            let verified = out.num_draft_tokens[r] as usize;
-            let d0 = out.num_draft_tokens[..r].iter().sum::<i32>() as usize;
-            let drafts = &out.draft_token_ids[d0..d0 + verified];
-            if rows == 0 {
-            } else if all_accept {
-                tokens.push(3);
-            } else if is_tree_run(&out, r) {
-                let parents = &out.draft_parents[d0..d0 + verified];
-                let path = random_path(drafts, parents, |n| rng.below(n));
-                tokens.extend(path.iter().map(|&k| drafts[k] as u32));
-                tokens.push(rng.below(VOCAB as u64) as u32);
-                tree_paths.push((r, path));
-            } else {
-                // accept a random prefix of the verified drafts, then a recovered or
-                // bonus token unless every draft of a split proposal was accepted
-                let accepted = rng.below(verified as u64 + 1) as usize;
-                tokens.extend(drafts[..accepted].iter().map(|&t| t as u32));
-                let split = verified as u64 == rows;
-                if accepted < verified || !split {
-                    tokens.push(rng.below(VOCAB as u64) as u32);
-                } else {
-                    let req = s.request(out.req_ids[r]).unwrap();
-                    expect_kept.push((out.req_ids[r], req.draft_token_ids[verified..].to_vec()));
-                }
-            }
-            cu.push(tokens.len() as i32);
-        }
-        let up = s.update(&tokens, &cu).unwrap();
-        // the copy list: exactly the accepted paths' moves, in the requests' blocks
-        let mut want = vec![];
-        for (r, path) in tree_paths {
-            let m = up
-                .req_ids
-                .iter()
-                .position(|&id| id == out.req_ids[r])
-                .unwrap();
-            let num_new = (up.cu_num_new[m + 1] - up.cu_num_new[m]) as usize;
-            let seq = out
-                .seq_req_indices
-                .iter()
-                .position(|&x| x as usize == r)
-                .unwrap();
-            let row = out.block_table_row(seq);
-            let slot = |p: usize| row[p / bs] as i64 * bs as i64 + (p % bs) as i64;
-            let root = out.num_computed_tokens[r] as usize;
-            for (src, dst) in expected_copies(root, &path, num_new) {
-                assert!(dst < src);
-                want.push((slot(src), slot(dst)));
-            }
-        }
-        let got: Vec<(i64, i64)> = up
-            .kv_copy_src
-            .iter()
-            .copied()
-            .zip(up.kv_copy_dst.iter().copied())
-            .collect();
-        assert_eq!(got, want, "copy list");
-        // one gather then one scatter equals applying the pairs in order (the engine
-        // relies on it): distinct dsts, and no src was written by an earlier pair
-        let mut written = std::collections::HashSet::new();
-        for (src, dst) in up.kv_copy_src.iter().zip(&up.kv_copy_dst) {
-            assert!(
-                !written.contains(src),
-                "a copy reads a slot an earlier copy wrote"
-            );
-            assert!(written.insert(*dst), "duplicate copy destination");
-        }
-        kv.apply_copies(&up);
-        live.retain(|id| !up.finished_req_ids.contains(id));
-        kv.check(s, live);
-        for (id, rest) in expect_kept {
-            if let Some(req) = s.request(id) {
-                assert_eq!(
-                    req.draft_token_ids, rest,
-                    "a fully accepted split keeps the rest"
-                );
-            }
-        }
-        if !all_accept && rng.below(3) > 0 {
-            set_random_drafts(s, live, rng, trees); // usually speculate on the next step
-        }
-        for &id in live.iter() {
-            let req = s.request(id).unwrap();
-            assert!(
-                req.num_computed_tokens < req.num_tokens(),
-                "computed must trail tokens after update"
-            );
-            check_window(s, id);
-        }
+        complete_step(s, &out, live, rng, all_accept, kv, trees);
     };
     for op in ops {
         match op {
@@ -670,6 +892,19 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
                 failed_step(&mut s, &mut live, abort_pick, &mut kv);
                 kv.check(&s, &live);
             }
+            Op::Ahead {
+                seed,
+                mode,
+                abort_pick,
+            } => ahead_step(
+                &mut s,
+                &mut live,
+                &mut Rng(seed | 1),
+                mode,
+                abort_pick,
+                &mut kv,
+                trees,
+            ),
             Op::Abort { pick } | Op::Finish { pick } if !live.is_empty() => {
                 let id = live.remove(pick % live.len());
                 assert!(s.abort_request(id));
