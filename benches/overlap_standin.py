@@ -83,11 +83,13 @@ class ModeledLaunch:
 
     def __init__(self, launch, base_s: float, per_token_s: float):
         self.launch, self.base_s, self.per_token_s = launch, base_s, per_token_s
+        self.free_at = 0.0  # when the device finishes what was launched before (a stream runs in order)
 
-    def __call__(self, batch, *then):
+    def __call__(self, batch, *args):
         t = time.perf_counter()
         d = self.base_s + self.per_token_s * batch.input_ids.numel()
-        return _Modeled(self.launch(batch, *then), t + d, d)
+        self.free_at = max(t, self.free_at) + d  # a step launched ahead starts when the one before ends
+        return _Modeled(self.launch(batch, *args), self.free_at, d)
 
 
 class _Modeled:
@@ -104,15 +106,21 @@ class _Modeled:
     def settle(self):
         self._pending.settle()
 
+    def done_result(self):
+        return self._pending.done_result()
 
-def build(method: str, overlap: bool, models: Path, args) -> tuple[Generator, "_Both | None"]:
+
+def build(method: str, loop: str, models: Path, args) -> tuple[Generator, "_Both | None"]:
+    """loop: serial, overlap (each step scheduled after the previous one's update) or ahead (a plain
+    step scheduled and launched before the previous one's tokens exist: the default without a proposer)."""
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "policy": args.policy}
     elif method == "draft_model":
         spec = {"method": "draft_model", "model": str(models / "draft"), "num_speculative_tokens": args.k,
                 "policy": args.policy}
-    gen = Generator(str(models / "target"), speculative=spec, overlap_steps=overlap,
+    gen = Generator(str(models / "target"), speculative=spec, overlap_steps=loop != "serial",
+                    schedule_ahead=loop == "ahead",
                     max_model_len=args.prompt_len + args.new_tokens + 16, num_kv_blocks=args.batch * 16 + 64,
                     enable_prefix_caching=False)
     ex = gen.engine.executor
@@ -152,13 +160,15 @@ def main(argv=None) -> int:
     prompts = repetitive_prompts(args.batch, args.prompt_len)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     methods = args.methods.split(",")
-    rows = {(m, loop): [] for m in methods for loop in ("serial", "overlap")}
-    gens = {key: build(key[0], key[1] == "overlap", models, args) for key in rows}
+    loops = {m: ("serial", "overlap", "ahead") if m == "plain" else ("serial", "overlap") for m in methods}
+    rows = {(m, loop): [] for m in methods for loop in loops[m]}
+    gens = {key: build(key[0], key[1], models, args) for key in rows}
     outputs = {}
     for key, (gen, _) in gens.items():  # warm, and the loops must agree token for token
         outputs[key] = [o.token_ids for o in gen.generate(prompts, params, use_tqdm=False)]
     for m in methods:
-        assert outputs[(m, "serial")] == outputs[(m, "overlap")], f"{m}: the loops disagree"
+        for loop in loops[m][1:]:
+            assert outputs[(m, "serial")] == outputs[(m, loop)], f"{m}: the loops disagree"
     for _ in range(args.repeats):
         for key, (gen, draft) in gens.items():
             gen.engine.reset_metrics()
@@ -186,10 +196,10 @@ def main(argv=None) -> int:
         print(f"| {m} | {loop} | {med['steps']:.0f} | {med['wall_ms']:.3f} | {med['device_ms']:.3f} | "
               f"{med['bubble_ms']:.3f} | {med['wall_over_device']:.3f} | {med['tail_ms']:.3f} | "
               f"{med['tokens_per_s']:.0f} | {med['mean_acceptance_length']:.2f} |")
-    for loop in ("serial", "overlap"):
+    for loop in ("serial", "overlap", "ahead"):
         plain = summary.get(f"plain/{loop}")
         for m in methods:
-            if m != "plain" and plain:
+            if m != "plain" and plain and f"{m}/{loop}" in summary:
                 s = summary[f"{m}/{loop}"]
                 print(f"{loop}: {m} bubble / plain bubble = {s['bubble_ms'] / plain['bubble_ms']:.2f}; "
                       f"speedup vs plain {s['tokens_per_s'] / plain['tokens_per_s']:.2f}x")

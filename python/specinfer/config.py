@@ -116,6 +116,10 @@ class SchedulerConfig:
     overlap_steps: bool = option(True, "overlap the host with the device: each step's output work (detokenizing, "
                                  "stop strings, outputs, metrics) runs while the next step's forward computes; off: "
                                  "the serial loop, for debugging (the outputs are the same)")
+    schedule_ahead: bool = option(True, "in the overlapped loop, schedule and launch a plain step (no drafts) "
+                                  "before the previous one's tokens exist: its input ids are taken from them where "
+                                  "the forwards run, so the device never waits for the host between steps; off: each "
+                                  "step is scheduled after the previous one's update (the outputs are the same)")
 
     def __post_init__(self):
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
@@ -126,6 +130,7 @@ class SchedulerConfig:
         if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2 or None (got {self.max_model_len!r})")
         _check_bool("overlap_steps", self.overlap_steps)
+        _check_bool("schedule_ahead", self.schedule_ahead)
 
 
 @dataclass(frozen=True)

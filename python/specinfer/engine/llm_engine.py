@@ -226,6 +226,11 @@ class LLMEngine:
         self._stopped: list[int] = []
         # where a launch runs the forward on this thread, a worker thread stands in for the device
         self.executor.run_forwards_on_thread(overlap_steps and not self.platform.launches_are_async)
+        # a plain step scheduled and launched while the previous one ran (step_transaction.py):
+        # (sched, states, pending forward), adopted by the next step() call
+        self.schedule_ahead = bool(overlap_steps and sched_cfg.schedule_ahead and self.proposer is None
+                                   and self.executor.forward_thread is not None)
+        self._ahead = None
         self.last_failed_request_ids: list[str] = []  # requests of the last step that raised
 
     # ------------------------------------------------------------------ requests
@@ -405,8 +410,10 @@ class LLMEngine:
         return self._lock
 
     def has_unfinished_requests(self) -> bool:
-        """Requests still running or waiting, or outputs of a failed step not yet delivered."""
-        return bool(self._requests or self._undelivered)  # (a due output work's requests are still here)
+        """Requests still running or waiting, outputs of a failed step not yet delivered, or a
+        step scheduled ahead still to commit."""
+        # (a due output work's requests are still here)
+        return bool(self._requests or self._undelivered or self._ahead is not None)
 
     def spec_metrics(self) -> dict:
         return self.metrics.as_dict()
@@ -444,19 +451,22 @@ class LLMEngine:
         with self._lock, StepTransaction(self, final_only) as step:
             if step.schedule():  # 1. the core picks this step's runs (Rust)
                 step.launch()  # 2. the target forward over the mixed batch, launched
+                step.launch_ahead()  # the next plain step behind it, where it can be (zero bubble)
                 step.overlap()  # while it runs: the previous step's output work, grammar masks
                 step.sample()  # 3. sample / verify once the forward is done
                 step.commit()  # 5. update (Rust); the Python states take the same tokens
                 step.propose()  # 4. drafts for the next step
         return step.outputs
 
-    def _launch(self, sched, states, then=None):
-        """Pack the batch and launch the target forward (and `then(logits)` behind it); ->
-        executor PendingForward."""
+    def _launch(self, sched, states, then=None, before=None):
+        """Pack the batch and launch the target forward (and `then(logits)` behind it, `before(batch)`
+        ahead of it); -> executor PendingForward."""
         if sched.num_prefill_requests:  # prefix-cache hits are found when a prompt is scheduled
             for st, cached in zip(states, sched.num_cached_tokens.tolist()):
                 st.num_cached_tokens = max(st.num_cached_tokens, cached)
         batch = model_batch_from_schedule(sched, self.block_size, self.device)
+        if before is not None:
+            return self.executor.launch_model(batch, then, before)
         return self.executor.launch_model(batch) if then is None else self.executor.launch_model(batch, then)
 
     def _observe_verification(self, states, emitted) -> None:

@@ -99,8 +99,12 @@ class StepSampler:
             self.verify = partial(typical_acceptance_sample, **typical)
             self.verify_tree = partial(tree_typical_acceptance_sample, **typical)
 
-    def __call__(self, logits: torch.Tensor, sched, states, draft_probs: dict, masks=None) -> Emitted:
-        """`masks`: the grammar masks of constrained rows (engine.step_grammar.StepMasks) or None."""
+    def __call__(self, logits: torch.Tensor, sched, states, draft_probs: dict, masks=None,
+                 positions=None) -> Emitted:
+        """`masks`: the grammar masks of constrained rows (engine.step_grammar.StepMasks) or None.
+        `positions`: each scheduled request's next output position, given where the states may not
+        hold the previous step's tokens yet (a step scheduled ahead: plain, no penalties, no
+        min_tokens left, no grammar); else len(output_token_ids)."""
         cu_logits = sched.cu_num_logits
         n_rows = np.diff(cu_logits)  # [R]
         num_draft = np.asarray(sched.num_draft_tokens, dtype=np.int32)
@@ -133,7 +137,9 @@ class StepSampler:
             if all(st.params.temperature == 0.0 for st in s_states):
                 tokens = argmax_last(logits)  # all greedy: nothing else to do
             else:
-                tokens = self.sampler(logits, sampling_metadata(s_states, device=logits.device)).token_ids
+                pos = None if positions is None else [int(positions[i]) for i in sampling]
+                tokens = self.sampler(logits, sampling_metadata(s_states, device=logits.device,
+                                                                positions=pos)).token_ids
             counts = np.ones(len(sampling), dtype=np.int32)
             flat = tokens.cpu().numpy()
         else:

@@ -24,7 +24,10 @@ from __future__ import annotations
 import time
 from functools import partial
 
+import numpy as np
+
 from specinfer.engine.step_sampler import tree_requests
+from specinfer.executor.forward_thread import fill_ahead_inputs
 from specinfer.executor.interrupts import deferred_keyboard_interrupt
 from specinfer.request_error import RequestError
 
@@ -40,6 +43,8 @@ class StepTransaction:
         self.outputs, engine._undelivered = engine._undelivered, []
         self.tail, engine._tail = engine._tail, None  # the previous step's output work, if deferred
         self.sched = self.states = self.pending = self.touched = None
+        self.ahead = None  # (sched, states, pending) of the step launched ahead of this one's result
+        self.sampled_behind = False  # the step's sampling runs behind its forward (launch)
         self.hidden = self.logits = self.masks = self.emitted = None
         self.error: Exception | None = None  # a request's failure in its output work: raised at the end
         self.t: dict[str, float] = {}
@@ -55,6 +60,10 @@ class StepTransaction:
         if e._held:  # samples whose leader's prompt is now in the cache (or who lost their leader)
             e._admit_held()
         self.t["start"] = time.perf_counter()
+        if e._ahead is not None:  # scheduled and launched by the previous call: adopted
+            (self.sched, self.states, self.pending), e._ahead = e._ahead, None
+            self.phase = RUNNING
+            return True
         self.sched = sched = e.core.schedule()
         if len(sched.preempted_req_ids) and e.proposer is not None:
             e.proposer.forget(sched.preempted_req_ids.tolist())  # their proposal stays; the proposer's KV does not
@@ -71,11 +80,42 @@ class StepTransaction:
         step is constrained (its grammar masks are built beside the forward): the sampler then
         runs as device work, and the engine's thread waits only for the emitted tokens."""
         e = self.engine
+        if self.pending is not None:  # adopted: launched by the previous call, sampled behind
+            self.sampled_behind = True
+            self.t["launched"] = time.perf_counter()
+            return
         then = None
         if e.executor.forward_thread is not None and not any(st.grammar is not None for st in self.states):
             then = partial(e.step_sampler, sched=self.sched, states=self.states, draft_probs=e._draft_probs)
         self.pending = e._launch(self.sched, self.states, then)
+        self.sampled_behind = then is not None
         self.t["launched"] = time.perf_counter()
+
+    def launch_ahead(self) -> None:
+        """Where it can be (engine.schedule_ahead: overlapped loop, forwards on the forward thread,
+        no proposer), schedule the next step now and launch it behind this one: the core assumes each
+        sampled run emits one token and goes on (SchedulerCore.schedule_ahead), the forward thread
+        takes this step's tokens into its input ids (fill_ahead_inputs), and its sampler runs behind
+        its forward with the output positions known now. A step whose requests' sampling reads their
+        token history (penalties, min_tokens still ahead, grammars) is not scheduled ahead."""
+        e = self.engine
+        if not (e.schedule_ahead and self.sampled_behind):  # this step's tokens must be readable there
+            return
+        sched = e.core.schedule_ahead()
+        if sched is None:
+            return
+        states = [e._requests[i] for i in sched.req_ids.tolist()]
+        for st in states:
+            p = st.params
+            if st.grammar is not None or p.penalized or p.min_tokens > len(st.output_token_ids):
+                e.core.cancel_ahead()
+                return
+        positions = np.fromiter((len(st.output_token_ids) for st in states), np.int64, len(states))
+        if len(sched.ahead_input_pos):  # runs that decode from this step's token: one position on
+            positions[np.searchsorted(sched.query_start_loc[:-1], sched.ahead_input_pos)] += 1
+        then = partial(e.step_sampler, sched=sched, states=states, draft_probs=e._draft_probs, positions=positions)
+        before = partial(fill_ahead_inputs, self.pending, sched.ahead_input_pos, sched.ahead_src)
+        self.ahead = (sched, states, e._launch(sched, states, then, before))
 
     def overlap(self) -> None:
         """While the forward runs: the previous step's output work, the grammar masks of this
@@ -105,6 +145,7 @@ class StepTransaction:
         with deferred_keyboard_interrupt():
             upd = e.core.update(emitted.token_ids, emitted.cu_num_emitted)
             self.phase = COMMITTING
+            e._ahead, self.ahead = self.ahead, None  # the core's pending step now: the next call's
             if len(upd.kv_copy_src):  # accepted tree paths (docs/trees.md)
                 e.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)
             e.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
@@ -160,6 +201,9 @@ class StepTransaction:
         else:
             if self.pending is not None:
                 self.pending.settle()  # no forward may still write KV once the step is undone
+            if self.ahead is not None:
+                self.ahead[2].settle()  # the step launched ahead: undone with this one (cancel_step)
+                self.ahead = None
             if self.phase == RUNNING:
                 e.core.cancel_step()
                 e.last_failed_request_ids = [st.request_id for st in self.states]

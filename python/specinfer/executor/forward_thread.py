@@ -19,6 +19,8 @@ import time
 from collections import deque
 from functools import partial
 
+import torch
+
 
 class PendingForward:
     """One launched forward: its result (or exception) once the worker has run it."""
@@ -59,6 +61,14 @@ class PendingForward:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        return self._result
+
+    def done_result(self):
+        """The result of a forward that has run (a later forward on the same thread reads it, as a
+        later kernel on a stream reads an earlier one's output); RuntimeError if it failed or has not
+        run."""
+        if not self._done.is_set() or self._error is not None:
+            raise RuntimeError("the step this one was scheduled ahead of did not complete")
         return self._result
 
     def settle(self) -> None:
@@ -129,11 +139,15 @@ class LaunchesForwards:
             self.forward_thread.close()
             self.forward_thread = None
 
-    def launch_model(self, batch, then=None) -> PendingForward:
+    def launch_model(self, batch, then=None, before=None) -> PendingForward:
         """batch: attention.batch_metadata.ModelBatch -> a PendingForward of (hidden [T, hidden],
         logits [L, vocab]), or of (hidden, logits, then(logits)) when `then` is given: work queued
-        behind the forward where it runs (the step's sampling, on the forward thread)."""
+        behind the forward where it runs (the step's sampling, on the forward thread). `before(batch)`
+        runs where the forward runs, just before it (a step scheduled ahead takes the previous
+        step's tokens into its input ids there: fill_ahead_inputs)."""
         fn = self.execute_model if then is None else partial(_forward_then, self.execute_model, then)
+        if before is not None:
+            fn = partial(_before_forward, before, fn)
         if self.forward_thread is None:
             return PendingForward.completed(fn, batch)
         return self.forward_thread.launch(fn, batch)
@@ -142,3 +156,17 @@ class LaunchesForwards:
 def _forward_then(execute, then, batch):
     hidden, logits = execute(batch)
     return hidden, logits, then(logits)
+
+
+def _before_forward(before, fn, batch):
+    before(batch)
+    return fn(batch)
+
+
+def fill_ahead_inputs(previous: PendingForward, input_pos, src, batch) -> None:
+    """A step scheduled ahead (SchedulerCore.schedule_ahead): its input ids at `input_pos` are the
+    previous step's emitted tokens `src`, read where the forwards run, in order, after that step's
+    sampling ran (as a device-side copy would on CUDA). The previous step's failure fails this one."""
+    emitted = previous.done_result()[2]
+    tokens = torch.from_numpy(emitted.token_ids[src])
+    batch.input_ids[torch.from_numpy(input_pos).to(batch.input_ids.device)] = tokens.to(batch.input_ids.device)
