@@ -45,6 +45,7 @@ class MethodConfig:
     gguf_type: str | None = None  # llama_cpp only; None: "f32"
     batch_invariant: bool = False  # specinfer only: Generator(batch_invariant=True)
     overlap_steps: bool = True  # specinfer only: False runs the serial step loop
+    schedule_ahead: bool = True  # specinfer only: False schedules each step after the previous one's update
 
     def __post_init__(self):
         if not self.name or not isinstance(self.name, str):
@@ -86,6 +87,8 @@ class MethodConfig:
             raise ValueError(f"method {self.name!r}: batch_invariant is a specinfer option, true or false")
         if self.overlap_steps not in (False, True) or (not self.overlap_steps and self.engine != "specinfer"):
             raise ValueError(f"method {self.name!r}: overlap_steps is a specinfer option, true or false")
+        if self.schedule_ahead not in (False, True) or (not self.schedule_ahead and self.engine != "specinfer"):
+            raise ValueError(f"method {self.name!r}: schedule_ahead is a specinfer option, true or false")
         if self.gguf_type is not None:
             if self.engine != "llama_cpp":
                 raise ValueError(f"method {self.name!r}: gguf_type is a llama_cpp option (engine is {self.engine!r})")

@@ -24,7 +24,8 @@ class SpecinferEngine:
         self.last_token_ids: list[list[int]] = []
         self.gen = Generator(method.model or cfg.model, dtype=cfg.method_dtype(method), block_size=cfg.block_size,
                              quantization=method.quantization, batch_invariant=method.batch_invariant,
-                             overlap_steps=method.overlap_steps, max_model_len=max_model_len,
+                             overlap_steps=method.overlap_steps,
+                             schedule_ahead=method.schedule_ahead, max_model_len=max_model_len,
                              num_kv_blocks=per_request * max_batch + 8, max_num_seqs=max(256, max_batch),
                              max_num_batched_tokens=cfg.max_num_batched_tokens,
                              enable_prefix_caching=cfg.enable_prefix_caching, speculative=method.speculative)
