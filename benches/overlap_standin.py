@@ -151,8 +151,14 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="fixed", help="speculation policy: fixed (k every step) or goodput (the "
                     "engine's default, its per-step choice on the critical path)")
     ap.add_argument("--json", default=None, help="write the medians here")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="Python's thread switch interval (default 5 ms): the stand-in's forward thread runs "
+                         "Python between its kernels and waits up to this long for the GIL while the engine's "
+                         "thread works beside it, which a device never does")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms * 1e-3)
     models = Path(tempfile.mkdtemp())
     build_tiny_llama(models / "target")
     # the draft: the target's weights plus a little noise (it agrees with the target most of the time)
@@ -185,7 +191,7 @@ def main(argv=None) -> int:
                               "mean_acceptance_length": mt["mean_acceptance_length"]})
     print(f"batch {args.batch}, prompts {args.prompt_len}, new tokens {args.new_tokens}, k {args.k}; modeled device "
           f"D(T) = {args.device_ms} ms + {args.per_token_us} us x T (draft {args.draft_ms} ms + same); per step, "
-          f"median of {args.repeats}")
+          f"median of {args.repeats}; policy {args.policy}; switch interval {sys.getswitchinterval() * 1e3:g} ms")
     print("| method | loop | steps | wall ms | device ms | bubble ms | wall / device | output work beside ms |"
           " tokens/s | acc. len |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")

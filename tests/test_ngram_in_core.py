@@ -30,11 +30,13 @@ class CountingCore:
 
     def __init__(self, proposer):
         self.calls = {"in_core": 0, "general": 0}
+        self.budgets = []  # each core call's budgets (None: k for every request)
         fast, general = proposer.propose_in_core, proposer.propose
 
-        def in_core(ids, k):
+        def in_core(ids, k, budgets=None):
             self.calls["in_core"] += 1
-            return fast(ids, k)
+            self.budgets.append(budgets)
+            return fast(ids, k, budgets)
 
         def propose(inp):
             self.calls["general"] += 1
@@ -124,3 +126,46 @@ def test_core_path_keeps_the_platforms_cap(target):
     assert counter.calls["in_core"] > 0 and m["num_drafts"] > 0
     assert m["num_draft_tokens"] <= 2 * m["num_drafts"]
     assert m["accepted_per_position"][2:] == [0.0, 0.0]
+
+
+def test_the_default_policy_chooses_beside_the_forward_and_the_core_drafts_within_it(target):
+    """Under the goodput policy (no policy flag) the n-gram step takes the core path: the policy's
+    choice is made beside the forward (StepProposing.plan, from estimates one verification old) and
+    handed to the core as budgets; every chosen budget is honoured, greedy output equals the target
+    alone, and the verification reaches the policy (with the output work)."""
+    batch = 8
+    prompts = _prompts(batch)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * batch
+    want = [o.token_ids for o in Generator(str(target), block_size=4).generate(prompts, params, use_tqdm=False)]
+    gen = Generator(str(target), block_size=4, max_model_len=128,
+                    speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    eng = gen.engine
+    pol = eng.policy
+    assert pol is not None and eng.proposing.plans_beside_forward
+    pol.cost.min_steps = 2  # choose from the start of this short run
+    counter = CountingCore(eng.proposer)
+    chosen, observed = [], []
+    choose, observe = pol.num_drafts, pol.observe_verification
+    pol.num_drafts = lambda *a: chosen.append(choose(*a)) or chosen[-1]
+    pol.observe_verification = lambda *a: observed.append(a) or observe(*a)
+    set_drafts = []
+    core = eng.core
+
+    class Spy:  # the drafts the core set per step: none beyond the request's budget
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        def propose_ngram_drafts(self, ids, k, min_n, max_n, budgets=None):
+            n = core.propose_ngram_drafts(ids, k, min_n, max_n, budgets)
+            set_drafts.append((n, None if budgets is None else np.asarray(budgets).copy()))
+            return n
+
+    eng.proposer.core = Spy()  # (the proposer drafts through its own reference to the core)
+    outs = gen.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    assert counter.calls["general"] == 0 and counter.calls["in_core"] > 5
+    assert chosen and observed and pol.cost.num_steps > 0
+    assert any(b is not None for b in counter.budgets)
+    assert set_drafts and all(b is not None and n <= int(b.sum()) for n, b in set_drafts)  # within the budgets
+    assert any(n > 0 for n, _ in set_drafts) and gen.engine.spec_metrics()["num_draft_tokens"] > 0
+    assert any((b < 4).any() for _, b in set_drafts if len(b)), "the policy chose fewer than k somewhere"

@@ -213,6 +213,41 @@ def test_acceptance_estimates_follow_what_was_accepted():
     assert np.array_equal(est.of(7), est.of(12345))  # back to the engine-wide estimate
 
 
+def test_acceptance_estimates_equal_the_array_arithmetic(seed=0):
+    """The per-position Python arithmetic equals the array form of the EWMA updates (an
+    independent numpy reference, run alongside), bit for bit, over random verifications."""
+    rng = np.random.default_rng(seed)
+    k, prior, rate, engine_rate = 4, 0.6, 0.2, 0.03
+    est = AcceptanceEstimates(k, prior=prior, rate=rate, engine_rate=engine_rate)
+    eng, eng_seen, count = np.full(k, prior), np.zeros(k, bool), np.zeros(k)
+    own = {}
+
+    def filled(e, s):
+        last = np.maximum.accumulate(np.where(s, np.arange(k), -1))
+        return np.where(s | (last < 0), e, e[np.maximum(last, 0)])
+
+    for _ in range(300):
+        cid, n, a = int(rng.integers(0, 6)), int(rng.integers(0, k + 2)), int(rng.integers(0, k + 1))
+        a = min(a, n)
+        est.record(cid, n, a)
+        n = min(n, k)
+        if n <= 0:
+            continue
+        if cid not in own:
+            own[cid] = (filled(eng, eng_seen), eng_seen.copy())
+        e, s = own[cid]
+        seen = slice(0, min(n, a + 1))
+        hit = (np.arange(n) < a).astype(np.float64)[seen]
+        e[seen] += rate * (hit - e[seen])
+        s[seen] = True
+        count[seen] += 1
+        eng[seen] += np.maximum(1.0 / (count[seen] + 1), engine_rate) * (hit - eng[seen])
+        eng_seen[seen] = True
+        for c, (e2, s2) in own.items():
+            assert np.array_equal(est.of(c), filled(e2, s2))
+        assert np.array_equal(est.of(999), filled(eng, eng_seen)) and np.array_equal(est.engine, eng)
+
+
 def test_unobserved_positions_follow_the_last_observed_one():
     est = AcceptanceEstimates(k=4, prior=0.6, rate=0.5)
     for _ in range(10):

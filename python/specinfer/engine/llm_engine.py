@@ -12,6 +12,7 @@ thread's at a time: step(), add_request() and abort() take one lock.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -475,9 +476,15 @@ class LLMEngine:
             self.proposing.observe_verification(states, emitted)
 
     def _record_spec(self, states, emitted) -> None:
-        """The step's speculation counts (engine metrics, each request's own): output work."""
+        """The step's speculation counts (engine metrics, each request's own) and, where the policy
+        chooses beside the forward (StepProposing.plans_beside_forward), its observation: output work."""
         if not emitted.num_draft_tokens.any():
             return
+        if self.proposing is not None and self.proposing.plans_beside_forward:
+            live = np.fromiter((st.core_id in self._requests for st in states), bool, len(states))
+            if not live.all():  # aborted since the step: the policy forgot them already
+                emitted = dataclasses.replace(emitted, num_draft_tokens=emitted.num_draft_tokens * live)
+            self._observe_verification(states, emitted)
         cu = emitted.cu_num_emitted
         self.metrics.record(emitted.num_draft_tokens, emitted.num_accepted, cu[1:] - cu[:-1], emitted.num_rows)
         d, a = emitted.num_draft_tokens.tolist(), emitted.num_accepted.tolist()

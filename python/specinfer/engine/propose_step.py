@@ -80,20 +80,61 @@ class StepProposing:
         self.num_drafted = 0
         self.forced_ids: set = set()  # core ids whose pending proposal is grammar-forced tokens
         self.num_forced_drafts = 0  # grammar-forced tokens proposed, in all
+        # the policy's choice for the next proposal, made beside the forward (plan()): int64[R] per
+        # request of the step, or None (then the choice is made after the step, on the general path)
+        self.budgets: np.ndarray | None = None
+
+    @property
+    def plans_beside_forward(self) -> bool:
+        """A policy chooses the drafts of a proposer that drafts in the core (n-gram): the choice is
+        made beside the forward from the acceptance estimates one verification old (plan()), the
+        verification is observed with the output work, and the core drafts within the budgets —
+        the policy's work is off the critical path."""
+        return self.policy is not None and self.proposer.drafts_in_core
 
     def speculation_paused(self) -> bool:
         """disable_by_batch_size: no drafts for unseeded requests while this many run."""
         limit = self.spec.disable_by_batch_size
         return limit is not None and self.get_core().num_running() >= limit
 
-    def _core_proposes(self, states) -> bool:
+    def _core_proposes(self, states, budgets=None) -> bool:
         """The step's proposal is the core's own (propose_in_core): a proposer that drafts there,
-        and nothing else shaping the budgets — no policy, no pause, every request speculating
-        and unconstrained. It is given the requests that got tokens this step (the general
+        and nothing else shaping the budgets — no policy (or its choice made beside the forward:
+        `budgets`, plan()), no pause, every request speculating and unconstrained. It is given the requests that got tokens this step (the general
         path's `sampled`; finished ones have left the core) and, as the general path does, skips
         those holding a split proposal's kept rest and clips to each budget."""
-        return (self.proposer.drafts_in_core and self.policy is None and not self.speculation_paused()
-                and all(st.params.speculate and st.grammar is None for st in states))
+        return (self.proposer.drafts_in_core and (self.policy is None or budgets is not None)
+                and not self.speculation_paused() and all(st.params.speculate and st.grammar is None for st in states))
+
+    def plan(self, sched, states) -> None:
+        """Beside the forward of a step (plans_beside_forward): each request that samples in it gets
+        its draft budget for the next proposal — the policy's choice for unseeded requests (from the
+        estimates through the last verification observed), min(k, what it may still emit) for seeded
+        ones — as if it emits one token now (the core clips each budget to what is left)."""
+        self.budgets = None
+        if (not self.plans_beside_forward or self.speculation_paused()
+                or not all(st.params.speculate and st.grammar is None for st in states)):
+            return  # the general path decides after the step
+        flags = request_flags(states, False, self.max_model_len)
+        alive, unseeded = flags[:, 0].astype(bool), flags[:, 2].astype(bool)
+        cu = np.asarray(sched.cu_num_logits)
+        samples = (cu[1:] > cu[:-1]) & alive
+        k = draft_length(self.spec, self.proposer, self.platform, len(states))
+        max_drafts = np.minimum(np.maximum(flags[:, 4] - 1, 0), k)  # after this step's token
+        speculate = samples & (max_drafts > 0)
+        budgets = np.where(speculate, max_drafts, 0)
+        free = np.flatnonzero(speculate & unseeded)
+        if len(free):
+            left = whole_batch_tokens_left(self.get_core(), self.max_model_len, states, alive)
+            horizon = 0.0
+            if left is not None:
+                left = np.maximum(left - samples, 0)  # this step's token
+                others = np.ones(len(states), dtype=bool)
+                others[free] = False
+                horizon = float(left[others].max()) if others.any() else 0.0
+            budgets[free] = self.policy.num_drafts([states[r].core_id for r in free], max_drafts[free],
+                                                   int(alive.sum()), None if left is None else left[free], horizon)
+        self.budgets = budgets
 
     def observe_verification(self, states, emitted) -> None:
         if self.policy is not None:
@@ -130,11 +171,14 @@ class StepProposing:
         """Spend the verified proposals, decide each request's budget, run the proposer and hand
         its proposals (chains or trees) to the core."""
         self.num_drafted = 0
-        if self._core_proposes(states):  # the core drafts for the requests that got tokens
+        budgets, self.budgets = self.budgets, None
+        if self._core_proposes(states, budgets):  # the core drafts for the requests that got tokens
             self.forced_ids = set()
             cu = emitted.cu_num_emitted
+            got = cu[1:] > cu[:-1]
             k = draft_length(self.spec, self.proposer, self.platform, len(states))  # (a platform may cap it)
-            self.num_drafted = self.proposer.propose_in_core(sched.req_ids[cu[1:] > cu[:-1]], k)
+            self.num_drafted = self.proposer.propose_in_core(sched.req_ids[got], k,
+                                                             None if budgets is None else budgets[got])
             return
         R = len(states)
         kept = spend_verified_drafts(self.draft_probs, states, emitted)

@@ -124,6 +124,7 @@ class StepTransaction:
         self.masks = self.engine.step_grammar.masks(self.sched, self.states, tree_requests(self.sched))
         if self.engine.proposing is not None:
             self.engine.proposing.prepare(len(self.states))  # the policy's cost tables for the next proposal
+            self.engine.proposing.plan(self.sched, self.states)  # and its choice, where made beside the forward
         self.t["overlapped"] = time.perf_counter()
 
     def sample(self) -> None:
@@ -149,7 +150,8 @@ class StepTransaction:
             if len(upd.kv_copy_src):  # accepted tree paths (docs/trees.md)
                 e.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)
             e.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
-            e._observe_verification(states, emitted)
+            if e.proposing is None or not e.proposing.plans_beside_forward:  # (else with the output work)
+                e._observe_verification(states, emitted)
             self.touched = e._commit_tokens(sched, states, emitted, upd)
             e._release_stopped()  # requests a stop string ended while this step ran
         self.phase = COMMITTED

@@ -38,8 +38,8 @@ class NgramProposer(Proposer):
             np.cumsum(keep, out=cu[1:])
         return Proposal(ids, cu, tokens, None)
 
-    def propose_in_core(self, core_ids, k: int) -> int:
-        return self.core.propose_ngram_drafts(core_ids, min(k, self.k), self.min_n, self.max_n)
+    def propose_in_core(self, core_ids, k: int, budgets=None) -> int:
+        return self.core.propose_ngram_drafts(core_ids, min(k, self.k), self.min_n, self.max_n, budgets)
 
     def forget(self, core_ids) -> None:
         pass

@@ -151,10 +151,10 @@ class Proposer:
     def propose(self, inp: ProposalInput) -> Proposal:
         raise NotImplementedError
 
-    def propose_in_core(self, core_ids, k: int) -> int:
+    def propose_in_core(self, core_ids, k: int, budgets=None) -> int:
         """drafts_in_core proposers: set the drafts of the given requests in the core (those ready
-        to decode, without a proposal; at most k, the platform's cap, and each one's budget);
-        -> draft tokens set."""
+        to decode, without a proposal; at most k, the platform's cap, each one's own limit and, where
+        given, budgets[i]: a policy's choice); -> draft tokens set."""
         raise NotImplementedError
 
     def forget(self, core_ids) -> None:

@@ -297,8 +297,10 @@ impl SchedulerCore {
     }
 
     /// `propose_ngram` then `set_draft_tokens` in one call (the engine's n-gram step): drafts for
-    /// the given requests that are running, ready to decode and hold no proposal. -> draft
-    /// tokens set.
+    /// the given requests that are running, ready to decode and hold no proposal, at most k each
+    /// (and at most `budgets[i]` for request i where given: a speculation policy's choice).
+    /// -> draft tokens set.
+    #[pyo3(signature = (req_ids, k, min_n, max_n, budgets = None))]
     fn propose_ngram_drafts(
         &mut self,
         py: Python<'_>,
@@ -306,12 +308,25 @@ impl SchedulerCore {
         k: i64,
         min_n: i64,
         max_n: i64,
+        budgets: Option<PyArrayLike1<'_, i64, AllowTypeChange>>,
     ) -> PyResult<usize> {
         let ids = req_ids.as_array().to_vec();
         let (k, min_n, max_n) = ngram_sizes(k, min_n, max_n)?;
         let inner = &mut self.inner;
-        py.detach(|| inner.propose_ngram_drafts(&ids, k, min_n, max_n))
-            .map_err(to_py)
+        match budgets {
+            None => py
+                .detach(|| inner.propose_ngram_drafts(&ids, k, min_n, max_n))
+                .map_err(to_py),
+            Some(b) => {
+                let caps = b
+                    .as_array()
+                    .iter()
+                    .map(|&x| non_negative("budgets", x).map(|x| x.min(k) as u32))
+                    .collect::<PyResult<Vec<u32>>>()?;
+                py.detach(|| inner.propose_ngram_drafts_budgeted(&ids, &caps, min_n, max_n))
+                    .map_err(to_py)
+            }
+        }
     }
 
     /// Turns on suffix decoding (per-request tries and a global one over the outputs of the

@@ -287,6 +287,34 @@ impl Scheduler {
         min_n: usize,
         max_n: usize,
     ) -> Result<usize> {
+        self.propose_ngram_drafts_with(req_ids, |_| k, min_n, max_n)
+    }
+
+    /// `propose_ngram_drafts` with a budget per request (`budgets[i]` drafts at most for
+    /// `req_ids[i]`, then clipped as `set_draft_tokens` clips): a speculation policy's choice.
+    pub fn propose_ngram_drafts_budgeted(
+        &mut self,
+        req_ids: &[RequestId],
+        budgets: &[u32],
+        min_n: usize,
+        max_n: usize,
+    ) -> Result<usize> {
+        if budgets.len() != req_ids.len() {
+            return Err(CoreError::invalid(
+                "budgets",
+                format!("{} budgets for {} requests", budgets.len(), req_ids.len()),
+            ));
+        }
+        self.propose_ngram_drafts_with(req_ids, |i| budgets[i] as usize, min_n, max_n)
+    }
+
+    fn propose_ngram_drafts_with(
+        &mut self,
+        req_ids: &[RequestId],
+        budget: impl Fn(usize) -> usize,
+        min_n: usize,
+        max_n: usize,
+    ) -> Result<usize> {
         check_ngram_sizes(min_n, max_n)?;
         if self.pending_update {
             return Err(CoreError::InvalidCallOrder(
@@ -294,16 +322,16 @@ impl Scheduler {
             ));
         }
         let max_model_len = self.config.max_model_len;
-        let mut drafts: Vec<u32> = Vec::with_capacity(k);
+        let mut drafts: Vec<u32> = Vec::new();
         let mut total = 0;
-        for id in req_ids {
+        for (i, id) in req_ids.iter().enumerate() {
             let Some(req) = ready_to_decode(&mut self.requests, &self.index, id) else {
                 continue;
             };
             if !req.draft_token_ids.is_empty() {
                 continue; // a split proposal's kept rest
             }
-            let n = k.min(req.max_num_draft_tokens(max_model_len));
+            let n = budget(i).min(req.max_num_draft_tokens(max_model_len));
             drafts.clear();
             drafts.extend_from_slice(propose_with(
                 &mut self.ngram_scratch,

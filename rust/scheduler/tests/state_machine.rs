@@ -42,6 +42,7 @@ enum Op {
     NgramDrafts {
         k: usize,
         max_n: usize,
+        budgeted: bool,
     },
     Step {
         seed: u64,
@@ -72,7 +73,8 @@ fn op() -> impl Strategy<Value = Op> {
             |(shared, suffix, max_tokens, min_tokens, ignore_eos)| Op::Add { shared, suffix, max_tokens, min_tokens, ignore_eos }
         ),
         2 => any::<u64>().prop_map(|seed| Op::SetDrafts { seed }),
-        2 => (0usize..6, 1usize..4).prop_map(|(k, max_n)| Op::NgramDrafts { k, max_n }),
+        2 => (0usize..6, 1usize..4, any::<bool>())
+            .prop_map(|(k, max_n, budgeted)| Op::NgramDrafts { k, max_n, budgeted }),
         6 => any::<u64>().prop_map(|seed| Op::Step { seed }),
         2 => prop::option::weighted(0.3, any::<usize>()).prop_map(|abort_pick| Op::FailedStep { abort_pick }),
         1 => any::<usize>().prop_map(|pick| Op::Abort { pick }),
@@ -293,12 +295,16 @@ type Before = (Vec<u32>, Vec<i32>, bool, usize, Vec<u32>);
 
 /// The core's own n-gram step (`propose_ngram_drafts`): a request running, ready to decode
 /// and without a proposal gets the lookup's drafts clipped to min(k, its budget); every other
-/// request keeps what it had.
-fn ngram_drafts(s: &mut Scheduler, live: &[u64], k: usize, max_n: usize) {
+/// request keeps what it had. `budgeted`: a policy's budget per request instead of one k
+/// (`propose_ngram_drafts_budgeted`).
+fn ngram_drafts(s: &mut Scheduler, live: &[u64], k: usize, max_n: usize, budgeted: bool) {
     let max_model_len = s.config().max_model_len;
+    let budgets: Vec<u32> = (0..live.len()).map(|i| ((k + 3 * i) % 6) as u32).collect();
     let before: Vec<Before> = live
         .iter()
-        .map(|&id| {
+        .enumerate()
+        .map(|(i, &id)| {
+            let k = if budgeted { budgets[i] as usize } else { k };
             let req = s.request(id).unwrap();
             let ready = req.status == specinfer_scheduler::RequestStatus::Running
                 && req.num_computed_tokens + 1 == req.num_tokens()
@@ -314,7 +320,12 @@ fn ngram_drafts(s: &mut Scheduler, live: &[u64], k: usize, max_n: usize) {
             )
         })
         .collect();
-    let set = s.propose_ngram_drafts(live, k, 1, max_n).unwrap();
+    let set = if budgeted {
+        s.propose_ngram_drafts_budgeted(live, &budgets, 1, max_n)
+            .unwrap()
+    } else {
+        s.propose_ngram_drafts(live, k, 1, max_n).unwrap()
+    };
     let mut total = 0;
     for (&id, (drafts, parents, ready, n, want)) in live.iter().zip(before) {
         let req = s.request(id).unwrap();
@@ -886,7 +897,9 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
                 next_id += 1;
             }
             Op::SetDrafts { seed } => set_random_drafts(&mut s, &live, &mut Rng(seed | 1), trees),
-            Op::NgramDrafts { k, max_n } => ngram_drafts(&mut s, &live, k, max_n),
+            Op::NgramDrafts { k, max_n, budgeted } => {
+                ngram_drafts(&mut s, &live, k, max_n, budgeted)
+            }
             Op::Step { seed } => step(&mut s, &mut live, &mut Rng(seed | 1), false, &mut kv),
             Op::FailedStep { abort_pick } => {
                 failed_step(&mut s, &mut live, abort_pick, &mut kv);
