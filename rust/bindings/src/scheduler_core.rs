@@ -381,24 +381,8 @@ impl SchedulerCore {
     }
 
     fn schedule(&mut self, py: Python<'_>) -> PyResult<SchedulerOutput> {
-        let buf = self
-            .spare_block_tables
-            .lock()
-            .ok()
-            .and_then(|mut p| p.pop())
-            .unwrap_or_default();
-        let inner = &mut self.inner;
-        let padding = self.token_padding.as_ref();
-        let out = py
-            .detach(|| {
-                let mut out = inner.schedule_reusing(buf)?;
-                if let Some(p) = padding {
-                    p.pad(&mut out, inner.config().block_size);
-                }
-                Ok(out)
-            })
-            .map_err(to_py)?;
-        SchedulerOutput::new(py, out, &self.spare_block_tables)
+        let out = self.schedule_with(py, |core, buf| core.schedule_reusing(buf).map(Some))?;
+        Ok(out.expect("schedule() always gives a batch"))
     }
 
     /// Schedules the next step while the pending one is on the device (plain steps only;
@@ -406,25 +390,7 @@ impl SchedulerCore {
     /// update()). Its `input_ids` hold -1 at `ahead_input_pos`, to be filled on the device
     /// with the pending step's emitted tokens `ahead_src`.
     fn schedule_ahead(&mut self, py: Python<'_>) -> PyResult<Option<SchedulerOutput>> {
-        let buf = self
-            .spare_block_tables
-            .lock()
-            .ok()
-            .and_then(|mut p| p.pop())
-            .unwrap_or_default();
-        let inner = &mut self.inner;
-        let padding = self.token_padding.as_ref();
-        let out = py
-            .detach(|| {
-                let mut out = inner.schedule_ahead(buf)?;
-                if let (Some(p), Some(o)) = (padding, out.as_mut()) {
-                    p.pad(o, inner.config().block_size);
-                }
-                Ok(out)
-            })
-            .map_err(to_py)?;
-        out.map(|o| SchedulerOutput::new(py, o, &self.spare_block_tables))
-            .transpose()
+        self.schedule_with(py, |core, buf| core.schedule_ahead(buf))
     }
 
     /// Undoes the step scheduled ahead (the pending one stays); False when there was none.
@@ -518,6 +484,37 @@ impl SchedulerCore {
 }
 
 /// One step's batch (see docs/core_api.md for shapes). Arrays own the core's buffers.
+impl SchedulerCore {
+    /// One scheduling call (`schedule` or `schedule_ahead`) with a recycled block-table buffer,
+    /// outside the GIL, its batch padded to a token bucket where padding is on.
+    fn schedule_with(
+        &mut self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut core::Scheduler, Vec<i32>) -> core::Result<Option<core::SchedulerOutput>>
+            + Send,
+    ) -> PyResult<Option<SchedulerOutput>> {
+        let buf = self
+            .spare_block_tables
+            .lock()
+            .ok()
+            .and_then(|mut p| p.pop())
+            .unwrap_or_default();
+        let inner = &mut self.inner;
+        let padding = self.token_padding.as_ref();
+        let out = py
+            .detach(|| {
+                let mut out = f(inner, buf)?;
+                if let (Some(p), Some(o)) = (padding, out.as_mut()) {
+                    p.pad(o, inner.config().block_size);
+                }
+                Ok(out)
+            })
+            .map_err(to_py)?;
+        out.map(|o| SchedulerOutput::new(py, o, &self.spare_block_tables))
+            .transpose()
+    }
+}
+
 #[pyclass(module = "specinfer._core", frozen, get_all)]
 struct SchedulerOutput {
     req_ids: Py<PyArray1<u64>>,
