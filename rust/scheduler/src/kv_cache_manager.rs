@@ -84,11 +84,13 @@ impl KvCacheManager {
 
     /// Gives back the request's blocks that fell out of the sliding window since the last
     /// call (their entries become `DEAD_BLOCK`). Call after rollback and caching: every
-    /// later query of the request must sit at a position >= `num_computed_tokens`.
+    /// later query of the request must sit at a position >= its confirmed tokens
+    /// (`Request::num_confirmed_tokens`).
     /// Returns the number of blocks freed.
     pub fn free_dead_blocks(&mut self, req: &mut Request) -> usize {
+        // (the confirmed tokens: a step scheduled ahead's query sits at the first unconfirmed one)
         let dead = self
-            .num_dead_blocks_for(req.num_computed_tokens)
+            .num_dead_blocks_for(req.num_confirmed_tokens())
             .min(req.block_ids.len());
         if dead <= req.num_dead_blocks {
             return 0;

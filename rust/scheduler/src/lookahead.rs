@@ -14,7 +14,8 @@
 //! preempts: if it would have to, nothing is scheduled ahead.
 //!
 //! `update` of N then replaces the placeholders by the real tokens, confirms (prefix
-//! caching) only what N computed, and promotes N+1 to the pending step. `cancel_step`
+//! caching) only what N computed, frees sliding-window blocks only below the window of N+1's
+//! queries (`num_confirmed_tokens`), and promotes N+1 to the pending step. `cancel_step`
 //! cancels N+1 first (`cancel_ahead`), then N.
 
 use crate::batch::{pack, ScheduledRun, SchedulerOutput};

@@ -187,9 +187,9 @@ impl Scheduler {
                 }
             }
             self.kv.cache_confirmed_blocks(req);
-            if finish.is_none() && req.num_ahead_tokens == 0 {
-                // sliding window: blocks no later query of this request can read (a request
-                // in a step scheduled ahead waits for that step's update)
+            if finish.is_none() {
+                // sliding window: blocks no later query of this request can read (below the
+                // window of its first unconfirmed position, where a step scheduled ahead queries)
                 self.stats.num_window_freed_blocks += self.kv.free_dead_blocks(req) as u64;
             }
             if let Some((reason, t)) = finish {
