@@ -6,9 +6,14 @@ launch (T = tokens in the step), and only through an explicit wait, as a CUDA la
 behave. The tiny model computes on the engine's forward thread in the overlapped loop (the
 engine's own thread in the serial one), well inside D.
 A draft model (the target's weights plus noise) stands in likewise: each of its forwards takes
---draft-ms + --per-token-us * T of modeled device time, on the engine's thread (its drafts are
-needed before the next step can be scheduled, so that time is on the critical path either way);
-its LM head's real compute counts as device time (the target's runs inside its forward).
+--draft-ms + --per-token-us * T of modeled device time on the same device queue as the target's
+(its drafts are needed before the next step can be scheduled, so that time is on the critical
+path either way). With --draft-sync end (the default; what the proposer does: every draft step's
+metadata is built before the first runs, the forwards are launched back to back and the drafted
+tokens are copied back once) a draft forward queues its modeled time and returns, and the host
+waits for the device once, when the proposal is done; with --draft-sync each the host waits for
+every draft forward (a loop with a host round trip per draft position). Its LM head's real
+compute counts as device time (the target's runs inside its forward).
 
 Per engine step (medians over repeats, loops and methods interleaved): wall, device (target
 forward + draft forwards), bubble = wall - device (the time the device would sit idle: host
@@ -64,6 +69,37 @@ class ModeledForward:
         return out
 
 
+class QueuedForward:
+    """Wraps a draft forward as an asynchronous launch: compute (the host's launch work), then its
+    modeled device time queues on the device behind what was launched before, and the call returns;
+    the host waits for it only at SyncAfter (the proposal's one copy back)."""
+
+    def __init__(self, fn, base_s: float, per_token_s: float, device: "ModeledLaunch"):
+        self.fn, self.base_s, self.per_token_s, self.device = fn, base_s, per_token_s, device
+        self.total_s = 0.0
+
+    def __call__(self, x, *args, **kwargs):
+        t = time.perf_counter()
+        out = self.fn(x, *args, **kwargs)
+        d = self.base_s + self.per_token_s * x.shape[0]
+        self.device.free_at = max(t, self.device.free_at) + d
+        self.total_s += d
+        return out
+
+
+class SyncAfter:
+    """Wraps the proposer's propose(): once it returns, the host waits for the device queue (the
+    drafted tokens' copy back)."""
+
+    def __init__(self, fn, device: "ModeledLaunch"):
+        self.fn, self.device = fn, device
+
+    def __call__(self, *args, **kwargs):
+        out = self.fn(*args, **kwargs)
+        _sleep_until(self.device.free_at)
+        return out
+
+
 class _Both:
     """The draft's modeled forwards and LM heads, one device-time total."""
 
@@ -111,8 +147,10 @@ class _Modeled:
 
 
 def build(method: str, loop: str, models: Path, args) -> tuple[Generator, "_Both | None"]:
-    """loop: serial, overlap (each step scheduled after the previous one's update) or ahead (a plain
-    step scheduled and launched before the previous one's tokens exist: the default without a proposer)."""
+    """loop: serial, overlap (each step scheduled after the previous one's update, once the Python
+    states took its tokens and the call returned) or ahead (the default: a plain step scheduled and
+    launched before the previous one's tokens exist; an n-gram step scheduled and launched right
+    after the previous one's update, its drafts made by the core)."""
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "policy": args.policy}
@@ -124,11 +162,18 @@ def build(method: str, loop: str, models: Path, args) -> tuple[Generator, "_Both
                     max_model_len=args.prompt_len + args.new_tokens + 16, num_kv_blocks=args.batch * 16 + 64,
                     enable_prefix_caching=False)
     ex = gen.engine.executor
-    ex.launch_model = ModeledLaunch(ex.launch_model, args.device_ms * 1e-3, args.per_token_us * 1e-6)
+    ex.launch_model = device = ModeledLaunch(ex.launch_model, args.device_ms * 1e-3, args.per_token_us * 1e-6)
     draft = None
     if method == "draft_model":
-        runner = gen.engine.proposer.runner
-        draft = runner.forward = ModeledForward(runner.forward, args.draft_ms * 1e-3, args.per_token_us * 1e-6)
+        proposer = gen.engine.proposer
+        runner = proposer.runner
+        if args.draft_sync == "end":
+            draft = runner.forward = QueuedForward(runner.forward, args.draft_ms * 1e-3, args.per_token_us * 1e-6,
+                                                   device)
+            proposer.propose = SyncAfter(proposer.propose, device)
+        else:
+            draft = runner.forward = ModeledForward(runner.forward, args.draft_ms * 1e-3,
+                                                    args.per_token_us * 1e-6)
         # its LM head is device work too (the target's runs inside its modeled forward): its real
         # compute counts as device time, with nothing modeled on top
         logits = runner.logits = ModeledForward(runner.logits, 0.0, 0.0)
@@ -147,6 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--per-token-us", type=float, default=4.0, help="modeled forward: per query token")
     ap.add_argument("--draft-ms", type=float, default=0.25, help="modeled draft forward: fixed part")
     ap.add_argument("--methods", default="plain,ngram,draft_model")
+    ap.add_argument("--draft-sync", choices=("end", "each"), default="end",
+                    help="the host waits for the draft's forwards once per proposal (end: the proposer's launches "
+                         "back to back) or after each one (each)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--policy", default="fixed", help="speculation policy: fixed (k every step) or goodput (the "
                     "engine's default, its per-step choice on the critical path)")
@@ -166,7 +214,7 @@ def main(argv=None) -> int:
     prompts = repetitive_prompts(args.batch, args.prompt_len)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     methods = args.methods.split(",")
-    loops = {m: ("serial", "overlap", "ahead") if m == "plain" else ("serial", "overlap") for m in methods}
+    loops = {m: ("serial", "overlap", "ahead") if m != "draft_model" else ("serial", "overlap") for m in methods}
     rows = {(m, loop): [] for m in methods for loop in loops[m]}
     gens = {key: build(key[0], key[1], models, args) for key in rows}
     outputs = {}
@@ -190,7 +238,8 @@ def main(argv=None) -> int:
                               "wall_over_device": wall / device, "tokens_per_s": args.batch * args.new_tokens / wall,
                               "mean_acceptance_length": mt["mean_acceptance_length"]})
     print(f"batch {args.batch}, prompts {args.prompt_len}, new tokens {args.new_tokens}, k {args.k}; modeled device "
-          f"D(T) = {args.device_ms} ms + {args.per_token_us} us x T (draft {args.draft_ms} ms + same); per step, "
+          f"D(T) = {args.device_ms} ms + {args.per_token_us} us x T (draft {args.draft_ms} ms + same, synced "
+          f"{args.draft_sync}); per step, "
           f"median of {args.repeats}; policy {args.policy}; switch interval {sys.getswitchinterval() * 1e3:g} ms")
     print("| method | loop | steps | wall ms | device ms | bubble ms | wall / device | output work beside ms |"
           " tokens/s | acc. len |")

@@ -215,6 +215,11 @@ class LLMEngine:
         self._held: dict[int, list[tuple]] = {}
         self.num_mixed_steps = 0  # steps where prefill chunks and verification runs shared a forward
         self._requests: dict[int, RequestState] = {}
+        # requests whose sampling reads their token history (grammar, penalties, min_tokens) and those
+        # that draw at random (their draws' counters are output positions): a step launched before the
+        # states take the previous one's tokens checks these (StepTransaction._launch_next)
+        self._history_readers: set[int] = set()
+        self._random_ids: set[int] = set()
         self._by_name: dict[str, int] = {}
         self._sinks: dict[str, object] = {}  # request name -> callable taking its outputs (add_request sink=)
         self._ids = itertools.count()
@@ -231,7 +236,13 @@ class LLMEngine:
         # (sched, states, pending forward), adopted by the next step() call
         self.schedule_ahead = bool(overlap_steps and sched_cfg.schedule_ahead and self.proposer is None
                                    and self.executor.forward_thread is not None)
+        # the next step scheduled and launched right after a step's update, before the Python states
+        # take its tokens (StepTransaction._launch_next): with the core's own proposal, or none. Where
+        # launches are asynchronous by themselves (CUDA), its sampling waits for the next call as usual
+        self.launches_next = bool(overlap_steps and sched_cfg.schedule_ahead
+                                  and (self.proposer is None or self.proposer.drafts_in_core))
         self._ahead = None
+        self.num_launched_next = 0  # steps launched by _launch_next (right after the previous update)
         self.last_failed_request_ids: list[str] = []  # requests of the last step that raised
 
     # ------------------------------------------------------------------ requests
@@ -353,6 +364,10 @@ class LLMEngine:
                               whole_batch=whole_batch)
             if params.structured_outputs is not None:
                 st.grammar = self.grammars.matcher(params.structured_outputs)
+            if st.grammar is not None or params.penalized or params.min_tokens > 0:
+                self._history_readers.add(core_id)
+            if params.temperature != 0.0:
+                self._random_ids.add(core_id)
             self._requests[core_id] = st
             self._by_name[request_id] = core_id
             if sink is not None:
@@ -378,6 +393,8 @@ class LLMEngine:
             except BaseException:
                 del self._requests[core_id]
                 del self._by_name[request_id]
+                self._history_readers.discard(core_id)
+                self._random_ids.discard(core_id)
                 raise
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -621,6 +638,9 @@ class LLMEngine:
 
     def _forget(self, core_ids) -> None:
         """Requests that finished or were aborted: drop their proposal state."""
+        for cid in core_ids:
+            self._history_readers.discard(cid)
+            self._random_ids.discard(cid)
         if self.proposing is not None:
             self.proposing.forget(core_ids)
 

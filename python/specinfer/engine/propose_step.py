@@ -167,19 +167,30 @@ class StepProposing:
             self.policy.forget(core_ids)
         self.proposer.forget(core_ids)
 
+    def propose_in_core(self, sched, states, emitted) -> bool:
+        """The step's proposal where the core makes it alone (_core_proposes: it needs nothing of the
+        Python states' tokens, so it may run right after update(), before they take them) -> True;
+        False (nothing done) where the general path (propose) must."""
+        budgets = self.budgets
+        if not self._core_proposes(states, budgets):
+            return False
+        self.num_drafted = 0
+        self.budgets = None
+        self.forced_ids = set()
+        cu = emitted.cu_num_emitted
+        got = cu[1:] > cu[:-1]  # the requests that got tokens this step
+        k = draft_length(self.spec, self.proposer, self.platform, len(states))  # (a platform may cap it)
+        self.num_drafted = self.proposer.propose_in_core(sched.req_ids[got], k,
+                                                         None if budgets is None else budgets[got])
+        return True
+
     def propose(self, sched, states, emitted, hidden) -> None:
         """Spend the verified proposals, decide each request's budget, run the proposer and hand
         its proposals (chains or trees) to the core."""
-        self.num_drafted = 0
-        budgets, self.budgets = self.budgets, None
-        if self._core_proposes(states, budgets):  # the core drafts for the requests that got tokens
-            self.forced_ids = set()
-            cu = emitted.cu_num_emitted
-            got = cu[1:] > cu[:-1]
-            k = draft_length(self.spec, self.proposer, self.platform, len(states))  # (a platform may cap it)
-            self.num_drafted = self.proposer.propose_in_core(sched.req_ids[got], k,
-                                                             None if budgets is None else budgets[got])
+        if self.propose_in_core(sched, states, emitted):
             return
+        self.num_drafted = 0
+        self.budgets = None
         R = len(states)
         kept = spend_verified_drafts(self.draft_probs, states, emitted)
         flags = request_flags(states, self.speculation_paused(), self.max_model_len)

@@ -103,8 +103,8 @@ class StepSampler:
                  positions=None) -> Emitted:
         """`masks`: the grammar masks of constrained rows (engine.step_grammar.StepMasks) or None.
         `positions`: each scheduled request's next output position, given where the states may not
-        hold the previous step's tokens yet (a step scheduled ahead: plain, no penalties, no
-        min_tokens left, no grammar); else len(output_token_ids)."""
+        hold the previous step's tokens yet (a step launched before they take them: no penalties,
+        no min_tokens left, no grammar); else len(output_token_ids)."""
         cu_logits = sched.cu_num_logits
         n_rows = np.diff(cu_logits)  # [R]
         num_draft = np.asarray(sched.num_draft_tokens, dtype=np.int32)
@@ -117,6 +117,7 @@ class StepSampler:
         if len(sampling) == 0:
             return Emitted(np.zeros(0, np.int64), cu, num_draft, accepted, rows_i32, logprobs)
         s_states = [states[i] for i in sampling]
+        pos = (None if positions is None else [int(positions[i]) for i in sampling])  # counter-based draws
         if masks is not None:  # grammars first: what follows only ever sees allowed tokens
             logits = masks.apply(logits)
         # logprobs are reported from the model's raw distribution (constrained: the masked one)
@@ -137,14 +138,13 @@ class StepSampler:
             if all(st.params.temperature == 0.0 for st in s_states):
                 tokens = argmax_last(logits)  # all greedy: nothing else to do
             else:
-                pos = None if positions is None else [int(positions[i]) for i in sampling]
                 tokens = self.sampler(logits, sampling_metadata(s_states, device=logits.device,
                                                                 positions=pos)).token_ids
             counts = np.ones(len(sampling), dtype=np.int32)
             flat = tokens.cpu().numpy()
         else:
             flat, counts, acc, tree_paths = self._verify(logits, sched, s_states, sampling, n_rows, num_draft,
-                                                         draft_probs, trees)
+                                                         draft_probs, trees, pos)
             accepted[sampling] = acc
         cu[1:] = np.cumsum(np.bincount(sampling, weights=counts, minlength=R).astype(np.int32))
         want = [i for i in sampling if states[i].params.logprobs is not None]
@@ -152,20 +152,23 @@ class StepSampler:
             self._logprobs(raw_logits, cu_logits, cu, flat, want, states, logprobs, tree_paths)
         return Emitted(flat.astype(np.int64), cu, num_draft, accepted, rows_i32, logprobs, tree_paths)
 
-    def _verify(self, logits, sched, s_states, sampling, n_rows, num_draft, draft_probs, trees):
-        """-> flat emitted tokens, emitted and accepted counts per sampled request, tree paths."""
+    def _verify(self, logits, sched, s_states, sampling, n_rows, num_draft, draft_probs, trees, pos=None):
+        """-> flat emitted tokens, emitted and accepted counts per sampled request, tree paths.
+        pos: each sampled request's first output position (None: len(output_token_ids))."""
+        if pos is None:
+            pos = [len(s.output_token_ids) for s in s_states]
         rows = n_rows[sampling]
         d = num_draft[sampling]
         if not trees and all(st.params.temperature == 0.0 for st in s_states):
             flat, n_emit, acc = greedy_chains(argmax_last(logits).cpu().numpy(),
                                               np.asarray(sched.draft_token_ids, dtype=np.int64), rows, d)
             return flat, n_emit, acc, {}
-        meta = sampling_metadata(s_states, rows.tolist(), device=logits.device)
+        meta = sampling_metadata(s_states, rows.tolist(), device=logits.device, positions=pos)
         target_probs = probs_from_logits(logits, meta)  # [L, V]
         draft_ids = np.asarray(sched.draft_token_ids, dtype=np.int64)
         is_tree = np.array([int(i) in trees for i in sampling], dtype=bool)
         if not is_tree.any():  # chains only: today's path
-            out, n_emit, acc = self._verify_chains(target_probs, draft_ids, rows, d, s_states, draft_probs)
+            out, n_emit, acc = self._verify_chains(target_probs, draft_ids, rows, d, s_states, draft_probs, pos)
             flat = out[np.arange(out.shape[1])[None, :] < n_emit[:, None]]
             return flat, n_emit, acc, {}
         cu_rows = np.concatenate([[0], np.cumsum(rows)])
@@ -181,7 +184,8 @@ class StepSampler:
         if len(chains):
             sel = torch.from_numpy(span(cu_rows, chains)).to(target_probs.device)
             out, n_c, a_c = self._verify_chains(target_probs[sel], draft_ids[span(cu_d, chains)], rows[chains],
-                                                d[chains], [s_states[j] for j in chains], draft_probs)
+                                                d[chains], [s_states[j] for j in chains], draft_probs,
+                                                [pos[j] for j in chains])
             for k, j in enumerate(chains):
                 per_request[j] = out[k, : n_c[k]]
             n_emit[chains], acc[chains] = n_c, a_c
@@ -189,7 +193,7 @@ class StepSampler:
         sel = torch.from_numpy(span(cu_rows, tree_idx)).to(target_probs.device)
         res = self._verify_trees(target_probs[sel], draft_ids[span(cu_d, tree_idx)], d[tree_idx],
                                  [trees[int(sampling[j])] for j in tree_idx], [s_states[j] for j in tree_idx],
-                                 draft_probs)
+                                 draft_probs, [pos[j] for j in tree_idx])
         out = res.token_ids.cpu().numpy()
         n_t = res.num_emitted.cpu().numpy().astype(np.int32)
         nodes = res.accepted_nodes.cpu().numpy()
@@ -200,7 +204,7 @@ class StepSampler:
         n_emit[tree_idx], acc[tree_idx] = n_t, n_t - 1
         return np.concatenate(per_request), n_emit, acc, tree_paths
 
-    def _verify_chains(self, target_probs, draft_ids, rows, d, s_states, draft_probs):
+    def _verify_chains(self, target_probs, draft_ids, rows, d, s_states, draft_probs, pos):
         """Chain verification of the given requests (rows: their logits rows, in order)."""
         cu_draft = torch.from_numpy(np.concatenate([[0], np.cumsum(d)]).astype(np.int64))
         has_bonus = torch.from_numpy(rows > d)  # a split proposal has no bonus row
@@ -220,13 +224,13 @@ class StepSampler:
                     raise RuntimeError(f"request {st.request_id!r} verifies drafts without their draft probabilities")
                 start += k
         greedy = torch.tensor([s.params.temperature == 0.0 for s in s_states])
-        streams = RandomStreams.build([s.seed for s in s_states], [len(s.output_token_ids) for s in s_states])
+        streams = RandomStreams.build([s.seed for s in s_states], pos)
         out, n_emit = self.verify(torch.from_numpy(draft_ids), cu_draft, q, target_probs, greedy, streams, has_bonus)
         out = out.cpu().numpy()
         n_emit = n_emit.cpu().numpy().astype(np.int32)
         return out, n_emit, _num_accepted(out, n_emit, d, draft_ids)
 
-    def _verify_trees(self, target_probs, draft_ids, d, parents, s_states, draft_probs):
+    def _verify_trees(self, target_probs, draft_ids, d, parents, s_states, draft_probs, pos):
         """Tree verification: target_probs [sum(1 + m), V]; q rows where the proposer gave them,
         one-hot (deterministic top-k children) where not."""
         if target_probs.shape[0] != int(d.sum()) + len(d):
@@ -244,7 +248,7 @@ class StepSampler:
                 one_hot[r] = False
             start += k
         greedy = torch.tensor([s.params.temperature == 0.0 for s in s_states])
-        streams = RandomStreams.build([s.seed for s in s_states], [len(s.output_token_ids) for s in s_states])
+        streams = RandomStreams.build([s.seed for s in s_states], pos)
         cu_draft = torch.from_numpy(np.concatenate([[0], np.cumsum(d)]).astype(np.int64))
         return self.verify_tree(torch.from_numpy(draft_ids), torch.from_numpy(np.concatenate(parents)), cu_draft,
                                 q, target_probs, greedy, streams, one_hot=one_hot)

@@ -45,6 +45,7 @@ class StepTransaction:
         self.sched = self.states = self.pending = self.touched = None
         self.ahead = None  # (sched, states, pending) of the step launched ahead of this one's result
         self.sampled_behind = False  # the step's sampling runs behind its forward (launch)
+        self.proposed = False  # the core proposed right after the update (_launch_next)
         self.hidden = self.logits = self.masks = self.emitted = None
         self.error: Exception | None = None  # a request's failure in its output work: raised at the end
         self.t: dict[str, float] = {}
@@ -61,7 +62,7 @@ class StepTransaction:
             e._admit_held()
         self.t["start"] = time.perf_counter()
         if e._ahead is not None:  # scheduled and launched by the previous call: adopted
-            (self.sched, self.states, self.pending), e._ahead = e._ahead, None
+            (self.sched, self.states, self.pending, self.sampled_behind), e._ahead = e._ahead, None
             self.phase = RUNNING
             return True
         self.sched = sched = e.core.schedule()
@@ -80,9 +81,8 @@ class StepTransaction:
         step is constrained (its grammar masks are built beside the forward): the sampler then
         runs as device work, and the engine's thread waits only for the emitted tokens."""
         e = self.engine
-        if self.pending is not None:  # adopted: launched by the previous call, sampled behind
-            self.sampled_behind = True
-            self.t["launched"] = time.perf_counter()
+        if self.pending is not None:  # adopted: launched by the previous call (sampled behind where
+            self.t["launched"] = time.perf_counter()  # forwards run on the forward thread)
             return
         then = None
         if e.executor.forward_thread is not None and not any(st.grammar is not None for st in self.states):
@@ -105,17 +105,17 @@ class StepTransaction:
         if sched is None:
             return
         states = [e._requests[i] for i in sched.req_ids.tolist()]
-        for st in states:
-            p = st.params
-            if st.grammar is not None or p.penalized or p.min_tokens > len(st.output_token_ids):
-                e.core.cancel_ahead()
-                return
-        positions = np.fromiter((len(st.output_token_ids) for st in states), np.int64, len(states))
-        if len(sched.ahead_input_pos):  # runs that decode from this step's token: one position on
-            positions[np.searchsorted(sched.query_start_loc[:-1], sched.ahead_input_pos)] += 1
+        if reads_history(e, states):
+            e.core.cancel_ahead()
+            return
+        positions = None  # (all greedy: no draw reads a position)
+        if e._random_ids:
+            positions = np.fromiter((len(st.output_token_ids) for st in states), np.int64, len(states))
+            if len(sched.ahead_input_pos):  # runs that decode from this step's token: one position on
+                positions[np.searchsorted(sched.query_start_loc[:-1], sched.ahead_input_pos)] += 1
         then = partial(e.step_sampler, sched=sched, states=states, draft_probs=e._draft_probs, positions=positions)
         before = partial(fill_ahead_inputs, self.pending, sched.ahead_input_pos, sched.ahead_src)
-        self.ahead = (sched, states, e._launch(sched, states, then, before))
+        self.ahead = (sched, states, e._launch(sched, states, then, before), True)
 
     def overlap(self) -> None:
         """While the forward runs: the previous step's output work, the grammar masks of this
@@ -149,6 +149,7 @@ class StepTransaction:
             e._ahead, self.ahead = self.ahead, None  # the core's pending step now: the next call's
             if len(upd.kv_copy_src):  # accepted tree paths (docs/trees.md)
                 e.executor.apply_kv_copies(upd.kv_copy_src, upd.kv_copy_dst)
+            next_error = self._launch_next(upd)  # the next step, before the Python states take the tokens
             e.num_mixed_steps += bool(sched.num_verify_requests and sched.num_prefill_requests)
             if e.proposing is None or not e.proposing.plans_beside_forward:  # (else with the output work)
                 e._observe_verification(states, emitted)
@@ -165,12 +166,66 @@ class StepTransaction:
             self.tail, self.touched = self.touched, None
             self._finish_tail(step_pending=False)
         t["committed"] = time.perf_counter()
+        if next_error is not None:  # the committed step stands; its proposal is forgotten (__exit__)
+            self.phase = PROPOSING
+            raise next_error
+
+    def _launch_next(self, upd) -> BaseException | None:
+        """Right after update(), where nothing of it needs the Python states (engine.launches_next:
+        overlapped loop, forwards on the forward thread; no step already launched ahead; the
+        proposal, if any, the core's own: StepProposing.propose_in_core): the core proposes,
+        schedules the next step, and it is packed and launched with its sampler behind it (output
+        positions fixed now) — before the states take this step's tokens and the call returns, so
+        that work and the caller's leave the critical path; the next call adopts it. A next step
+        whose sampling reads token history (penalties, min_tokens ahead, grammars) is cancelled and
+        scheduled by the next call as usual. -> the exception that undid the next step (the caller
+        raises it once this step's commit is whole), or None."""
+        e = self.engine
+        if not e.launches_next or e._ahead is not None:
+            return None
+        behind = e.executor.forward_thread is not None  # the sampler runs behind the forward, there
+        if behind and reads_history(e, self.states):  # (likely the next step's requests too)
+            return None
+        scheduled = False
+        try:
+            if e.proposing is not None:
+                if not e.proposing.propose_in_core(self.sched, self.states, self.emitted):
+                    return None  # the general path proposes after the commit
+                self.proposed = True
+            sched = e.core.schedule()
+            scheduled = True
+            if len(sched.preempted_req_ids) and e.proposer is not None:
+                e.proposer.forget(sched.preempted_req_ids.tolist())
+            if len(sched.req_ids) == 0:
+                return None
+            states = [e._requests[i] for i in sched.req_ids.tolist()]
+            if not behind:  # (CUDA) the kernels queue now; sampling waits for the next call, as usual
+                e._ahead = (sched, states, e._launch(sched, states), False)
+                e.num_launched_next += 1
+                return None
+            if reads_history(e, states):
+                e.core.cancel_step()
+                return None
+            positions = None  # (all greedy: no draw reads a position)
+            if e._random_ids:
+                new = dict(zip(upd.req_ids.tolist(), np.diff(upd.cu_num_new).tolist()))  # tokens not yet taken
+                positions = np.fromiter((len(st.output_token_ids) + new.get(st.core_id, 0) for st in states),
+                                        np.int64, len(states))
+            then = partial(e.step_sampler, sched=sched, states=states, draft_probs=e._draft_probs,
+                           positions=positions)
+            e._ahead = (sched, states, e._launch(sched, states, then), True)
+            e.num_launched_next += 1
+            return None
+        except BaseException as err:  # noqa: BLE001 - undone here, raised once the commit is whole
+            if scheduled and e._ahead is None:
+                e.core.cancel_step()
+            return err
 
     def propose(self) -> None:
         """Drafts for the next step (the proposing side owns its state), and the step's timings."""
         e, t = self.engine, self.t
         self.phase = PROPOSING
-        if e.proposing is not None:
+        if e.proposing is not None and not self.proposed:
             e.proposing.propose(self.sched, self.states, self.emitted, self.hidden)
         t["proposed"] = time.perf_counter()
         m = e.metrics
@@ -230,3 +285,12 @@ class StepTransaction:
         self.tail = None
         self.outputs += done
         self.error = self.error or error
+
+
+def reads_history(engine, states) -> bool:
+    """Some request's sampling reads its token history (a grammar, penalties, min_tokens still
+    ahead): its step cannot be launched before the states hold the previous step's tokens."""
+    readers = engine._history_readers
+    return bool(readers) and any(st.core_id in readers and (
+        st.grammar is not None or st.params.penalized or st.params.min_tokens > len(st.output_token_ids))
+        for st in states)
