@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -43,13 +44,17 @@ from specinfer import Generator, SamplingParams  # noqa: E402
 
 
 def _sleep_until(t_end: float) -> None:
-    """Sleep until shortly before t_end, then spin (yielding the GIL) the last stretch: sleep
-    alone overshoots by ~50-100 us, and a host thread waiting on a CUDA sync spins."""
+    """Sleep until shortly before t_end, then spin the last stretch, yielding the GIL with
+    sched_yield (a host thread waiting on a CUDA sync spins and wakes within microseconds): a sleep,
+    even time.sleep(0), overshoots by Linux's timer slack (~50 us) and would count as bubble."""
     while True:
         left = t_end - time.perf_counter()
         if left <= 0:
             return
-        time.sleep(left - 2e-4 if left > 3e-4 else 0)
+        if left > 3e-4:
+            time.sleep(left - 2e-4)
+        else:
+            os.sched_yield()
 
 
 class ModeledForward:
