@@ -21,6 +21,7 @@ NON_DEFAULT = {
     "seed": ("7", 7), "threads": ("1", 1), "block_size": ("32", 32), "num_kv_blocks": ("64", 64),
     "enable_prefix_caching": (None, False), "gpu_memory_utilization": ("0.5", 0.5), "max_num_seqs": ("8", 8),
     "max_num_batched_tokens": ("512", 512), "max_model_len": ("128", 128), "overlap_steps": (None, False), "schedule_ahead": (None, False),
+    "forward_thread": ("off", "off"),
     "tensor_parallel_size": ("2", 2), "distributed_timeout_s": ("30", 30.0),
 }
 

@@ -3,7 +3,7 @@ overlapped loop's default where the proposal, if any, is the core's own, as n-gr
 proposes and schedules step N+1 and it is packed and launched before the Python states take step
 N's tokens and before step() returns. Its sampler runs behind its forward with output positions
 fixed at launch (forward thread), or in the next call as usual where launches are asynchronous by
-themselves (CUDA; stood in for here by an engine without its forward thread).
+themselves (CUDA; stood in for here by forward_thread="off").
 
 The outputs equal the serial loop's (greedy, seeded and unseeded sampling, logprobs, EOS and stop
 strings, chunked prefill, preemption, aborts between steps, penalties where the launch waits);
@@ -37,10 +37,11 @@ def _prompts(n, seed=11):
 def _generator(target, speculative=NGRAM, device_like_cuda=False, plain_ahead=True, **kw):
     settings = dict(block_size=4, max_num_batched_tokens=64, num_kv_blocks=128, max_model_len=160, seed=7)
     settings.update(kw)
+    if device_like_cuda:  # as where launches are asynchronous by themselves: no forward thread
+        settings["forward_thread"] = "off"
     gen = Generator(str(target), speculative=speculative, **settings)
-    if device_like_cuda:  # launches asynchronous by themselves: no forward thread, no plain step ahead
-        gen.engine.executor.run_forwards_on_thread(False)
-    if device_like_cuda or not plain_ahead:
+    assert (gen.engine.executor.forward_thread is None) == (device_like_cuda or not gen.engine.overlap_steps)
+    if not plain_ahead:
         gen.engine.schedule_ahead = False
     return gen
 
@@ -65,7 +66,7 @@ def _assert_same(got, want):
 
 
 @pytest.mark.parametrize("case", ["ngram", "chunked", "preempting", "eos_everywhere", "plain_penalized",
-                                  "like_cuda"])
+                                  "like_cuda", "like_cuda_plain"])
 def test_steps_launched_after_the_update_equal_the_serial_loop(target, case):
     prompts, params = _prompts(10), _params(10)
     kw, spec, like_cuda = {}, NGRAM, False
@@ -84,8 +85,9 @@ def test_steps_launched_after_the_update_equal_the_serial_loop(target, case):
         spec, kw = None, dict(plain_ahead=False)
         params = [SamplingParams(max_tokens=3 if i < 3 else p.max_tokens, temperature=p.temperature, seed=p.seed,
                                  repetition_penalty=1.2 if i < 3 else 1.0) for i, p in enumerate(params)]
-    elif case == "like_cuda":  # sampling waits for the next call: grammars and penalties allowed
+    elif case in ("like_cuda", "like_cuda_plain"):  # sampling waits for the next call: penalties allowed
         like_cuda = True
+        spec = None if case == "like_cuda_plain" else spec  # (no plain step scheduled ahead without the thread)
         params = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
                                  presence_penalty=0.5 if i == 2 else 0.0, min_tokens=4 if i == 4 else 0)
                   for i, p in enumerate(params)]

@@ -96,41 +96,38 @@ def hf_generate(path: Path, batch: list[list[int]], new_tokens: int, repeats: in
 
 
 class ForwardClock:
-    """The target forwards' device time: CUDA events around each launch (read once the next
-    launch comes, when the pair has surely completed), or the executor's own measure on CPU."""
+    """The target forwards' device time: CUDA events around each forward where it is issued (the
+    engine's thread, or the forward thread with forward_thread="on"), all read at the end; on CPU
+    the forward's own wall time."""
 
     def __init__(self, executor):
         self.total_s = 0.0
-        self._open = []
-        self._launch = executor.launch_model
-        executor.launch_model = self
+        self._events = []
+        self._execute = executor.execute_model  # launch_model calls it wherever forwards run
+        executor.execute_model = self
 
-    def __call__(self, batch, *then):
-        self.flush()
+    def __call__(self, batch):
         if DEVICE != "cuda":
-            pending = self._launch(batch, *then)
-            self._open.append(pending)  # its device_s is known once it ran (before the next launch)
-            return pending
+            t = time.perf_counter()
+            out = self._execute(batch)
+            self.total_s += time.perf_counter() - t
+            return out
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        pending = self._launch(batch, *then)
+        out = self._execute(batch)
         end.record()
-        self._open.append((start, end))
-        return pending
+        self._events.append((start, end))
+        return out
 
     def flush(self) -> None:
-        for item in self._open:
-            if DEVICE != "cuda":
-                self.total_s += item.device_s
-                continue
-            start, end = item
+        for start, end in self._events:
             end.synchronize()
             self.total_s += start.elapsed_time(end) * 1e-3
-        self._open = []
+        self._events = []
 
 
 def specinfer_generate(path: Path, batch: list[list[int]], new_tokens: int, repeats: int, *, spec=None,
-                       cuda_graphs: bool = True, overlap: bool = True) -> dict:
+                       cuda_graphs: bool = True, overlap: bool = True, forward_thread: str = "auto") -> dict:
     from specinfer import Generator, SamplingParams
     from specinfer.platform import CpuPlatform, CudaPlatform
 
@@ -140,7 +137,8 @@ def specinfer_generate(path: Path, batch: list[list[int]], new_tokens: int, repe
     blocks = len(batch) * (-(-max_len // 16) + 1) + 64  # sized for the batch, not 90% of the GPU
     gen = Generator(str(path), device=platform, dtype=DTYPE, max_model_len=max_len, block_size=16,
                     num_kv_blocks=blocks, max_num_seqs=max(8, len(batch)), max_num_batched_tokens=max(2048, max_len),
-                    enable_prefix_caching=False, speculative=spec, overlap_steps=overlap)
+                    enable_prefix_caching=False, speculative=spec, overlap_steps=overlap,
+                    forward_thread=forward_thread)
     build_s = time.perf_counter() - t_build
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     gen.generate(batch, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)  # warm
@@ -167,6 +165,9 @@ def specinfer_generate(path: Path, batch: list[list[int]], new_tokens: int, repe
     row["wall_ms_per_step"] = wall_per_step
     row["bubble_ms_per_step"] = wall_per_step - row["device_ms_per_step"]
     row["overlap_steps"] = overlap
+    row["forward_thread"] = gen.engine.executor.forward_thread is not None
+    row["steps_scheduled_ahead"] = gen.engine.num_scheduled_ahead
+    row["steps_launched_after_update"] = gen.engine.num_launched_next
     if spec is not None:
         row.update({k: m.get(k) for k in ("acceptance_rate", "mean_acceptance_length", "system_efficiency")})
     del gen
@@ -239,6 +240,12 @@ def main(argv=None) -> int:
             spec={"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}))
         serial = record("specinfer_serial", B, lambda: specinfer_generate(model_dir, plain, args.new_tokens,
                                                                           args.repeats, overlap=False))
+        # forwards and sampling on a worker thread (issue 38): plain steps scheduled ahead on CUDA
+        threaded = record("specinfer_forward_thread", B, lambda: specinfer_generate(
+            model_dir, plain, args.new_tokens, args.repeats, forward_thread="on"))
+        fixed_threaded = record("specinfer_ngram_fixed_forward_thread", B, lambda: specinfer_generate(
+            model_dir, rep, args.new_tokens, args.repeats, forward_thread="on",
+            spec={"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}))
         selfdraft = record("specinfer_self_draft", B, lambda: specinfer_generate(
             model_dir, plain, args.new_tokens, args.repeats,
             spec={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": args.k}))
@@ -255,13 +262,16 @@ def main(argv=None) -> int:
             summary["self_draft_speedup"] = selfdraft["tokens_per_s"] / ours["tokens_per_s"]
             summary["self_draft_theory_c1"] = theory(1.0, args.k, 1.0)
         # the per-step split (ms): device time of the target's forwards and the bubble beside it
-        for name, row in (("plain", ours), ("plain_serial", serial), ("ngram_fixed", fixed),
-                          ("ngram_fixed_serial", fixed_serial), ("self_draft", selfdraft)):
+        for name, row in (("plain", ours), ("plain_serial", serial), ("plain_forward_thread", threaded),
+                          ("ngram_fixed", fixed), ("ngram_fixed_serial", fixed_serial),
+                          ("ngram_fixed_forward_thread", fixed_threaded), ("self_draft", selfdraft)):
             if "bubble_ms_per_step" in row:
                 summary[f"{name}_device_ms"] = round(row["device_ms_per_step"], 3)
                 summary[f"{name}_bubble_ms"] = round(row["bubble_ms_per_step"], 3)
         if "tokens_per_s" in fixed and "tokens_per_s" in base_rep:
             summary["ngram_fixed_speedup"] = fixed["tokens_per_s"] / base_rep["tokens_per_s"]
+        if "tokens_per_s" in threaded and "tokens_per_s" in ours:
+            summary["forward_thread_speedup"] = threaded["tokens_per_s"] / ours["tokens_per_s"]
         results.setdefault("summary", {})[f"batch_{B}"] = summary
         print(json.dumps({"batch": B, **summary}), flush=True)
     (out / "throughput.json").write_text(json.dumps(results, indent=1))

@@ -120,6 +120,13 @@ class SchedulerConfig:
                                   "before the previous one's tokens exist: its input ids are taken from them where "
                                   "the forwards run, so the device never waits for the host between steps; off: each "
                                   "step is scheduled after the previous one's update (the outputs are the same)")
+    forward_thread: str = option("auto", "run the target's forwards, and each step's sampling behind them, on a "
+                                 "worker thread that stands in for an asynchronous device (overlapped loop only). "
+                                 "auto: where launches are not asynchronous by themselves (CPU, emulated Gaudi, a "
+                                 "tensor-parallel group's driver); on: on CUDA too, where plain steps are then "
+                                 "scheduled ahead (the worker fills their input ids from the previous step's "
+                                 "tokens); off: forwards on the engine's thread, sampling after the output work",
+                                 choices=("auto", "on", "off"))
 
     def __post_init__(self):
         if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
@@ -131,6 +138,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be an integer >= 2 or None (got {self.max_model_len!r})")
         _check_bool("overlap_steps", self.overlap_steps)
         _check_bool("schedule_ahead", self.schedule_ahead)
+        if self.forward_thread not in ("auto", "on", "off"):
+            raise ValueError(f"forward_thread must be 'auto', 'on' or 'off' (got {self.forward_thread!r})")
 
 
 @dataclass(frozen=True)

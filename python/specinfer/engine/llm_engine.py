@@ -231,7 +231,8 @@ class LLMEngine:
         self._tail: list[int] | None = None
         self._stopped: list[int] = []
         # where a launch runs the forward on this thread, a worker thread stands in for the device
-        self.executor.run_forwards_on_thread(overlap_steps and not self.platform.launches_are_async)
+        on_thread = {"auto": not self.platform.launches_are_async, "on": True, "off": False}[sched_cfg.forward_thread]
+        self.executor.run_forwards_on_thread(overlap_steps and on_thread)
         # a plain step scheduled and launched while the previous one ran (step_transaction.py):
         # (sched, states, pending forward), adopted by the next step() call
         self.schedule_ahead = bool(overlap_steps and sched_cfg.schedule_ahead and self.proposer is None
@@ -242,6 +243,7 @@ class LLMEngine:
         self.launches_next = bool(overlap_steps and sched_cfg.schedule_ahead
                                   and (self.proposer is None or self.proposer.drafts_in_core))
         self._ahead = None
+        self.num_scheduled_ahead = 0  # plain steps launched before the previous one's tokens (launch_ahead)
         self.num_launched_next = 0  # steps launched by _launch_next (right after the previous update)
         self.last_failed_request_ids: list[str] = []  # requests of the last step that raised
 

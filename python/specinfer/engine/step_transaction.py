@@ -116,6 +116,7 @@ class StepTransaction:
         then = partial(e.step_sampler, sched=sched, states=states, draft_probs=e._draft_probs, positions=positions)
         before = partial(fill_ahead_inputs, self.pending, sched.ahead_input_pos, sched.ahead_src)
         self.ahead = (sched, states, e._launch(sched, states, then, before), True)
+        e.num_scheduled_ahead += 1
 
     def overlap(self) -> None:
         """While the forward runs: the previous step's output work, the grammar masks of this
