@@ -23,8 +23,16 @@ def _t(a: np.ndarray, device) -> torch.Tensor:
 
 
 def model_batch_from_schedule(out, block_size: int, device: torch.device) -> ModelBatch:
+    """A SchedulerOutput as the forward's batch (on the critical path of every step: one pass, no
+    helper calls on CPU, where the tensors view the core's arrays)."""
     tree_mask = getattr(out, "tree_mask", None)
     tree = tree_mask is not None and len(tree_mask) > 0  # the batch holds a token tree (docs/trees.md)
+    if device.type == "cpu":
+        t = torch.from_numpy
+        attn = AttentionMetadata(t(out.slot_mapping), t(out.query_start_loc), t(out.seq_lens), t(out.block_table),
+                                 block_size, int(out.max_query_len), int(out.max_seq_len),
+                                 t(tree_mask) if tree else None, t(out.tree_start) if tree else None)
+        return ModelBatch(t(out.input_ids), t(out.positions), t(out.logits_indices), attn)
     attn = AttentionMetadata(
         slot_mapping=_t(out.slot_mapping, device),
         query_start_loc=_t(out.query_start_loc, device),

@@ -83,6 +83,11 @@ class StepProposing:
         # the policy's choice for the next proposal, made beside the forward (plan()): int64[R] per
         # request of the step, or None (then the choice is made after the step, on the general path)
         self.budgets: np.ndarray | None = None
+        # prepare_core_proposal(), beside the forward: the step's states, whether every one of them
+        # speculates unconstrained, and the platform's k for their batch
+        self._core_states = None
+        self._core_ok = False
+        self._core_k = 0
 
     @property
     def plans_beside_forward(self) -> bool:
@@ -103,8 +108,22 @@ class StepProposing:
         `budgets`, plan()), no pause, every request speculating and unconstrained. It is given the requests that got tokens this step (the general
         path's `sampled`; finished ones have left the core) and, as the general path does, skips
         those holding a split proposal's kept rest and clips to each budget."""
-        return (self.proposer.drafts_in_core and (self.policy is None or budgets is not None)
-                and not self.speculation_paused() and all(st.params.speculate and st.grammar is None for st in states))
+        return (self._unconstrained(states) and (self.policy is None or budgets is not None)
+                and not self.speculation_paused())
+
+    def prepare_core_proposal(self, states) -> None:
+        """Beside the forward of a step: what the core's own proposal after it reads of the step's
+        states, ahead of the critical path (propose_in_core runs right after update())."""
+        self._core_states = states
+        self._core_ok = self.proposer.drafts_in_core and all(st.params.speculate and st.grammar is None
+                                                              for st in states)
+        self._core_k = draft_length(self.spec, self.proposer, self.platform, len(states))
+
+    def _unconstrained(self, states) -> bool:
+        """A proposer that drafts in the core, and every request speculates unconstrained."""
+        if states is self._core_states:
+            return self._core_ok
+        return self.proposer.drafts_in_core and all(st.params.speculate and st.grammar is None for st in states)
 
     def plan(self, sched, states) -> None:
         """Beside the forward of a step (plans_beside_forward): each request that samples in it gets
@@ -112,14 +131,14 @@ class StepProposing:
         estimates through the last verification observed), min(k, what it may still emit) for seeded
         ones — as if it emits one token now (the core clips each budget to what is left)."""
         self.budgets = None
-        if (not self.plans_beside_forward or self.speculation_paused()
-                or not all(st.params.speculate and st.grammar is None for st in states)):
+        if not self.plans_beside_forward or self.speculation_paused() or not self._unconstrained(states):
             return  # the general path decides after the step
         flags = request_flags(states, False, self.max_model_len)
         alive, unseeded = flags[:, 0].astype(bool), flags[:, 2].astype(bool)
         cu = np.asarray(sched.cu_num_logits)
         samples = (cu[1:] > cu[:-1]) & alive
-        k = draft_length(self.spec, self.proposer, self.platform, len(states))
+        k = self._core_k if states is self._core_states else draft_length(self.spec, self.proposer, self.platform,
+                                                                          len(states))
         max_drafts = np.minimum(np.maximum(flags[:, 4] - 1, 0), k)  # after this step's token
         speculate = samples & (max_drafts > 0)
         budgets = np.where(speculate, max_drafts, 0)
@@ -179,7 +198,8 @@ class StepProposing:
         self.forced_ids = set()
         cu = emitted.cu_num_emitted
         got = cu[1:] > cu[:-1]  # the requests that got tokens this step
-        k = draft_length(self.spec, self.proposer, self.platform, len(states))  # (a platform may cap it)
+        k = self._core_k if states is self._core_states else draft_length(  # (a platform may cap it)
+            self.spec, self.proposer, self.platform, len(states))
         self.num_drafted = self.proposer.propose_in_core(sched.req_ids[got], k,
                                                          None if budgets is None else budgets[got])
         return True
