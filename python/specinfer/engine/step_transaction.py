@@ -174,13 +174,14 @@ class StepTransaction:
 
     def _launch_next(self, upd) -> BaseException | None:
         """Right after update(), where nothing of it needs the Python states (engine.launches_next:
-        overlapped loop, forwards on the forward thread; no step already launched ahead; the
-        proposal, if any, the core's own: StepProposing.propose_in_core): the core proposes,
-        schedules the next step, and it is packed and launched with its sampler behind it (output
-        positions fixed now) — before the states take this step's tokens and the call returns, so
-        that work and the caller's leave the critical path; the next call adopts it. A next step
-        whose sampling reads token history (penalties, min_tokens ahead, grammars) is cancelled and
-        scheduled by the next call as usual. -> the exception that undid the next step (the caller
+        overlapped loop; no step already launched ahead; the proposal, if any, the core's own:
+        StepProposing.propose_in_core): the core proposes, schedules the next step, and it is packed
+        and launched — before the states take this step's tokens and the call returns, so that work
+        and the caller's leave the critical path; the next call adopts it. On the forward thread its
+        sampler runs behind its forward with output positions fixed now, so a next step whose
+        sampling reads token history (penalties, min_tokens ahead, grammars) is cancelled and
+        scheduled by the next call as usual; without the thread (CUDA) only its kernels are queued
+        now and it samples in the next call. -> the exception that undid the next step (the caller
         raises it once this step's commit is whole), or None."""
         e = self.engine
         if not e.launches_next or e._ahead is not None:
