@@ -235,8 +235,12 @@ class LLMEngine:
         self.executor.run_forwards_on_thread(overlap_steps and on_thread)
         # a plain step scheduled and launched while the previous one ran (step_transaction.py):
         # (sched, states, pending forward), adopted by the next step() call
+        # where launches are asynchronous by themselves (no forward thread: CUDA), a plain step's
+        # sampling is queued as device work behind its forward (engine/device_sampling.py)
+        self.device_sampling = bool(overlap_steps and self.executor.forward_thread is None
+                                    and self.platform.samples_on_device)
         self.schedule_ahead = bool(overlap_steps and sched_cfg.schedule_ahead and self.proposer is None
-                                   and self.executor.forward_thread is not None)
+                                   and (self.executor.forward_thread is not None or self.device_sampling))
         # the next step scheduled and launched right after a step's update, before the Python states
         # take its tokens (StepTransaction._launch_next): with the core's own proposal, or none. Where
         # launches are asynchronous by themselves (CUDA), its sampling waits for the next call as usual

@@ -26,6 +26,7 @@ from functools import partial
 
 import numpy as np
 
+from specinfer.engine.device_sampling import SampledOnDevice, sample_on_device, samples_on_device
 from specinfer.engine.step_sampler import tree_requests
 from specinfer.executor.forward_thread import fill_ahead_inputs
 from specinfer.executor.interrupts import deferred_keyboard_interrupt
@@ -87,6 +88,8 @@ class StepTransaction:
         then = None
         if e.executor.forward_thread is not None and not any(st.grammar is not None for st in self.states):
             then = partial(e.step_sampler, sched=self.sched, states=self.states, draft_probs=e._draft_probs)
+        elif e.device_sampling and samples_on_device(self.sched, self.states):  # (CUDA: queued behind it)
+            then = partial(sample_on_device, e.step_sampler, sched=self.sched, states=self.states)
         self.pending = e._launch(self.sched, self.states, then)
         self.sampled_behind = then is not None
         self.t["launched"] = time.perf_counter()
@@ -105,7 +108,8 @@ class StepTransaction:
         if sched is None:
             return
         states = [e._requests[i] for i in sched.req_ids.tolist()]
-        if reads_history(e, states):
+        on_device = e.executor.forward_thread is None  # (CUDA) sampled as device work, or not at all
+        if reads_history(e, states) or (on_device and not samples_on_device(sched, states)):
             e.core.cancel_ahead()
             return
         positions = None  # (all greedy: no draw reads a position)
@@ -113,7 +117,11 @@ class StepTransaction:
             positions = np.fromiter((len(st.output_token_ids) for st in states), np.int64, len(states))
             if len(sched.ahead_input_pos):  # runs that decode from this step's token: one position on
                 positions[np.searchsorted(sched.query_start_loc[:-1], sched.ahead_input_pos)] += 1
-        then = partial(e.step_sampler, sched=sched, states=states, draft_probs=e._draft_probs, positions=positions)
+        if on_device:
+            then = partial(sample_on_device, e.step_sampler, sched=sched, states=states, positions=positions)
+        else:
+            then = partial(e.step_sampler, sched=sched, states=states, draft_probs=e._draft_probs,
+                           positions=positions)
         before = partial(fill_ahead_inputs, self.pending, sched.ahead_input_pos, sched.ahead_src)
         self.ahead = (sched, states, e._launch(sched, states, then, before), True)
         e.num_scheduled_ahead += 1
@@ -133,10 +141,13 @@ class StepTransaction:
         """Wait for the forward; sample or verify its logits rows."""
         e = self.engine
         result = self.pending.wait()
-        self.t["forward_done"] = time.perf_counter()
         if len(result) == 3:  # sampled behind the forward (launch)
             self.hidden, self.logits, self.emitted = result
+            if isinstance(self.emitted, SampledOnDevice):  # (CUDA) wait for the tokens' copy back only
+                self.emitted = self.emitted.emitted()
+            self.t["forward_done"] = time.perf_counter()
         else:
+            self.t["forward_done"] = time.perf_counter()
             self.hidden, self.logits = result
             self.emitted = e.step_sampler(self.logits, self.sched, self.states, e._draft_probs, self.masks)
         self.t["sampled"] = time.perf_counter()
@@ -202,11 +213,12 @@ class StepTransaction:
             if len(sched.req_ids) == 0:
                 return None
             states = [e._requests[i] for i in sched.req_ids.tolist()]
-            if not behind:  # (CUDA) the kernels queue now; sampling waits for the next call, as usual
+            on_device = not behind and e.device_sampling and samples_on_device(sched, states)
+            if not behind and not on_device:  # (CUDA) the kernels queue now; it samples in the next call
                 e._ahead = (sched, states, e._launch(sched, states), False)
                 e.num_launched_next += 1
                 return None
-            if reads_history(e, states):
+            if behind and reads_history(e, states):
                 e.core.cancel_step()
                 return None
             positions = None  # (all greedy: no draw reads a position)
@@ -214,8 +226,11 @@ class StepTransaction:
                 new = dict(zip(upd.req_ids.tolist(), np.diff(upd.cu_num_new).tolist()))  # tokens not yet taken
                 positions = np.fromiter((len(st.output_token_ids) + new.get(st.core_id, 0) for st in states),
                                         np.int64, len(states))
-            then = partial(e.step_sampler, sched=sched, states=states, draft_probs=e._draft_probs,
-                           positions=positions)
+            if on_device:  # (CUDA, a plain step) sampled as device work queued behind its forward
+                then = partial(sample_on_device, e.step_sampler, sched=sched, states=states, positions=positions)
+            else:
+                then = partial(e.step_sampler, sched=sched, states=states, draft_probs=e._draft_probs,
+                               positions=positions)
             e._ahead = (sched, states, e._launch(sched, states, then), True)
             e.num_launched_next += 1
             return None

@@ -169,7 +169,13 @@ def _before_forward(before, fn, batch):
 def fill_ahead_inputs(previous: PendingForward, input_pos, src, batch) -> None:
     """A step scheduled ahead (SchedulerCore.schedule_ahead): its input ids at `input_pos` are the
     previous step's emitted tokens `src`, read where the forwards run, in order, after that step's
-    sampling ran (as a device-side copy would on CUDA). The previous step's failure fails this one."""
+    sampling ran — on the forward thread from its host tokens, or where launches are asynchronous
+    (CUDA) as device ops queued behind the previous step's sampling. The previous step's failure
+    fails this one."""
     emitted = previous.done_result()[2]
-    tokens = torch.from_numpy(emitted.token_ids[src])
-    batch.input_ids[torch.from_numpy(input_pos).to(batch.input_ids.device)] = tokens.to(batch.input_ids.device)
+    device = batch.input_ids.device
+    if hasattr(emitted, "tokens"):  # sampled on the device (engine/device_sampling.py): a device-side gather
+        tokens = emitted.tokens[torch.from_numpy(src).to(emitted.tokens.device)]
+    else:
+        tokens = torch.from_numpy(emitted.token_ids[src])
+    batch.input_ids[torch.from_numpy(input_pos).to(device)] = tokens.to(device)

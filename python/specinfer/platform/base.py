@@ -54,6 +54,10 @@ class Platform:
     # a forward launched here returns before the device finished it (CUDA streams, Gaudi's lazy
     # graphs); where it does not, the engine's overlapped loop runs forwards on a worker thread
     launches_are_async = False
+    # without a forward thread, a plain step's sampling may be queued as device work behind its
+    # forward and the next step scheduled ahead on the device (engine/device_sampling.py); Gaudi's
+    # lazy graphs would recompile for its per-step index shapes: not there until measured
+    samples_on_device = True
 
     def __init__(self, device: torch.device, default_dtype: torch.dtype):
         self.device = device

@@ -58,6 +58,7 @@ class HpuPlatform(Platform):
     device_name = "hpu"
     supported_attention_backends = ("hpu_flat",)
     launches_are_async = True  # lazy mode: graphs run on the device after mark_step
+    samples_on_device = False  # (dynamic index shapes each step: unmeasured recompiles)
     num_null_blocks = 1  # padded rows write their K/V into one block past the pool
 
     def __init__(self, device: torch.device | None = None, *, bucket_config: BucketConfig | None = None,

@@ -1,0 +1,156 @@
+"""Plain steps sampled as device work and scheduled ahead without a forward thread (CUDA's flow:
+engine/device_sampling.py; here forward_thread="off" runs the same code on the CPU). The emitted
+tokens stay a tensor, the step scheduled ahead gathers its input ids from it, and the host reads
+them through one copy. Outputs equal the serial loop's (greedy, seeded, unseeded, chunked
+prefill, preemption, EOS mid-batch, stop strings, aborts); steps whose sampling needs the host
+(logprobs, penalties, min_tokens ahead) are neither device-sampled nor scheduled ahead; faults
+in either of two steps in flight leave outputs exact and every KV block free."""
+from __future__ import annotations
+
+import random
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from specinfer import Generator, SamplingParams
+from specinfer.engine.device_sampling import SampledOnDevice, sample_on_device, samples_on_device
+
+from fault_injection import Injector, run_engine
+
+
+def _prompts(n, seed=13):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _generator(target, **kw):
+    settings = dict(block_size=4, max_num_batched_tokens=32, num_kv_blocks=96, max_model_len=160, seed=3,
+                    forward_thread="off")
+    settings.update(kw)
+    return Generator(str(target), **settings)
+
+
+def _params(n, **kw):
+    """Greedy, seeded and unseeded sampled requests of different lengths."""
+    return [SamplingParams(max_tokens=5 + 3 * (i % 5), temperature=0.0 if i % 3 == 0 else 0.9,
+                           seed=40 + i if i % 3 == 1 else None, **kw) for i in range(n)]
+
+
+def _summary(outs):
+    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs]
+
+
+@pytest.mark.parametrize("case", ["plain", "chunked", "preempting", "eos_everywhere"])
+def test_device_sampled_steps_scheduled_ahead_equal_the_serial_loop(target, case):
+    prompts, params = _prompts(10), _params(10)
+    kw = {}
+    if case == "chunked":
+        kw = dict(max_num_batched_tokens=8)
+    elif case == "preempting":
+        kw = dict(num_kv_blocks=20, max_model_len=80)
+    elif case == "eos_everywhere":
+        probe = _generator(target, overlap_steps=False).generate(prompts, _params(10, ignore_eos=True),
+                                                                 use_tqdm=False)
+        common = np.bincount(np.concatenate([o.token_ids for o in probe])).argsort()[-3:].tolist()
+        params = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed,
+                                 stop_token_ids=common) for p in params]
+    serial, ahead = _generator(target, overlap_steps=False, **kw), _generator(target, **kw)
+    eng = ahead.engine
+    assert eng.executor.forward_thread is None and eng.device_sampling and eng.schedule_ahead
+    assert _summary(ahead.generate(prompts, params, use_tqdm=False)) == \
+        _summary(serial.generate(prompts, params, use_tqdm=False))
+    assert eng.num_scheduled_ahead >= 8, eng.num_scheduled_ahead
+    if case == "preempting":
+        assert serial.engine.core.stats()["num_preemptions"] > 0
+    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
+    eng.core.check_invariants()
+    assert not eng.has_unfinished_requests()
+
+
+def test_stop_strings_and_aborts_with_device_sampled_steps(target):
+    prompts = _prompts(6, seed=4)
+    probe = _generator(target, overlap_steps=False).generate(prompts, _params(6, ignore_eos=True), use_tqdm=False)
+    stops = [None if i % 2 else [o.text[len(o.text) // 2:][:3]] for i, o in enumerate(probe)]
+    params = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=40 + i, ignore_eos=True,
+                             stop=s) for i, (p, s) in enumerate(zip(_params(6), stops))]
+
+    def drive(gen):
+        eng = gen.engine
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(f"r{i}", p, sp)
+        final, steps = {}, 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    final[o.request_id] = (o.token_ids, o.text, o.finish_reason)
+            steps += 1
+            if steps == 3:
+                eng.abort("r1")
+        return final
+
+    serial, ahead = _generator(target, overlap_steps=False), _generator(target)
+    want, got = drive(serial), drive(ahead)
+    assert "r1" not in got and got == {k: v for k, v in want.items() if k != "r1"}
+    assert ahead.engine.num_scheduled_ahead > 0
+    assert ahead.engine.core.num_free_blocks() == ahead.engine.core.num_total_blocks()
+
+
+def test_steps_that_need_the_host_are_not_device_sampled(target):
+    prompts = _prompts(4)
+    for extra in (dict(logprobs=2), dict(repetition_penalty=1.3), dict(min_tokens=8)):
+        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **extra)] * 4
+        serial, ahead = _generator(target, overlap_steps=False), _generator(target)
+        got, want = ahead.generate(prompts, params, use_tqdm=False), serial.generate(prompts, params, use_tqdm=False)
+        assert _summary(got) == _summary(want)
+        if "logprobs" in extra:
+            assert [o.logprobs for o in got] is not None and all(o.logprobs for o in got)
+        assert ahead.engine.num_scheduled_ahead == 0, extra
+
+
+def test_sampled_on_device_equals_the_step_sampler(target):
+    """The device path's Emitted equals StepSampler's on the same logits: greedy, seeded and
+    unseeded rows, a prefill chunk without logits among them, explicit output positions."""
+    gen = _generator(target)
+    eng = gen.engine
+    prompts, params = _prompts(6, seed=9), _params(6)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"q{i}", p, sp)
+    sched = eng.core.schedule()
+    states = [eng._requests[i] for i in sched.req_ids.tolist()]
+    L = int(np.diff(sched.cu_num_logits).sum())
+    logits = torch.randn(L, eng.vocab_size, generator=torch.Generator().manual_seed(1))
+    assert samples_on_device(sched, states)
+    want = eng.step_sampler(logits.clone(), sched, states, {})
+    got = sample_on_device(eng.step_sampler, logits.clone(), sched, states)
+    if L:
+        assert isinstance(got, SampledOnDevice)
+        got = got.emitted()
+    for f in ("token_ids", "cu_num_emitted", "num_draft_tokens", "num_accepted", "num_rows"):
+        assert np.array_equal(getattr(got, f), getattr(want, f)), f
+    shifted = np.arange(len(states)) + 5  # the draws of other output positions
+    a = sample_on_device(eng.step_sampler, logits.clone(), sched, states, positions=shifted)
+    b = eng.step_sampler(logits.clone(), sched, states, {}, positions=shifted)
+    if L:
+        assert np.array_equal(a.emitted().token_ids, b.token_ids)
+    eng.core.cancel_step()
+
+
+def test_faults_with_two_device_sampled_steps_in_flight(target):
+    prompts = _prompts(10, seed=5)
+    params = SamplingParams(max_tokens=14, temperature=0.0)
+    want, faults = run_engine(_generator(target, overlap_steps=False), prompts, params)
+    assert faults == 0
+    gen = _generator(target)
+    eng = gen.engine
+    rng = random.Random(zlib.crc32(b"device"))
+    inj = eng.runner.forward = Injector(eng.runner.forward, set(rng.sample(range(3, 18), 7)),
+                                        [RuntimeError, KeyboardInterrupt, MemoryError])
+    got, faults = run_engine(gen, prompts, params)
+    assert inj.raised >= 4 and faults == inj.raised
+    assert got == want
+    assert eng.num_scheduled_ahead >= 5
+    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
+    eng.core.check_invariants()
