@@ -155,7 +155,10 @@ def build(method: str, loop: str, models: Path, args) -> tuple[Generator, "_Both
     """loop: serial, overlap (each step scheduled after the previous one's update, once the Python
     states took its tokens and the call returned) or ahead (the default: a plain step scheduled and
     launched before the previous one's tokens exist; an n-gram step scheduled and launched right
-    after the previous one's update, its drafts made by the core)."""
+    after the previous one's update, its drafts made by the core) or cuda (CUDA's flow: no forward
+    thread, forwards launched from the engine's thread, a plain step sampled as device work and the
+    next one scheduled ahead on the device; the tiny model's compute, on the engine's thread, stands
+    in for CUDA's host-side launch cost: the graph replay and its copies)."""
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "policy": args.policy}
@@ -163,7 +166,7 @@ def build(method: str, loop: str, models: Path, args) -> tuple[Generator, "_Both
         spec = {"method": "draft_model", "model": str(models / "draft"), "num_speculative_tokens": args.k,
                 "policy": args.policy}
     gen = Generator(str(models / "target"), speculative=spec, overlap_steps=loop != "serial",
-                    schedule_ahead=loop == "ahead",
+                    schedule_ahead=loop in ("ahead", "cuda"), forward_thread="off" if loop == "cuda" else "auto",
                     max_model_len=args.prompt_len + args.new_tokens + 16, num_kv_blocks=args.batch * 16 + 64,
                     enable_prefix_caching=False)
     ex = gen.engine.executor
@@ -219,7 +222,8 @@ def main(argv=None) -> int:
     prompts = repetitive_prompts(args.batch, args.prompt_len)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     methods = args.methods.split(",")
-    loops = {m: ("serial", "overlap", "ahead") if m != "draft_model" else ("serial", "overlap") for m in methods}
+    loops = {m: ("serial", "overlap", "ahead", "cuda") if m != "draft_model" else ("serial", "overlap", "cuda")
+             for m in methods}
     rows = {(m, loop): [] for m in methods for loop in loops[m]}
     gens = {key: build(key[0], key[1], models, args) for key in rows}
     outputs = {}
@@ -256,7 +260,7 @@ def main(argv=None) -> int:
         print(f"| {m} | {loop} | {med['steps']:.0f} | {med['wall_ms']:.3f} | {med['device_ms']:.3f} | "
               f"{med['bubble_ms']:.3f} | {med['wall_over_device']:.3f} | {med['tail_ms']:.3f} | "
               f"{med['tokens_per_s']:.0f} | {med['mean_acceptance_length']:.2f} |")
-    for loop in ("serial", "overlap", "ahead"):
+    for loop in ("serial", "overlap", "ahead", "cuda"):
         plain = summary.get(f"plain/{loop}")
         for m in methods:
             if m != "plain" and plain and f"{m}/{loop}" in summary:

@@ -32,8 +32,9 @@ def test_standin_loops_agree_and_report(tmp_path, capsys, draft_sync):
                        "--device-ms", "0.5", "--draft-ms", "0.1", "--draft-sync", draft_sync, "--json", str(out)])
     assert rc == 0
     summary = json.loads(out.read_text())
-    assert set(summary) == {"plain/serial", "plain/overlap", "plain/ahead", "ngram/serial", "ngram/overlap",
-                            "ngram/ahead", "draft_model/serial", "draft_model/overlap"}
+    loops = ("serial", "overlap", "ahead", "cuda")
+    want = {f"{m}/{loop}" for m in ("plain", "ngram") for loop in loops}
+    assert set(summary) == want | {"draft_model/serial", "draft_model/overlap", "draft_model/cuda"}
     for key, row in summary.items():
         assert row["steps"] > 0 and row["device_ms"] > 0 and row["wall_ms"] >= row["device_ms"] * 0.9, key
     assert summary["draft_model/overlap"]["mean_acceptance_length"] > 0

@@ -123,9 +123,10 @@ class SchedulerConfig:
     forward_thread: str = option("auto", "run the target's forwards, and each step's sampling behind them, on a "
                                  "worker thread that stands in for an asynchronous device (overlapped loop only). "
                                  "auto: where launches are not asynchronous by themselves (CPU, emulated Gaudi, a "
-                                 "tensor-parallel group's driver); on: on CUDA too, where plain steps are then "
-                                 "scheduled ahead (the worker fills their input ids from the previous step's "
-                                 "tokens); off: forwards on the engine's thread, sampling after the output work",
+                                 "tensor-parallel group's driver); on: on CUDA too (the worker syncs on each step's "
+                                 "tokens and fills the next step's input ids on the host); off: forwards launched "
+                                 "from the engine's thread, a plain step's sampling queued as device work behind "
+                                 "its forward and the next plain step scheduled ahead on the device (CUDA's way)",
                                  choices=("auto", "on", "off"))
 
     def __post_init__(self):
