@@ -9,6 +9,11 @@ class Injector:
         self.fn, self.fail_at, self.exc_types = fn, set(fail_at), exc_types
         self.calls = self.raised = 0
 
+    def install(self, obj, name: str) -> "Injector":
+        """setattr(obj, name, self); -> self."""
+        setattr(obj, name, self)
+        return self
+
     def __call__(self, *args, **kwargs):
         self.calls += 1
         if self.calls in self.fail_at:

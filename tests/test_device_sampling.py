@@ -17,7 +17,8 @@ import torch
 from specinfer import Generator, SamplingParams
 from specinfer.engine.device_sampling import SampledOnDevice, sample_on_device, samples_on_device
 
-from fault_injection import Injector, run_engine
+from fault_injection import Injector
+from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, with_stop_strings
 
 
 def _prompts(n, seed=13):
@@ -73,26 +74,11 @@ def test_device_sampled_steps_scheduled_ahead_equal_the_serial_loop(target, case
 def test_stop_strings_and_aborts_with_device_sampled_steps(target):
     prompts = _prompts(6, seed=4)
     probe = _generator(target, overlap_steps=False).generate(prompts, _params(6, ignore_eos=True), use_tqdm=False)
-    stops = [None if i % 2 else [o.text[len(o.text) // 2:][:3]] for i, o in enumerate(probe)]
-    params = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=40 + i, ignore_eos=True,
-                             stop=s) for i, (p, s) in enumerate(zip(_params(6), stops))]
-
-    def drive(gen):
-        eng = gen.engine
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            eng.add_request(f"r{i}", p, sp)
-        final, steps = {}, 0
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    final[o.request_id] = (o.token_ids, o.text, o.finish_reason)
-            steps += 1
-            if steps == 3:
-                eng.abort("r1")
-        return final
+    params = with_stop_strings(probe, _params(6), [40 + i for i in range(6)])
 
     serial, ahead = _generator(target, overlap_steps=False), _generator(target)
-    want, got = drive(serial), drive(ahead)
+    want, got = (drive_with_abort(serial, prompts, params, at_step=3),
+                 drive_with_abort(ahead, prompts, params, at_step=3))
     assert "r1" not in got and got == {k: v for k, v in want.items() if k != "r1"}
     assert ahead.engine.num_scheduled_ahead > 0
     assert ahead.engine.core.num_free_blocks() == ahead.engine.core.num_total_blocks()
@@ -139,18 +125,13 @@ def test_sampled_on_device_equals_the_step_sampler(target):
 
 
 def test_faults_with_two_device_sampled_steps_in_flight(target):
-    prompts = _prompts(10, seed=5)
-    params = SamplingParams(max_tokens=14, temperature=0.0)
-    want, faults = run_engine(_generator(target, overlap_steps=False), prompts, params)
-    assert faults == 0
-    gen = _generator(target)
-    eng = gen.engine
     rng = random.Random(zlib.crc32(b"device"))
-    inj = eng.runner.forward = Injector(eng.runner.forward, set(rng.sample(range(3, 18), 7)),
-                                        [RuntimeError, KeyboardInterrupt, MemoryError])
-    got, faults = run_engine(gen, prompts, params)
-    assert inj.raised >= 4 and faults == inj.raised
-    assert got == want
+    fail_at = set(rng.sample(range(3, 18), 7))
+
+    def inject(eng):
+        return Injector(eng.runner.forward, fail_at, [RuntimeError, KeyboardInterrupt, MemoryError]).install(
+            eng.runner, "forward")
+
+    eng = faults_leave_outputs_exact(_generator(target, overlap_steps=False), _generator(target), _prompts(10, seed=5),
+                                     SamplingParams(max_tokens=14, temperature=0.0), inject, min_faults=4)
     assert eng.num_scheduled_ahead >= 5
-    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
-    eng.core.check_invariants()

@@ -19,7 +19,8 @@ import torch
 
 from specinfer import Generator, SamplingParams
 
-from fault_injection import Injector, run_engine
+from fault_injection import Injector
+from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, with_stop_strings
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -130,26 +131,10 @@ def test_no_step_is_launched_before_the_states_where_sampling_reads_the_history(
 def test_streams_aborts_and_stop_strings_with_a_step_launched_early(target):
     prompts = _prompts(6, seed=3)
     probe = _generator(target, overlap_steps=False).generate(prompts, _params(6, eos=False), use_tqdm=False)
-    stops = [None if i % 2 else [o.text[len(o.text) // 2:][:3]] for i, o in enumerate(probe)]
-    params = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=40 + i, ignore_eos=True,
-                             stop=s) for i, (p, s) in enumerate(zip(_params(6, eos=False), stops))]
-
-    def drive(gen):
-        eng = gen.engine
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            eng.add_request(f"r{i}", p, sp)
-        final, steps = {}, 0
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    final[o.request_id] = (o.token_ids, o.text, o.finish_reason)
-            steps += 1
-            if steps == 4:
-                eng.abort("r1")  # held by the step launched at the end of this call
-        return final
+    params = with_stop_strings(probe, _params(6, eos=False), [40 + i for i in range(6)])
 
     serial, early = _generator(target, overlap_steps=False), _generator(target)
-    want, got = drive(serial), drive(early)
+    want, got = drive_with_abort(serial, prompts, params), drive_with_abort(early, prompts, params)
     assert "r1" not in got and got == {k: v for k, v in want.items() if k != "r1"}
     assert sum(v[2] == "stop" for v in got.values()) >= 2
     assert early.engine.num_launched_next > 0
@@ -160,28 +145,20 @@ def test_streams_aborts_and_stop_strings_with_a_step_launched_early(target):
 def test_faults_with_a_step_launched_early_leave_outputs_exact(target, where):
     """Faults and Ctrl-C in the step waited on, in the step launched after its update (once
     adopted), or in the core's proposal made before that launch: cancelled, retried, exact."""
-    prompts = _prompts(10, seed=5)
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    want, faults = run_engine(_generator(target, overlap_steps=False), prompts, params)
-    assert faults == 0 and len(want) == len(prompts)
-    gen = _generator(target)
-    eng = gen.engine
     rng = random.Random(zlib.crc32(where.encode()))
     fail_at = set(rng.sample(range(3, 30), 6))
     kinds = [RuntimeError, KeyboardInterrupt, MemoryError]
-    if where == "forward":
-        inj = eng.runner.forward = Injector(eng.runner.forward, fail_at, kinds)
-    elif where == "sampler":
-        inj = eng.step_sampler = Injector(eng.step_sampler.__call__, fail_at, kinds)
-    else:
-        inj = eng.proposer.propose_in_core = Injector(eng.proposer.propose_in_core, fail_at,
-                                                      [RuntimeError, MemoryError])
-    got, faults = run_engine(gen, prompts, params)
-    assert inj.raised >= 3 and faults == inj.raised
-    assert got == want
+
+    def inject(eng):
+        if where == "forward":
+            inj = eng.runner.forward = Injector(eng.runner.forward, fail_at, kinds)
+        elif where == "sampler":
+            inj = eng.step_sampler = Injector(eng.step_sampler.__call__, fail_at, kinds)
+        else:
+            inj = eng.proposer.propose_in_core = Injector(eng.proposer.propose_in_core, fail_at,
+                                                          [RuntimeError, MemoryError])
+        return inj
+
+    eng = faults_leave_outputs_exact(_generator(target, overlap_steps=False), _generator(target), _prompts(10, seed=5),
+                                     SamplingParams(max_tokens=16, temperature=0.0), inject, min_faults=3)
     assert eng.num_launched_next >= 5
-    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
-    eng.core.check_invariants()
-    inj.fail_at.clear()
-    again = gen.generate(prompts[:3], params, use_tqdm=False)  # and it keeps serving
-    assert [o.token_ids for o in again] == [want[f"r{i}"] for i in range(3)]

@@ -16,7 +16,8 @@ import torch
 
 from specinfer import Generator, SamplingParams
 
-from fault_injection import Injector, run_engine
+from fault_injection import Injector
+from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, with_stop_strings
 
 
 class AheadSpy:
@@ -120,26 +121,11 @@ def test_streams_aborts_and_stop_strings_between_steps_in_flight(target):
     stop strings ending others; the rest equal the serial loop's."""
     prompts = _prompts(6, seed=3)
     probe = _generator(target, overlap_steps=False).generate(prompts, _params(6, eos=False), use_tqdm=False)
-    stops = [None if i % 2 else [o.text[len(o.text) // 2:][:3]] for i, o in enumerate(probe)]
-    params = [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, seed=p.seed, ignore_eos=True,
-                             stop=s) for p, s in zip(_params(6, eos=False), stops)]
-
-    def drive(gen):
-        eng = gen.engine
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            eng.add_request(f"r{i}", p, sp)
-        final, steps = {}, 0
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    final[o.request_id] = (o.token_ids, o.text, o.finish_reason)
-            steps += 1
-            if steps == 4:
-                eng.abort("r1")  # in the step in flight (and maybe the one ahead of it)
-        return final
+    base = _params(6, eos=False)
+    params = with_stop_strings(probe, base, [p.seed for p in base])
 
     serial, ahead = _generator(target, overlap_steps=False), _generator(target)
-    want, got = drive(serial), drive(ahead)
+    want, got = drive_with_abort(serial, prompts, params), drive_with_abort(ahead, prompts, params)
     assert "r1" not in got and got == {k: v for k, v in want.items() if k != "r1"}
     assert sum(v[2] == "stop" for v in got.values()) >= 2
     assert ahead.engine.core.ahead > 0
@@ -163,25 +149,15 @@ def test_no_step_is_scheduled_ahead_where_sampling_reads_the_history(target):
 def test_faults_with_two_steps_in_flight_leave_outputs_exact(target, where):
     """Faults and Ctrl-C land in the step being waited on (its successor already launched behind
     it) or in that successor once adopted: both are cancelled, retried and come out exact."""
-    prompts = _prompts(10, seed=5)
-    params = SamplingParams(max_tokens=16, temperature=0.0)
-    want, faults = run_engine(_generator(target, overlap_steps=False), prompts, params)
-    assert faults == 0 and len(want) == len(prompts)
-    gen = _generator(target)
-    eng = gen.engine
     rng = random.Random(zlib.crc32(where.encode()))
     fail_at = set(rng.sample(range(3, 40), 8))
     kinds = [RuntimeError, KeyboardInterrupt, MemoryError]
-    if where == "forward":
-        inj = eng.runner.forward = Injector(eng.runner.forward, fail_at, kinds)
-    else:
-        inj = eng.step_sampler = Injector(eng.step_sampler.__call__, fail_at, kinds)
-    got, faults = run_engine(gen, prompts, params)
-    assert inj.raised >= 4 and faults == inj.raised
-    assert got == want
+
+    def inject(eng):
+        if where == "forward":
+            return Injector(eng.runner.forward, fail_at, kinds).install(eng.runner, "forward")
+        return Injector(eng.step_sampler.__call__, fail_at, kinds).install(eng, "step_sampler")
+
+    eng = faults_leave_outputs_exact(_generator(target, overlap_steps=False), _generator(target), _prompts(10, seed=5),
+                                     SamplingParams(max_tokens=16, temperature=0.0), inject, min_faults=4)
     assert eng.core.ahead >= 5
-    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
-    eng.core.check_invariants()
-    inj.fail_at.clear()
-    again = gen.generate(prompts[:3], params, use_tqdm=False)  # and it keeps serving
-    assert [o.token_ids for o in again] == [want[f"r{i}"] for i in range(3)]
