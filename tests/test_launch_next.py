@@ -22,7 +22,9 @@ from specinfer import Generator, SamplingParams
 from fault_injection import Injector
 from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, with_stop_strings
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# a fixed k: whether drafts are made must not depend on measured step times (a loaded CI machine)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "policy": "fixed"}
 
 
 def _prompts(n, seed=11):

@@ -18,11 +18,14 @@ from specinfer.sample.argmax import argmax_last
 from specinfer.sample.request_rows import sampling_metadata
 
 
-def samples_on_device(sched, states) -> bool:
+def samples_on_device(sched, states, engine=None) -> bool:
     """The step is plain and its sampling reads nothing but its logits and the requests'
-    parameters (see the module's docstring)."""
+    parameters (see the module's docstring). `engine`: its id sets of the requests that read their
+    history or want logprobs, which skip the per-request pass when both are empty."""
     if np.asarray(sched.num_draft_tokens).any():
         return False
+    if engine is not None and not engine._history_readers and not engine._logprob_ids:
+        return True
     for st in states:
         p = st.params
         if (st.grammar is not None or p.logprobs is not None or p.penalized

@@ -220,6 +220,7 @@ class LLMEngine:
         # states take the previous one's tokens checks these (StepTransaction._launch_next)
         self._history_readers: set[int] = set()
         self._random_ids: set[int] = set()
+        self._logprob_ids: set[int] = set()  # requests that want logprobs (not sampled on the device)
         self._by_name: dict[str, int] = {}
         self._sinks: dict[str, object] = {}  # request name -> callable taking its outputs (add_request sink=)
         self._ids = itertools.count()
@@ -374,6 +375,8 @@ class LLMEngine:
                 self._history_readers.add(core_id)
             if params.temperature != 0.0:
                 self._random_ids.add(core_id)
+            if params.logprobs is not None:
+                self._logprob_ids.add(core_id)
             self._requests[core_id] = st
             self._by_name[request_id] = core_id
             if sink is not None:
@@ -401,6 +404,7 @@ class LLMEngine:
                 del self._by_name[request_id]
                 self._history_readers.discard(core_id)
                 self._random_ids.discard(core_id)
+                self._logprob_ids.discard(core_id)
                 raise
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -647,6 +651,7 @@ class LLMEngine:
         for cid in core_ids:
             self._history_readers.discard(cid)
             self._random_ids.discard(cid)
+            self._logprob_ids.discard(cid)
         if self.proposing is not None:
             self.proposing.forget(core_ids)
 

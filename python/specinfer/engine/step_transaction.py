@@ -88,7 +88,7 @@ class StepTransaction:
         then = None
         if e.executor.forward_thread is not None and not any(st.grammar is not None for st in self.states):
             then = partial(e.step_sampler, sched=self.sched, states=self.states, draft_probs=e._draft_probs)
-        elif e.device_sampling and samples_on_device(self.sched, self.states):  # (CUDA: queued behind it)
+        elif e.device_sampling and samples_on_device(self.sched, self.states, e):  # (CUDA: queued behind it)
             then = partial(sample_on_device, e.step_sampler, sched=self.sched, states=self.states)
         self.pending = e._launch(self.sched, self.states, then)
         self.sampled_behind = then is not None
@@ -109,7 +109,7 @@ class StepTransaction:
             return
         states = [e._requests[i] for i in sched.req_ids.tolist()]
         on_device = e.executor.forward_thread is None  # (CUDA) sampled as device work, or not at all
-        if reads_history(e, states) or (on_device and not samples_on_device(sched, states)):
+        if reads_history(e, states) or (on_device and not samples_on_device(sched, states, e)):
             e.core.cancel_ahead()
             return
         positions = None  # (all greedy: no draw reads a position)
@@ -213,7 +213,7 @@ class StepTransaction:
             if len(sched.req_ids) == 0:
                 return None
             states = [e._requests[i] for i in sched.req_ids.tolist()]
-            on_device = not behind and e.device_sampling and samples_on_device(sched, states)
+            on_device = not behind and e.device_sampling and samples_on_device(sched, states, e)
             if not behind and not on_device:  # (CUDA) the kernels queue now; it samples in the next call
                 e._ahead = (sched, states, e._launch(sched, states), False)
                 e.num_launched_next += 1
