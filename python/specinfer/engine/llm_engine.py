@@ -234,19 +234,19 @@ class LLMEngine:
         # where a launch runs the forward on this thread, a worker thread stands in for the device
         on_thread = {"auto": not self.platform.launches_are_async, "on": True, "off": False}[sched_cfg.forward_thread]
         self.executor.run_forwards_on_thread(overlap_steps and on_thread)
-        # a plain step scheduled and launched while the previous one ran (step_transaction.py):
-        # (sched, states, pending forward), adopted by the next step() call
         # where launches are asynchronous by themselves (no forward thread: CUDA), a plain step's
         # sampling is queued as device work behind its forward (engine/device_sampling.py)
         self.device_sampling = bool(overlap_steps and self.executor.forward_thread is None
                                     and self.platform.samples_on_device)
+        # a plain step scheduled and launched while the previous one ran (step_transaction.py)
         self.schedule_ahead = bool(overlap_steps and sched_cfg.schedule_ahead and self.proposer is None
                                    and (self.executor.forward_thread is not None or self.device_sampling))
         # the next step scheduled and launched right after a step's update, before the Python states
-        # take its tokens (StepTransaction._launch_next): with the core's own proposal, or none. Where
-        # launches are asynchronous by themselves (CUDA), its sampling waits for the next call as usual
+        # take its tokens (StepTransaction._launch_next): with the core's own proposal, or none
         self.launches_next = bool(overlap_steps and sched_cfg.schedule_ahead
                                   and (self.proposer is None or self.proposer.drafts_in_core))
+        # the step launched by the previous call, adopted by the next: (sched, states, pending
+        # forward, whether its sampling was queued behind the forward)
         self._ahead = None
         self.num_scheduled_ahead = 0  # plain steps launched before the previous one's tokens (launch_ahead)
         self.num_launched_next = 0  # steps launched by _launch_next (right after the previous update)

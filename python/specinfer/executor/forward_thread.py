@@ -95,20 +95,19 @@ class ForwardThread:
     def __init__(self, name: str = "specinfer-forward"):
         self._name = name
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._start_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
 
     def launch(self, fn, *args) -> PendingForward:
-        if self._closed:
-            raise RuntimeError("the forward thread is closed")
-        if self._thread is None:
-            with self._start_lock:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-                    self._thread.start()
         p = PendingForward()
-        self._jobs.put((p, fn, args))
+        with self._lock:  # (uncontended: ~0.2 us) no job may follow close()'s stop mark
+            if self._closed:
+                raise RuntimeError("the forward thread is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._jobs.put((p, fn, args))
         return p
 
     def _loop(self) -> None:
@@ -121,10 +120,11 @@ class ForwardThread:
             p._run(fn, args)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(self._STOP)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(self._STOP)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
 
