@@ -111,6 +111,28 @@ def test_engine_on_cuda_equals_cpu_reference(models, method, scorer, tmp_path):
         assert gen.spec_metrics()["num_draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("forward_thread", ["auto", "on"])
+@fresh_process
+def test_plain_steps_scheduled_ahead_on_cuda_equal_the_serial_loop(models, forward_thread):
+    """auto: plain steps sampled as device work and scheduled ahead, their input ids gathered on
+    the device (engine/device_sampling.py); on: the worker thread fills them on the host. Greedy,
+    seeded and unseeded requests give the serial loop's tokens."""
+    from specinfer import Generator, SamplingParams
+
+    target, _ = models
+    prompts = _prompts(12, seed=5)
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 3 == 0 else 0.9,
+                             seed=100 + i if i % 3 == 1 else None, ignore_eos=True) for i in range(12)]
+    serial = Generator(target, device="cuda", overlap_steps=False, seed=7, **ENGINE)
+    ahead = Generator(target, device="cuda", forward_thread=forward_thread, seed=7, **ENGINE)
+    want = serial.generate(prompts, params, use_tqdm=False)
+    got = ahead.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    eng = ahead.engine
+    assert eng.device_sampling == (forward_thread == "auto") and eng.num_scheduled_ahead > 10
+    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
+
+
 @fresh_process
 def test_seeded_sampling_on_cuda_is_batch_invariant(models):
     from specinfer import Generator, SamplingParams
