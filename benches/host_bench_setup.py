@@ -26,3 +26,12 @@ def repetitive_prompts(batch: int, length: int, seed: int = 0) -> list[list[int]
         phrase = torch.randint(3, 256, (8,), generator=g).tolist()
         prompts.append((phrase * (length // 8 + 1))[:length])
     return prompts
+
+
+def add_workload_arguments(ap, repeats: int) -> None:
+    """The host benches' workload flags: --batch, --prompt-len, --new-tokens, --k, --repeats."""
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=repeats)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_bench_setup import build_tiny_llama, repetitive_prompts  # noqa: E402
+from host_bench_setup import add_workload_arguments, build_tiny_llama, repetitive_prompts  # noqa: E402
 from specinfer import Generator, SamplingParams  # noqa: E402
 
 LOOPS = {"serial": dict(overlap_steps=False), "next call": dict(schedule_ahead=False), "default": {}}
@@ -29,11 +29,7 @@ LOOPS = {"serial": dict(overlap_steps=False), "next call": dict(schedule_ahead=F
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=7)
+    add_workload_arguments(ap, repeats=7)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     models = Path(tempfile.mkdtemp())

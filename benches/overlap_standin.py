@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_bench_setup import build_tiny_llama, repetitive_prompts  # noqa: E402
+from host_bench_setup import add_workload_arguments, build_tiny_llama, repetitive_prompts  # noqa: E402
 from specinfer import Generator, SamplingParams  # noqa: E402
 
 
@@ -191,11 +191,7 @@ def build(method: str, loop: str, models: Path, args) -> tuple[Generator, "_Both
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=5)
+    add_workload_arguments(ap, repeats=5)
     ap.add_argument("--device-ms", type=float, default=2.5, help="modeled target forward: fixed part")
     ap.add_argument("--per-token-us", type=float, default=4.0, help="modeled forward: per query token")
     ap.add_argument("--draft-ms", type=float, default=0.25, help="modeled draft forward: fixed part")

@@ -50,3 +50,14 @@ def faults_leave_outputs_exact(serial, gen, prompts, params, inject, min_faults:
     again = gen.generate(prompts[:3], params, use_tqdm=False)  # and it keeps serving
     assert [o.token_ids for o in again] == [want[f"r{i}"] for i in range(3)]
     return eng
+
+
+def runs_with_sampling_params(make, prompts, extras, max_tokens: int):
+    """For each dict of extra sampling parameters (penalties, min_tokens, logprobs...): greedy
+    requests run on `make()` and on `make(overlap_steps=False)` (the serial loop) ->
+    yields (extra, outputs, serial outputs, the engine under test)."""
+    for extra in extras:
+        params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)] * len(prompts)
+        serial, gen = make(overlap_steps=False), make()
+        yield (extra, gen.generate(prompts, params, use_tqdm=False), serial.generate(prompts, params, use_tqdm=False),
+               gen.engine)

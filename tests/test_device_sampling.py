@@ -8,6 +8,7 @@ in either of two steps in flight leave outputs exact and every KV block free."""
 from __future__ import annotations
 
 import random
+from functools import partial
 import zlib
 
 import numpy as np
@@ -18,7 +19,7 @@ from specinfer import Generator, SamplingParams
 from specinfer.engine.device_sampling import SampledOnDevice, sample_on_device, samples_on_device
 
 from fault_injection import Injector
-from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, with_stop_strings
+from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, runs_with_sampling_params, with_stop_strings
 
 
 def _prompts(n, seed=13):
@@ -85,15 +86,12 @@ def test_stop_strings_and_aborts_with_device_sampled_steps(target):
 
 
 def test_steps_that_need_the_host_are_not_device_sampled(target):
-    prompts = _prompts(4)
-    for extra in (dict(logprobs=2), dict(repetition_penalty=1.3), dict(min_tokens=8)):
-        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **extra)] * 4
-        serial, ahead = _generator(target, overlap_steps=False), _generator(target)
-        got, want = ahead.generate(prompts, params, use_tqdm=False), serial.generate(prompts, params, use_tqdm=False)
+    extras = (dict(logprobs=2), dict(repetition_penalty=1.3), dict(min_tokens=8))
+    for extra, got, want, eng in runs_with_sampling_params(partial(_generator, target), _prompts(4), extras, 8):
         assert _summary(got) == _summary(want)
         if "logprobs" in extra:
             assert [o.logprobs for o in got] is not None and all(o.logprobs for o in got)
-        assert ahead.engine.num_scheduled_ahead == 0, extra
+        assert eng.num_scheduled_ahead == 0, extra
 
 
 def test_sampled_on_device_equals_the_step_sampler(target):

@@ -11,6 +11,7 @@ faults and Ctrl-C in either step in flight leave outputs exact and every KV bloc
 from __future__ import annotations
 
 import random
+from functools import partial
 import zlib
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from specinfer import Generator, SamplingParams
 
 from fault_injection import Injector
-from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, with_stop_strings
+from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, runs_with_sampling_params, with_stop_strings
 
 # a fixed k: whether drafts are made must not depend on measured step times (a loaded CI machine)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -116,12 +117,10 @@ def test_no_step_is_launched_before_the_states_where_sampling_reads_the_history(
     """With the forward thread the sampler runs beside the states' commit: a step whose requests
     read their history is launched by the next call instead (and is still exact)."""
     prompts = _prompts(4)
-    for extra in (dict(repetition_penalty=1.3), dict(frequency_penalty=0.5), dict(min_tokens=12)):
-        params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **extra)] * 4
-        serial, early = _generator(target, overlap_steps=False), _generator(target)
-        _assert_same(early.generate(prompts, params, use_tqdm=False),
-                     serial.generate(prompts, params, use_tqdm=False))
-        assert early.engine.num_launched_next == 0, extra
+    extras = (dict(repetition_penalty=1.3), dict(frequency_penalty=0.5), dict(min_tokens=12))
+    for extra, got, want, eng in runs_with_sampling_params(partial(_generator, target), prompts, extras, 12):
+        _assert_same(got, want)
+        assert eng.num_launched_next == 0, extra
     off = _generator(target, schedule_ahead=False)
     off.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
     assert not off.engine.launches_next and off.engine.num_launched_next == 0

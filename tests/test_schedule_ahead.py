@@ -8,6 +8,7 @@ KV block free."""
 from __future__ import annotations
 
 import random
+from functools import partial
 import zlib
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from specinfer import Generator, SamplingParams
 
 from fault_injection import Injector
-from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, with_stop_strings
+from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, runs_with_sampling_params, with_stop_strings
 
 
 class AheadSpy:
@@ -134,12 +135,10 @@ def test_streams_aborts_and_stop_strings_between_steps_in_flight(target):
 
 def test_no_step_is_scheduled_ahead_where_sampling_reads_the_history(target):
     prompts = _prompts(4)
-    for extra in (dict(repetition_penalty=1.3), dict(presence_penalty=0.5), dict(min_tokens=8)):
-        params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, **extra)] * 4
-        serial, ahead = _generator(target, overlap_steps=False), _generator(target)
-        _assert_same(ahead.generate(prompts, params, use_tqdm=False),
-                     serial.generate(prompts, params, use_tqdm=False))
-        assert ahead.engine.core.ahead == 0, extra
+    extras = (dict(repetition_penalty=1.3), dict(presence_penalty=0.5), dict(min_tokens=8))
+    for extra, got, want, eng in runs_with_sampling_params(partial(_generator, target), prompts, extras, 8):
+        _assert_same(got, want)
+        assert eng.core.ahead == 0, extra
     off = _generator(target, schedule_ahead=False)
     off.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
     assert not off.engine.schedule_ahead and off.engine.core.ahead == 0
