@@ -105,6 +105,25 @@ class SyncAfter:
         return out
 
 
+class ModeledJob:
+    """Wraps the executor's launch_job (a draft model's proposal launched where the forwards run:
+    its catch-up and draft steps back to back): its modeled device time, --draft-ms + --per-token-us
+    x T per forward, queues on the device at launch behind what was launched before, and its
+    tokens are readable (PendingForward.wait) once that time passed; the tiny draft computes where
+    the job runs (the forward thread, or the engine's thread in the cuda loop: a launch's host cost)."""
+
+    def __init__(self, launch_job, base_s: float, per_token_s: float, device: "ModeledLaunch"):
+        self.launch_job, self.base_s, self.per_token_s, self.device = launch_job, base_s, per_token_s, device
+        self.total_s = 0.0
+
+    def __call__(self, fn, forward_tokens=()):
+        t = time.perf_counter()
+        d = sum(self.base_s + self.per_token_s * n for n in forward_tokens)
+        self.device.free_at = max(t, self.device.free_at) + d
+        self.total_s += d
+        return _Modeled(self.launch_job(fn, forward_tokens), self.device.free_at, d)
+
+
 class _Both:
     """The draft's modeled forwards and LM heads, one device-time total."""
 
@@ -172,7 +191,11 @@ def build(method: str, loop: str, models: Path, args) -> tuple[Generator, "_Both
     ex = gen.engine.executor
     ex.launch_model = device = ModeledLaunch(ex.launch_model, args.device_ms * 1e-3, args.per_token_us * 1e-6)
     draft = None
-    if method == "draft_model":
+    if method == "draft_model" and gen.engine.proposing.launch_job is not None:
+        # (overlapped loops) the proposal's forwards launched as one job, the next step scheduled meanwhile
+        draft = gen.engine.proposing.launch_job = ModeledJob(ex.launch_job, args.draft_ms * 1e-3,
+                                                             args.per_token_us * 1e-6, device)
+    elif method == "draft_model":
         proposer = gen.engine.proposer
         runner = proposer.runner
         if args.draft_sync == "end":

@@ -27,8 +27,8 @@ class SplitCounter:
     def __init__(self, fn):
         self.fn, self.splits = fn, 0
 
-    def __call__(self, logits, sched, states, draft_probs, masks=None, positions=None):
-        em = self.fn(logits, sched, states, draft_probs, masks, positions)
+    def __call__(self, logits, sched, states, draft_probs, masks=None, positions=None, **kw):
+        em = self.fn(logits, sched, states, draft_probs, masks, positions, **kw)
         split = (em.num_draft_tokens > 0) & (em.num_rows == em.num_draft_tokens)
         self.splits += sum(int(s) for s, st in zip(split, states) if st.params.seed is not None)
         return em

@@ -144,14 +144,20 @@ def test_speculation_length_is_chosen_among_warmed_lengths(models, reference):
     gen = Generator(target, device=platform, speculative=_spec("draft_model", draft, k=4), **ENGINE)
     assert platform.planner.config.spec_lengths == (0, 1, 2)
     most = []
-    propose = gen.engine.proposer.propose
+    proposer = gen.engine.proposer
+    propose, launch = proposer.propose, proposer.launch_proposal
 
     def spy(inp):
         prop = propose(inp)
         most.append(int(np.diff(prop.cu_num_draft).max(initial=0)))
         return prop
 
-    gen.engine.proposer.propose = spy
+    def launch_spy(inp, job):  # (the overlapped loop launches the draft's forwards)
+        prop = launch(inp, job)
+        most.append(int(np.diff(prop.cu_num_draft).max(initial=0)))
+        return prop
+
+    proposer.propose, proposer.launch_proposal = spy, launch_spy
     outs = gen.generate(_prompts(8), GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == reference
     assert max(most) == 2

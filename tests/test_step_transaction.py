@@ -68,6 +68,9 @@ def test_faults_at_random_steps_leave_outputs_exact(models, method, where, overl
     elif eng.proposer.drafts_in_core:  # n-gram under the fixed policy: the core proposes (propose_in_core)
         inj = Injector(eng.proposer.propose_in_core, fail_at, kinds)
         eng.proposer.propose_in_core = inj
+    elif method == "draft_model":  # the draft's forwards: in the overlapped loop launched, failing in the next step
+        inj = Injector(eng.proposer.runner.forward, fail_at, kinds)
+        eng.proposer.runner.forward = inj
     else:
         inj = Injector(eng.proposer.propose, fail_at, kinds)
         eng.proposer.propose = inj

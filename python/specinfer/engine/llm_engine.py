@@ -248,6 +248,10 @@ class LLMEngine:
         # the step launched by the previous call, adopted by the next: (sched, states, pending
         # forward, whether its sampling was queued behind the forward)
         self._ahead = None
+        # a draft model's forwards launched where the target's run, the step verifying them scheduled
+        # before their tokens exist (spec_decode/launched_proposal.py)
+        if self.proposing is not None and overlap_steps and self.executor.tensor_parallel_size == 1:
+            self.proposing.launch_job = self.executor.launch_job
         self.num_scheduled_ahead = 0  # plain steps launched before the previous one's tokens (launch_ahead)
         self.num_launched_next = 0  # steps launched by _launch_next (right after the previous update)
         self.last_failed_request_ids: list[str] = []  # requests of the last step that raised

@@ -88,6 +88,13 @@ class StepProposing:
         self._core_states = None
         self._core_ok = False
         self._core_k = 0
+        # where set (the overlapped loop, one process): launch(fn, forward_tokens) -> PendingForward,
+        # the executor's launch_job; a proposer that can (a draft model's chains) then launches its
+        # forwards there and the next step is scheduled before its tokens exist (launch_proposal)
+        self.launch_job = None
+        self.launched = None  # the LaunchedProposal whose tokens the core does not hold yet
+        self.num_launched = 0  # proposals with drafts launched so far
+        self._forgotten: set = set()  # core ids forgotten while a proposal was launched
 
     @property
     def plans_beside_forward(self) -> bool:
@@ -182,6 +189,8 @@ class StepProposing:
         """Requests that finished or were aborted: drop their proposal state."""
         for cid in core_ids:
             self.draft_probs.pop(cid, None)
+        if self.launched is not None:
+            self._forgotten.update(core_ids)
         if self.policy is not None:
             self.policy.forget(core_ids)
         self.proposer.forget(core_ids)
@@ -257,6 +266,12 @@ class StepProposing:
             emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64),
             num_rows, sampled, np.where(speculate, max_drafts, 0),
             alive if sees_every_step else wants & alive, request_block_rows(sched), target)
+        if (self.launch_job is not None and not any_grammar and not forced
+                and not any(st.params.penalized for st in states)):
+            launched = self.proposer.launch_proposal(inp, self.launch_job)
+            if launched is not None:
+                self._placeholders(launched)
+                return
         prop = self.proposer.propose(inp)
         if any_grammar:
             prop = grammar_valid_prefixes(prop, self._state_of(states))
@@ -279,6 +294,51 @@ class StepProposing:
             for j, cid in enumerate(prop.core_ids.tolist()):
                 if prop.draft_probs is None or prop.draft_probs[j] is None:
                     self.draft_probs[cid] = DETERMINISTIC
+
+
+    # ------------------------------------------------------------------ launched proposals
+    def _placeholders(self, launched) -> None:
+        """The core stores placeholders of the launched proposal's shape (the step that verifies it
+        is scheduled and packed with them; the device fills them: engine/launched_drafts.py)."""
+        self.num_drafted = launched.num_drafts
+        if launched.pending is None:
+            return  # (nothing ran)
+        self.launched = launched
+        self._forgotten = set()
+        if len(launched.core_ids):
+            self.num_launched += 1
+            self.get_core().set_draft_tokens(launched.core_ids, launched.cu_num_draft,
+                                             np.zeros(launched.num_drafts, np.int64))
+
+    def settle_launched(self) -> None:
+        """Wait for the launched proposal's tokens (the forwards ran, or their step's forward is
+        already queued behind them): the core takes them in place of the placeholders, before the
+        update of the step verifying them; their q joins the pending proposals'. A failure of the
+        forwards is raised here, the proposal still held (discard_launched undoes it)."""
+        launched = self.launched
+        if launched is None:
+            return
+        tokens, q = launched.wait()
+        if len(launched.core_ids):
+            self.get_core().replace_draft_tokens(launched.core_ids, launched.cu_num_draft, tokens)
+            if q is not None:
+                for cid, qj in zip(launched.core_ids.tolist(), q):
+                    if qj is not None and cid not in self._forgotten:
+                        self.draft_probs[cid] = qj
+        self.launched = None
+        self._forgotten = set()
+
+    def discard_launched(self) -> None:
+        """A step failed before the launched proposal settled: its forwards end, the proposer forgets
+        what they wrote, and the requests lose the placeholders (no step is pending in the core: it
+        was cancelled), so a retry decodes them plainly and proposes afresh."""
+        launched, self.launched = self.launched, None
+        if launched is None:
+            return
+        launched.discard()
+        if len(launched.core_ids):
+            self.get_core().set_draft_tokens(launched.core_ids, np.zeros(len(launched.core_ids) + 1, np.int32),
+                                             np.zeros(0, np.int64))
 
 
 def forced_drafts(states, budget: np.ndarray) -> dict:

@@ -100,11 +100,13 @@ class StepSampler:
             self.verify_tree = partial(tree_typical_acceptance_sample, **typical)
 
     def __call__(self, logits: torch.Tensor, sched, states, draft_probs: dict, masks=None,
-                 positions=None) -> Emitted:
+                 positions=None, draft_ids=None) -> Emitted:
         """`masks`: the grammar masks of constrained rows (engine.step_grammar.StepMasks) or None.
         `positions`: each scheduled request's next output position, given where the states may not
         hold the previous step's tokens yet (a step launched before they take them: no penalties,
-        no min_tokens left, no grammar); else len(output_token_ids)."""
+        no min_tokens left, no grammar); else len(output_token_ids). `draft_ids`: the step's draft
+        tokens where the core holds placeholders of a proposal drafted on the device
+        (engine/launched_drafts.py; chains, no penalties, no grammar); else sched.draft_token_ids."""
         cu_logits = sched.cu_num_logits
         n_rows = np.diff(cu_logits)  # [R]
         num_draft = np.asarray(sched.num_draft_tokens, dtype=np.int32)
@@ -143,7 +145,9 @@ class StepSampler:
             counts = np.ones(len(sampling), dtype=np.int32)
             flat = tokens.cpu().numpy()
         else:
-            flat, counts, acc, tree_paths = self._verify(logits, sched, s_states, sampling, n_rows, num_draft,
+            if draft_ids is None:
+                draft_ids = np.asarray(sched.draft_token_ids, dtype=np.int64)
+            flat, counts, acc, tree_paths = self._verify(logits, draft_ids, s_states, sampling, n_rows, num_draft,
                                                          draft_probs, trees, pos)
             accepted[sampling] = acc
         cu[1:] = np.cumsum(np.bincount(sampling, weights=counts, minlength=R).astype(np.int32))
@@ -152,20 +156,19 @@ class StepSampler:
             self._logprobs(raw_logits, cu_logits, cu, flat, want, states, logprobs, tree_paths)
         return Emitted(flat.astype(np.int64), cu, num_draft, accepted, rows_i32, logprobs, tree_paths)
 
-    def _verify(self, logits, sched, s_states, sampling, n_rows, num_draft, draft_probs, trees, pos=None):
-        """-> flat emitted tokens, emitted and accepted counts per sampled request, tree paths.
+    def _verify(self, logits, draft_ids, s_states, sampling, n_rows, num_draft, draft_probs, trees, pos=None):
+        """draft_ids int64[sum num_draft]: the step's drafts -> flat emitted tokens, emitted and
+        accepted counts per sampled request, tree paths.
         pos: each sampled request's first output position (None: len(output_token_ids))."""
         if pos is None:
             pos = [len(s.output_token_ids) for s in s_states]
         rows = n_rows[sampling]
         d = num_draft[sampling]
         if not trees and all(st.params.temperature == 0.0 for st in s_states):
-            flat, n_emit, acc = greedy_chains(argmax_last(logits).cpu().numpy(),
-                                              np.asarray(sched.draft_token_ids, dtype=np.int64), rows, d)
+            flat, n_emit, acc = greedy_chains(argmax_last(logits).cpu().numpy(), draft_ids, rows, d)
             return flat, n_emit, acc, {}
         meta = sampling_metadata(s_states, rows.tolist(), device=logits.device, positions=pos)
         target_probs = probs_from_logits(logits, meta)  # [L, V]
-        draft_ids = np.asarray(sched.draft_token_ids, dtype=np.int64)
         is_tree = np.array([int(i) in trees for i in sampling], dtype=bool)
         if not is_tree.any():  # chains only: today's path
             out, n_emit, acc = self._verify_chains(target_probs, draft_ids, rows, d, s_states, draft_probs, pos)

@@ -27,6 +27,7 @@ from functools import partial
 import numpy as np
 
 from specinfer.engine.device_sampling import SampledOnDevice, sample_on_device, samples_on_device
+from specinfer.engine.launched_drafts import DraftFill, verify_filled
 from specinfer.engine.step_sampler import tree_requests
 from specinfer.executor.forward_thread import fill_ahead_inputs
 from specinfer.executor.interrupts import deferred_keyboard_interrupt
@@ -47,6 +48,7 @@ class StepTransaction:
         self.ahead = None  # (sched, states, pending) of the step launched ahead of this one's result
         self.sampled_behind = False  # the step's sampling runs behind its forward (launch)
         self.proposed = False  # the core proposed right after the update (_launch_next)
+        self.fill = None  # DraftFill: the step verifies a launched proposal (engine/launched_drafts.py)
         self.hidden = self.logits = self.masks = self.emitted = None
         self.error: Exception | None = None  # a request's failure in its output work: raised at the end
         self.t: dict[str, float] = {}
@@ -70,6 +72,8 @@ class StepTransaction:
         if len(sched.preempted_req_ids) and e.proposer is not None:
             e.proposer.forget(sched.preempted_req_ids.tolist())  # their proposal stays; the proposer's KV does not
         if len(sched.req_ids) == 0:
+            if e.proposing is not None:
+                e.proposing.settle_launched()  # (a catch-up alone, say: nothing verifies it)
             self._finish_tail(step_pending=False)
             return False
         self.states = [e._requests[i] for i in sched.req_ids.tolist()]
@@ -85,12 +89,20 @@ class StepTransaction:
         if self.pending is not None:  # adopted: launched by the previous call (sampled behind where
             self.t["launched"] = time.perf_counter()  # forwards run on the forward thread)
             return
-        then = None
+        then = before = None
+        if e.proposing is not None and e.proposing.launched is not None:  # its drafts: placeholders, filled there
+            fill = DraftFill(self.sched, e.proposing.launched, e.device)
+            if not fill.empty:
+                self.fill, before = fill, fill.fill_inputs
         if e.executor.forward_thread is not None and not any(st.grammar is not None for st in self.states):
-            then = partial(e.step_sampler, sched=self.sched, states=self.states, draft_probs=e._draft_probs)
+            if self.fill is None:
+                then = partial(e.step_sampler, sched=self.sched, states=self.states, draft_probs=e._draft_probs)
+            else:
+                then = partial(verify_filled, e.step_sampler, self.fill, sched=self.sched, states=self.states,
+                               draft_probs=e._draft_probs)
         elif e.device_sampling and samples_on_device(self.sched, self.states, e):  # (CUDA: queued behind it)
             then = partial(sample_on_device, e.step_sampler, sched=self.sched, states=self.states)
-        self.pending = e._launch(self.sched, self.states, then)
+        self.pending = e._launch(self.sched, self.states, then, before)
         self.sampled_behind = then is not None
         self.t["launched"] = time.perf_counter()
 
@@ -135,6 +147,8 @@ class StepTransaction:
             self.engine.proposing.prepare_core_proposal(self.states)  # what the core's proposal reads of them
             self.engine.proposing.prepare(len(self.states))  # the policy's cost tables for the next proposal
             self.engine.proposing.plan(self.sched, self.states)  # and its choice, where made beside the forward
+            # a launched proposal's tokens (this step's forward is queued behind its forwards): the core's
+            self.engine.proposing.settle_launched()
         self.t["overlapped"] = time.perf_counter()
 
     def sample(self) -> None:
@@ -149,7 +163,11 @@ class StepTransaction:
         else:
             self.t["forward_done"] = time.perf_counter()
             self.hidden, self.logits = result
-            self.emitted = e.step_sampler(self.logits, self.sched, self.states, e._draft_probs, self.masks)
+            if self.fill is not None:
+                self.emitted = verify_filled(e.step_sampler, self.fill, self.logits, self.sched, self.states,
+                                             e._draft_probs, self.masks)
+            else:
+                self.emitted = e.step_sampler(self.logits, self.sched, self.states, e._draft_probs, self.masks)
         self.t["sampled"] = time.perf_counter()
 
     def commit(self) -> None:
@@ -268,6 +286,8 @@ class StepTransaction:
         if self.phase == SCHEDULING:
             e.core.cancel_step()  # the step is pending if only its packing failed
             e._tail, e._undelivered = self.tail, self.outputs + e._undelivered
+            if e.proposing is not None:
+                e.proposing.discard_launched()
             return False
         if self.phase == PROPOSING:
             e._undelivered = self.outputs + e._undelivered
@@ -290,6 +310,8 @@ class StepTransaction:
                 committed_work = self.touched
             e._tail = committed_work if committed_work is not None else self.tail
             e._undelivered = self.outputs + e._undelivered
+        if e.proposing is not None:  # a launched proposal not yet settled (the core holds no pending step now)
+            e.proposing.discard_launched()
         if isinstance(exc, RequestError):  # the step is not at fault: only these requests
             e.last_failed_request_ids = e._end_with_error(exc)
         return False

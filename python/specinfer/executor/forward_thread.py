@@ -156,6 +156,17 @@ class LaunchesForwards:
         return self.forward_thread.launch(fn, batch)
 
 
+    def launch_job(self, fn, forward_tokens=()) -> PendingForward:
+        """Device work other than the target's forward — a draft model's proposal, its forwards back
+        to back — queued where the forwards run, in order with them: on the forward thread when one
+        is set, else on the caller's thread (where CUDA queues its kernels and returns). `fn()` ->
+        the PendingForward's result. `forward_tokens`: the token counts of the model forwards it
+        runs (what a modeled device reads: benches/overlap_standin.py)."""
+        if self.forward_thread is None:
+            return PendingForward.completed(fn)
+        return self.forward_thread.launch(fn)
+
+
 def _forward_then(execute, then, batch):
     hidden, logits = execute(batch)
     return hidden, logits, then(logits)

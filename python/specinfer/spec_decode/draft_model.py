@@ -24,6 +24,8 @@ accepted path (compacted by the engine's KV copies or not) and the bonus token a
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
@@ -33,6 +35,7 @@ from specinfer.models.model_runner import ModelRunner
 from specinfer.sample.request_rows import all_greedy, sampling_metadata
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.draft_kv_records import DraftKvRecords
+from specinfer.spec_decode.launched_proposal import LaunchedProposal
 from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
 from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tree_proposal
 
@@ -65,6 +68,53 @@ class DraftModelProposer(Proposer):
             self.records.forget(int(i))
 
     def propose(self, inp: ProposalInput) -> Proposal:
+        if self.tree is not None:
+            catch_up, rows, last_rows = self._catch_up(inp)
+            hidden = self._catch_up_forward(catch_up) if catch_up.tokens is not None else None
+            self._wrote(catch_up)
+            if not len(rows):
+                return _empty()
+            logits = self.runner.logits(hidden[torch.from_numpy(last_rows).to(self.device)])
+            return self._draft_tree(inp, rows, catch_up.ends[rows] - 1, logits)
+        plan = self._chain_plan(inp)
+        if plan is None:
+            return _empty()
+        tokens, q = self._run_chains(plan)  # here: the catch-up, then the draft steps back to back
+        self._wrote(plan.catch_up)
+        if not len(plan.core_ids):
+            return _empty()
+        return Proposal(plan.core_ids, plan.cu, tokens.cpu().numpy(), q)  # the one copy back
+
+    def launch_proposal(self, inp: ProposalInput, launch) -> LaunchedProposal | None:
+        """propose(), with its forwards launched where the target's run (`launch(fn, forward_tokens)`
+        -> PendingForward: on the executor's forward thread, or queued on CUDA's stream) and the
+        drafted tokens left there: -> the proposal's shape now, its tokens once the forwards ran
+        (the engine schedules and launches the step that verifies them meanwhile). None for token
+        trees (their drafting loop reads each depth's choices on the host)."""
+        if self.tree is not None:
+            return None
+        plan = self._chain_plan(inp)
+        if plan is None:
+            return LaunchedProposal.empty()
+        self._wrote(plan.catch_up)  # (the device runs the catch-up before anything that reads the records)
+        try:
+            pending = launch(partial(self._run_chains, plan), plan.forward_tokens)
+        except BaseException:
+            self._undo(plan)
+            raise
+        return LaunchedProposal(plan.core_ids, plan.cu, pending, partial(self._undo, plan))
+
+    def _undo(self, plan) -> None:
+        """A launched proposal whose forwards may not all have run: its blocks' draft KV is not what
+        the records say, and its requests' catch-up starts over."""
+        for block_rows, starts, ends in plan.writes:
+            self.records.will_write_runs(block_rows, starts, ends)
+        self.forget(plan.catch_up.core_ids.tolist())
+
+    def _catch_up(self, inp: ProposalInput) -> tuple["_CatchUp", np.ndarray, np.ndarray]:
+        """The catch-up forward's runs (host bookkeeping: what each request has seen, the draft KV
+        records) -> (the runs, the drafting requests' rows int64[P], their last rows in the
+        catch-up's hidden states int64[P])."""
         R = inp.num_requests
         num_computed, scheduled = inp.num_computed, inp.num_scheduled
         follow = inp.catch_up
@@ -88,31 +138,106 @@ class DraftModelProposer(Proposer):
             self.num_seen[st.core_id] = int(end)
             level[r] = end == confirmed
         live = np.flatnonzero(ends > starts)
-        hidden = None
+        run = _CatchUp(live, starts, ends)
         if len(live):
             self.records.will_write_runs(inp.block_rows[live], starts[live], ends[live])
-            tokens = np.fromiter((t for r in live for t in inp.requests[r].tokens_slice(starts[r], ends[r])),
-                                 dtype=np.int64)
-            attn, positions = attention_metadata_for_runs(inp.block_rows[live], starts[live],
-                                                          ends[live] - starts[live], self.block_size, self.device)
-            hidden, _ = self.runner.forward(torch.from_numpy(tokens).to(self.device),
-                                            torch.from_numpy(positions).to(self.device), attn)
-            self.records.wrote_confirmed_runs([inp.requests[r] for r in live], inp.block_rows[live], starts[live],
-                                              ends[live])
+            run.tokens = torch.from_numpy(np.fromiter(
+                (t for r in live for t in inp.requests[r].tokens_slice(starts[r], ends[r])),
+                dtype=np.int64)).to(self.device)
+            run.attn, positions = attention_metadata_for_runs(inp.block_rows[live], starts[live],
+                                                              ends[live] - starts[live], self.block_size,
+                                                              self.device)
+            run.positions = torch.from_numpy(positions).to(self.device)
+            run.records = ([inp.requests[r] for r in live], inp.block_rows[live], starts[live], ends[live])
+            run.core_ids = np.fromiter((inp.requests[r].core_id for r in live), np.uint64, len(live))
         # a request drafts when it is level and its last confirmed token went through this forward
         ran = np.zeros(R, dtype=bool)
         ran[live] = True
-        drafting = level & ran & (inp.max_drafts > 0)
-        if not drafting.any():
-            return _empty()
+        rows = np.flatnonzero(level & ran & (inp.max_drafts > 0))
         last_row_of = np.cumsum(ends[live] - starts[live]) - 1  # per live request
-        row_in_live = {int(r): j for j, r in enumerate(live)}
-        rows = np.flatnonzero(drafting)
-        last_rows = np.array([last_row_of[row_in_live[int(r)]] for r in rows], dtype=np.int64)
-        logits = self.runner.logits(hidden[torch.from_numpy(last_rows).to(self.device)])
-        if self.tree is not None:
-            return self._draft_tree(inp, rows, ends[rows] - 1, logits)
-        return self._draft(inp, rows, ends[rows], logits)
+        last_rows = last_row_of[np.searchsorted(live, rows)] if len(rows) else np.zeros(0, np.int64)
+        return run, rows, last_rows.astype(np.int64)
+
+    def _catch_up_forward(self, run: "_CatchUp") -> torch.Tensor:
+        return self.runner.forward(run.tokens, run.positions, run.attn)[0]
+
+    def _wrote(self, run: "_CatchUp") -> None:
+        """The draft KV records of the blocks the catch-up completed."""
+        if run.records is not None:
+            self.records.wrote_confirmed_runs(*run.records)
+            run.records = None
+
+    def _chain_plan(self, inp: ProposalInput) -> "_ChainPlan | None":
+        """Everything the chains' forwards need, built on the host before the first runs: the
+        catch-up, and every draft step's rows, positions and attention metadata (request j drafts
+        output positions len(output) .. + limit[j] - 1 and feeds its drafts at KV positions
+        next_pos[j] ..). None: nothing to run (no request catches up or drafts)."""
+        catch_up, rows, last_rows = self._catch_up(inp)
+        if catch_up.tokens is None:
+            return None
+        next_pos = catch_up.ends[rows]
+        states = [inp.requests[r] for r in rows]
+        limit = inp.max_drafts[rows]
+        meta = None
+        if not all_greedy(states):
+            # draft i decides output position len(output) + i of its request
+            first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)
+            meta = sampling_metadata(states, device=self.device, positions=first_out)
+        plan = _ChainPlan(catch_up, torch.from_numpy(last_rows).to(self.device), meta,
+                          meta is not None and not meta.all_greedy)
+        steps = int(limit.max(initial=0))
+        plan.actives = [np.flatnonzero(limit > i) for i in range(steps)]  # requests drafting token i
+        if steps > 1 and len(plan.actives[steps - 1]) == len(rows):  # every request drafts every step: one pass
+            for attn, pos_t in attention_metadata_for_decode_steps(inp.block_rows[rows], next_pos, steps - 1,
+                                                                   self.block_size, self.device):
+                plan.feeds.append((None, pos_t, attn))
+        for i in range(len(plan.feeds), steps - 1):
+            nxt = plan.actives[i + 1]
+            positions = next_pos[nxt] + i
+            attn, _ = attention_metadata_for_runs(inp.block_rows[rows[nxt]], positions, np.ones(len(nxt), np.int64),
+                                                  self.block_size, self.device)
+            keep = None if len(nxt) == len(plan.actives[i]) else torch.from_numpy(
+                np.searchsorted(plan.actives[i], nxt)).to(self.device)
+            plan.feeds.append((keep, torch.from_numpy(positions).to(self.device), attn))
+        # the draft KV these forwards write
+        draft_runs = (inp.block_rows[rows], next_pos.astype(np.int64), (next_pos + limit - 1).astype(np.int64))
+        self.records.will_write_runs(*draft_runs)
+        live = catch_up.live
+        plan.writes = [(inp.block_rows[live], catch_up.starts[live], catch_up.ends[live]), draft_runs]
+        # the drafted tokens come out step after step; request j's are at off[i] + (its rank among
+        # the requests drafting step i): gathered into request order on the device
+        drafting = np.arange(steps)[None, :] < limit[:, None]  # [P, steps]
+        off = np.concatenate([[0], np.cumsum(drafting.sum(0))])[:-1]
+        rank = np.cumsum(drafting, axis=0) - 1
+        plan.order = torch.from_numpy((off[None, :] + rank)[drafting]).to(self.device)
+        plan.counts = limit.astype(np.int32)
+        plan.cu = np.zeros(len(rows) + 1, np.int32)
+        np.cumsum(plan.counts, out=plan.cu[1:])
+        plan.core_ids = np.asarray([s.core_id for s in states], np.uint64)
+        plan.forward_tokens = [len(catch_up.tokens)] + [len(a) for a in plan.actives[1:]]
+        return plan
+
+    def _run_chains(self, plan: "_ChainPlan"):
+        """The catch-up forward, then the draft steps back to back (no host round trip per draft
+        position) -> (int64[N] the drafted tokens, request after request, as a device tensor; per
+        request q Tensor[k_j, V] or None when every draft is deterministic)."""
+        hidden = self._catch_up_forward(plan.catch_up)
+        steps = len(plan.actives)
+        if steps == 0:  # (a catch-up alone: prefill chunks)
+            return torch.zeros(0, dtype=torch.int64, device=hidden.device), None
+        logits = self.runner.logits(hidden[plan.last_rows])
+        tokens, probs_out = [], []
+        for i in range(steps):
+            tok, probs = sample_drafts(logits, plan.meta, plan.actives[i], i, plan.want_probs)
+            tokens.append(tok)
+            probs_out.append((plan.actives[i], probs))
+            if i + 1 == steps:
+                break
+            keep, pos_t, attn = plan.feeds[i]
+            hidden, _ = self.runner.forward(tok if keep is None else tok[keep], pos_t, attn)
+            logits = self.runner.logits(hidden)
+        q = gather_probs(probs_out, len(plan.counts), plan.counts) if plan.want_probs else None
+        return torch.cat(tokens)[plan.order], q
 
     def _draft_tree(self, inp, rows, roots, logits) -> Proposal:
         """Trees under the roots (int64[P] KV positions of each drafting request's last token)."""
@@ -135,63 +260,6 @@ class DraftModelProposer(Proposer):
         trees = draft_trees(self.tree, logits, None, cap, fed_cap, feed)
         return tree_proposal(np.asarray([inp.requests[r].core_id for r in rows], np.uint64), trees)
 
-    def _draft(self, inp, rows, next_pos, logits) -> Proposal:
-        """Chains of up to max_drafts per drafting request. Every draft step's rows, positions
-        and attention metadata are known before the first runs (request j drafts output
-        positions len(output) .. + limit[j] - 1 and feeds its drafts at KV positions next_pos[j]
-        ..), so they are built at once, the forwards go back to back, and the drafted tokens stay
-        device tensors until one copy at the end (no host round trip per draft position)."""
-        states = [inp.requests[r] for r in rows]
-        limit = inp.max_drafts[rows]
-        meta = None
-        if not all_greedy(states):
-            # draft i decides output position len(output) + i of its request
-            first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)
-            meta = sampling_metadata(states, device=self.device, positions=first_out)
-        want_probs = meta is not None and not meta.all_greedy
-        steps = int(limit.max())
-        actives = [np.flatnonzero(limit > i) for i in range(steps)]  # requests drafting token i
-        feeds = []  # per step i < steps - 1: (which of actives[i] feed draft i, positions, metadata)
-        if steps > 1 and len(actives[steps - 1]) == len(rows):  # every request drafts every step: one pass
-            for attn, pos_t in attention_metadata_for_decode_steps(inp.block_rows[rows], next_pos, steps - 1,
-                                                                   self.block_size, self.device):
-                feeds.append((None, pos_t, attn))
-        for i in range(len(feeds), steps - 1):
-            nxt = actives[i + 1]
-            positions = next_pos[nxt] + i
-            attn, _ = attention_metadata_for_runs(inp.block_rows[rows[nxt]], positions, np.ones(len(nxt), np.int64),
-                                                  self.block_size, self.device)
-            keep = None if len(nxt) == len(actives[i]) else torch.from_numpy(
-                np.searchsorted(actives[i], nxt)).to(self.device)
-            feeds.append((keep, torch.from_numpy(positions).to(self.device), attn))
-        # the draft KV these forwards write
-        self.records.will_write_runs(inp.block_rows[rows], next_pos.astype(np.int64),
-                                     (next_pos + limit - 1).astype(np.int64))
-        tokens, probs_out = [], []
-        for i in range(steps):
-            tok, probs = sample_drafts(logits, meta, actives[i], i, want_probs)
-            tokens.append(tok)
-            probs_out.append((actives[i], probs))
-            if i + 1 == steps:
-                break
-            keep, pos_t, attn = feeds[i]
-            hidden, _ = self.runner.forward(tok if keep is None else tok[keep], pos_t, attn)
-            logits = self.runner.logits(hidden)
-        drafted = np.zeros((len(rows), steps), dtype=np.int64)
-        flat_steps = torch.cat(tokens).cpu().numpy()  # the one copy back
-        off = 0
-        for i, active in enumerate(actives):
-            drafted[active, i] = flat_steps[off:off + len(active)]
-            off += len(active)
-        counts = limit.astype(np.int32)
-        cu = np.zeros(len(rows) + 1, np.int32)
-        np.cumsum(counts, out=cu[1:])
-        flat = np.concatenate([drafted[j, : counts[j]] for j in range(len(rows))])
-        q = None
-        if want_probs:
-            q = gather_probs(probs_out, len(rows), counts)
-        return Proposal(np.asarray([s.core_id for s in states], np.uint64), cu, flat, q)
-
 def _slot_ranges(req, slots, n):
     """(lo int64[distinct req], hi) smallest and largest slot fed per request (req grouped, ascending)."""
     lo = np.full(n, np.iinfo(np.int64).max, np.int64)
@@ -200,6 +268,28 @@ def _slot_ranges(req, slots, n):
     np.maximum.at(hi, req, slots)
     ids = np.unique(req)
     return lo[ids], hi[ids]
+
+
+class _CatchUp:
+    """The catch-up forward's runs: requests `live` (int64) feed positions starts[r] .. ends[r]."""
+
+    def __init__(self, live, starts, ends):
+        self.live, self.starts, self.ends = live, starts, ends
+        self.tokens = self.positions = self.attn = None  # device inputs, where some request catches up
+        self.records = None  # wrote_confirmed_runs' arguments, once the forward ran
+        self.core_ids = np.zeros(0, np.uint64)  # of the live requests
+
+
+class _ChainPlan:
+    """The host's part of a chain proposal (DraftModelProposer._chain_plan), for _run_chains."""
+
+    def __init__(self, catch_up, last_rows, meta, want_probs: bool):
+        self.catch_up, self.last_rows, self.meta, self.want_probs = catch_up, last_rows, meta, want_probs
+        self.actives: list = []  # per draft step: the drafting requests (rows of the proposal) int64
+        self.feeds: list = []  # per draft step but the last: (which of actives[i] feed it, positions, metadata)
+        self.writes: list = []  # (block rows, starts, ends) of every draft KV run the forwards write
+        self.order = self.counts = self.cu = self.core_ids = None
+        self.forward_tokens: list = []
 
 
 def _empty() -> Proposal:

@@ -151,6 +151,12 @@ class Proposer:
     def propose(self, inp: ProposalInput) -> Proposal:
         raise NotImplementedError
 
+    def launch_proposal(self, inp: ProposalInput, launch):
+        """propose() with the forwards launched where the target's run and the tokens left there
+        (spec_decode/launched_proposal.py) -> LaunchedProposal, or None: this proposer (or this
+        input) proposes on the host, through propose()."""
+        return None
+
     def propose_in_core(self, core_ids, k: int, budgets=None) -> int:
         """drafts_in_core proposers: set the drafts of the given requests in the core (those ready
         to decode, without a proposal; at most k, the platform's cap, each one's own limit and, where

@@ -275,6 +275,23 @@ impl SchedulerCore {
             .map_err(to_py)
     }
 
+    /// The tokens of stored proposals (placeholders set while they were drafted on the device),
+    /// allowed while the step verifying them is pending (Scheduler::replace_draft_tokens).
+    fn replace_draft_tokens(
+        &mut self,
+        py: Python<'_>,
+        req_ids: PyArrayLike1<'_, u64, AllowTypeChange>,
+        cu_num_draft: PyArrayLike1<'_, i32, AllowTypeChange>,
+        draft_token_ids: PyArrayLike1<'_, i64, AllowTypeChange>,
+    ) -> PyResult<()> {
+        let ids = req_ids.as_array().to_vec();
+        let cu = cu_num_draft.as_array().to_vec();
+        let drafts = token_ids("draft_token_ids", &draft_token_ids)?;
+        let inner = &mut self.inner;
+        py.detach(|| inner.replace_draft_tokens(&ids, &cu, &drafts))
+            .map_err(to_py)
+    }
+
     fn propose_ngram<'py>(
         &mut self,
         py: Python<'py>,

@@ -243,6 +243,33 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Overwrites the tokens of each request's stored proposal with `drafts` (at most as many
+    /// as it holds; its length and tree shape stay): the engine stores a proposal whose tokens are
+    /// still being drafted on the device as placeholders (`set_draft_tokens`), schedules and
+    /// launches the step that verifies them (the device fills the packed inputs), and gives the
+    /// tokens here once they exist — so allowed while that step is pending, before its
+    /// `update()` compares a split proposal's accepted drafts. Unknown ids are ignored.
+    pub fn replace_draft_tokens(
+        &mut self,
+        req_ids: &[RequestId],
+        cu_num_draft: &[i32],
+        drafts: &[u32],
+    ) -> Result<()> {
+        validate_cu("cu_num_draft", cu_num_draft, req_ids.len(), drafts.len())?;
+        for (i, id) in req_ids.iter().enumerate() {
+            let Some(&slot) = self.index.get(id) else {
+                continue;
+            };
+            let req = self.requests[slot as usize]
+                .as_mut()
+                .expect("indexed slot is live");
+            let d = &drafts[cu_num_draft[i] as usize..cu_num_draft[i + 1] as usize];
+            let n = d.len().min(req.draft_token_ids.len());
+            req.draft_token_ids[..n].copy_from_slice(&d[..n]);
+        }
+        Ok(())
+    }
+
     /// Prompt-lookup proposals for each request (empty for unknown ids), as
     /// (cu_num_draft [R + 1], draft token ids).
     pub fn propose_ngram(

@@ -65,6 +65,11 @@ enum Op {
         mode: u8,
         abort_pick: Option<usize>,
     },
+    /// a proposal drafted on the device: placeholders stored, its step scheduled with
+    /// them, the real tokens given while that step is pending (`launched_step`)
+    Launched {
+        seed: u64,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -81,6 +86,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|pick| Op::Finish { pick }),
         4 => (any::<u64>(), 0u8..4, prop::option::weighted(0.3, any::<usize>()))
             .prop_map(|(seed, mode, abort_pick)| Op::Ahead { seed, mode, abort_pick }),
+        2 => any::<u64>().prop_map(|seed| Op::Launched { seed }),
     ]
 }
 
@@ -670,6 +676,70 @@ fn complete_step(
     }
 }
 
+/// A proposal drafted on the device (`Op::Launched`; the engine's draft model): the core
+/// stores placeholders of its shape, the step that verifies it is scheduled and packed with
+/// them, the real tokens replace them while that step is pending (`replace_draft_tokens`),
+/// and the device's fill of the packed inputs and draft ids is simulated; the step then
+/// completes as any other (the simulated KV holds every confirmed token, a fully accepted
+/// split keeps the real rest).
+fn launched_step(
+    s: &mut Scheduler,
+    live: &mut Vec<u64>,
+    rng: &mut Rng,
+    kv: &mut SimKv,
+    trees: bool,
+) {
+    let mut cu = vec![0i32];
+    let mut real = vec![];
+    for _ in live.iter() {
+        for _ in 0..rng.below(5) {
+            real.push(rng.below(VOCAB as u64) as u32);
+        }
+        cu.push(real.len() as i32);
+    }
+    s.set_draft_tokens(live, &cu, &vec![0; real.len()], None)
+        .unwrap();
+    let mut out = s.schedule().unwrap();
+    check_batch(s, &out);
+    s.check_invariants().unwrap();
+    s.replace_draft_tokens(live, &cu, &real).unwrap();
+    for (i, &id) in live.iter().enumerate() {
+        if let Some(req) = s.request(id) {
+            let given = &real[cu[i] as usize..cu[i + 1] as usize];
+            assert_eq!(
+                req.draft_token_ids,
+                given[..req.draft_token_ids.len()],
+                "request {id}: a placeholder was left"
+            );
+        }
+    }
+    let (mut d0, mut t0) = (0usize, 0usize);
+    for r in 0..out.num_reqs() {
+        let v = out.num_draft_tokens[r] as usize;
+        let n = out.num_scheduled_tokens[r] as usize;
+        if v > 0 {
+            // the query holds n - 1 drafts after the last token; a split's last row verifies one more
+            let i = live.iter().position(|&id| id == out.req_ids[r]).unwrap();
+            let src = &real[cu[i] as usize..cu[i + 1] as usize];
+            assert!(n - 1 <= v && v <= src.len());
+            for j in 0..v {
+                out.draft_token_ids[d0 + j] = i64::from(src[j]);
+            }
+            for j in 0..n - 1 {
+                out.input_ids[t0 + 1 + j] = i64::from(src[j]);
+            }
+        }
+        d0 += v;
+        t0 += n;
+    }
+    kv.forward(&out, s.config().block_size);
+    if out.num_reqs() == 0 {
+        assert_eq!(s.num_running(), 0);
+        return;
+    }
+    complete_step(s, &out, live, rng, false, kv, trees);
+}
+
 /// Step N, and N+1 scheduled ahead of it (`Op::Ahead`). N+1 must decode exactly the
 /// requests N sampled that its token does not end by length (from placeholders, whose
 /// packed inputs the device fills from N's tokens), continue prompt chunks, never
@@ -935,6 +1005,9 @@ fn run(cfg: SchedulerConfig, ops: Vec<Op>, trees: bool) {
                 &mut kv,
                 trees,
             ),
+            Op::Launched { seed } => {
+                launched_step(&mut s, &mut live, &mut Rng(seed | 1), &mut kv, trees)
+            }
             Op::Abort { pick } | Op::Finish { pick } if !live.is_empty() => {
                 let id = live.remove(pick % live.len());
                 assert!(s.abort_request(id));
