@@ -6,14 +6,15 @@ launch (T = tokens in the step), and only through an explicit wait, as a CUDA la
 behave. The tiny model computes on the engine's forward thread in the overlapped loop (the
 engine's own thread in the serial one), well inside D.
 A draft model (the target's weights plus noise) stands in likewise: each of its forwards takes
---draft-ms + --per-token-us * T of modeled device time on the same device queue as the target's
-(its drafts are needed before the next step can be scheduled, so that time is on the critical
-path either way). With --draft-sync end (the default; what the proposer does: every draft step's
-metadata is built before the first runs, the forwards are launched back to back and the drafted
-tokens are copied back once) a draft forward queues its modeled time and returns, and the host
-waits for the device once, when the proposal is done; with --draft-sync each the host waits for
-every draft forward (a loop with a host round trip per draft position). Its LM head's real
-compute counts as device time (the target's runs inside its forward).
+--draft-ms + --per-token-us * T of modeled device time on the same device queue as the target's.
+In the overlapped loops the engine launches a proposal's forwards as one job where the forwards
+run (spec_decode/launched_proposal.py): its modeled time queues at launch, the tiny draft computes
+on the forward thread (on the engine's thread in the cuda loop, standing in for the launches' host
+cost), and the step verifying it is scheduled and launched behind it before its tokens exist. The
+serial loop drafts on the host: with --draft-sync end (the default) a draft forward queues its
+modeled time and returns and the host waits once, when the proposal is done; with --draft-sync
+each the host waits for every draft forward. Its LM head's real compute counts as device time
+there (the target's runs inside its forward).
 
 Per engine step (medians over repeats, loops and methods interleaved): wall, device (target
 forward + draft forwards), bubble = wall - device (the time the device would sit idle: host

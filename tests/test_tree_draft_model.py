@@ -67,7 +67,7 @@ def test_chain_tree_drafts_the_chain(target_and_draft):
     chain = [[0] * d for d in range(1, 4)]
     runs = []
     for tree in (None, chain):
-        gen = _gen(target_and_draft, tree, 3)
+        gen = _gen(target_and_draft, tree, 3, overlap_steps=False)  # (chains through propose(), not launched)
         seen = record_tree_proposals(gen)
         gen.generate(prompts(4), SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
         runs.append([(t, d) for t, _, d, _ in seen])
