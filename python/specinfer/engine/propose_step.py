@@ -256,11 +256,13 @@ class StepProposing:
             speculate &= max_drafts > 0
         num_scheduled = np.asarray(sched.num_scheduled_tokens, np.int64)
         num_rows = emitted.num_rows.astype(np.int64)
-        # a verified tree is shown to the proposer as the chain it accepted (root, path, the rest)
-        start = np.zeros(R + 1, np.int64)
-        np.cumsum(num_scheduled, out=start[1:])
-        order = chain_rows(start, num_scheduled, num_rows, getattr(emitted, "tree_paths", None))
-        target = TargetHidden(reorder_rows(hidden, order), reorder_rows(self.target_runner.last_aux, order))
+        target = None
+        if self.proposer.reads_target_hidden:
+            # a verified tree is shown to the proposer as the chain it accepted (root, path, the rest)
+            start = np.zeros(R + 1, np.int64)
+            np.cumsum(num_scheduled, out=start[1:])
+            order = chain_rows(start, num_scheduled, num_rows, getattr(emitted, "tree_paths", None))
+            target = TargetHidden(reorder_rows(hidden, order), reorder_rows(self.target_runner.last_aux, order))
         inp = ProposalInput(
             states, np.asarray(sched.num_computed_tokens, np.int64), num_scheduled,
             emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64),

@@ -147,9 +147,9 @@ class StepTransaction:
             self.engine.proposing.prepare_core_proposal(self.states)  # what the core's proposal reads of them
             self.engine.proposing.prepare(len(self.states))  # the policy's cost tables for the next proposal
             self.engine.proposing.plan(self.sched, self.states)  # and its choice, where made beside the forward
-            # a launched proposal's tokens (this step's forward is queued behind its forwards): the core's
-            self.engine.proposing.settle_launched()
         self.t["overlapped"] = time.perf_counter()
+        if self.engine.proposing is not None:  # a launched proposal's tokens (this step's forward is
+            self.engine.proposing.settle_launched()  # queued behind its forwards): the core's now
 
     def sample(self) -> None:
         """Wait for the forward; sample or verify its logits rows."""

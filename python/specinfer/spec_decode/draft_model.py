@@ -42,6 +42,7 @@ from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tre
 
 class DraftModelProposer(Proposer):
     aux_layers = ()
+    reads_target_hidden = False
 
     def __init__(self, spec, ctx, loaded=None):
         self.k = spec.num_speculative_tokens
@@ -70,6 +71,8 @@ class DraftModelProposer(Proposer):
     def propose(self, inp: ProposalInput) -> Proposal:
         if self.tree is not None:
             catch_up, rows, last_rows = self._catch_up(inp)
+            live = catch_up.live
+            self.records.will_write_runs(inp.block_rows[live], catch_up.starts[live], catch_up.ends[live])
             hidden = self._catch_up_forward(catch_up) if catch_up.tokens is not None else None
             self._wrote(catch_up)
             if not len(rows):
@@ -116,50 +119,53 @@ class DraftModelProposer(Proposer):
         records) -> (the runs, the drafting requests' rows int64[P], their last rows in the
         catch-up's hidden states int64[P])."""
         R = inp.num_requests
-        num_computed, scheduled = inp.num_computed, inp.num_scheduled
-        follow = inp.catch_up
-        starts = np.zeros(R, np.int64)
-        ends = np.zeros(R, np.int64)
-        level = np.zeros(R, dtype=bool)  # caught up with every confirmed token
+        num_computed, scheduled = inp.num_computed.tolist(), inp.num_scheduled.tolist()
+        follow, sampled = inp.catch_up.tolist(), inp.sampled.tolist()
+        starts, ends = [0] * R, [0] * R
+        level = [False] * R  # caught up with every confirmed token
+        tokens: list[int] = []
+        num_seen = self.num_seen
         # The target's scheduled tokens plus each sampled request's new token: in steady state
         # that is exactly what the draft must see, so only a catch-up after a pause is spread.
-        budget = self.max_catch_up_tokens + int(inp.sampled.sum())
+        budget = self.max_catch_up_tokens + sum(sampled)
         for r, st in enumerate(inp.requests):
             if st.finished or not follow[r]:
                 continue
             # confirmed tokens: through the new token when sampled, else the prefill chunk
-            confirmed = st.num_tokens if inp.sampled[r] else num_computed[r] + scheduled[r]
-            start = self.num_seen.get(st.core_id)
+            confirmed = st.num_tokens if sampled[r] else num_computed[r] + scheduled[r]
+            start = num_seen.get(st.core_id)
             if start is None:  # first sight: reuse only blocks whose draft KV this draft wrote
-                start = self.records.reusable_tokens(st, inp.block_rows[r], int(num_computed[r]))
+                start = self.records.reusable_tokens(st, inp.block_rows[r], num_computed[r])
             end = min(confirmed, start + budget)
-            budget -= end - start
+            if end > start:
+                budget -= end - start
+                tokens += st.tokens_slice(start, end)
             starts[r], ends[r] = start, end
-            self.num_seen[st.core_id] = int(end)
+            num_seen[st.core_id] = end
             level[r] = end == confirmed
+        starts, ends = np.array(starts, np.int64), np.array(ends, np.int64)
         live = np.flatnonzero(ends > starts)
         run = _CatchUp(live, starts, ends)
         if len(live):
-            self.records.will_write_runs(inp.block_rows[live], starts[live], ends[live])
-            run.tokens = torch.from_numpy(np.fromiter(
-                (t for r in live for t in inp.requests[r].tokens_slice(starts[r], ends[r])),
-                dtype=np.int64)).to(self.device)
-            run.attn, positions = attention_metadata_for_runs(inp.block_rows[live], starts[live],
-                                                              ends[live] - starts[live], self.block_size,
-                                                              self.device)
-            run.positions = torch.from_numpy(positions).to(self.device)
-            run.records = ([inp.requests[r] for r in live], inp.block_rows[live], starts[live], ends[live])
+            run.tokens = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            run.block_rows = inp.block_rows[live]
+            run.records = ([inp.requests[r] for r in live], run.block_rows, starts[live], ends[live])
             run.core_ids = np.fromiter((inp.requests[r].core_id for r in live), np.uint64, len(live))
         # a request drafts when it is level and its last confirmed token went through this forward
         ran = np.zeros(R, dtype=bool)
         ran[live] = True
-        rows = np.flatnonzero(level & ran & (inp.max_drafts > 0))
+        rows = np.flatnonzero(np.array(level) & ran & (inp.max_drafts > 0))
         last_row_of = np.cumsum(ends[live] - starts[live]) - 1  # per live request
         last_rows = last_row_of[np.searchsorted(live, rows)] if len(rows) else np.zeros(0, np.int64)
         return run, rows, last_rows.astype(np.int64)
 
     def _catch_up_forward(self, run: "_CatchUp") -> torch.Tensor:
-        return self.runner.forward(run.tokens, run.positions, run.attn)[0]
+        """The catch-up's forward (its metadata built here: where a proposal is launched, that is
+        where the forwards run)."""
+        live = run.live
+        attn, positions = attention_metadata_for_runs(run.block_rows, run.starts[live], run.ends[live] - run.starts[live],
+                                                      self.block_size, self.device)
+        return self.runner.forward(run.tokens, torch.from_numpy(positions).to(self.device), attn)[0]
 
     def _wrote(self, run: "_CatchUp") -> None:
         """The draft KV records of the blocks the catch-up completed."""
@@ -168,14 +174,15 @@ class DraftModelProposer(Proposer):
             run.records = None
 
     def _chain_plan(self, inp: ProposalInput) -> "_ChainPlan | None":
-        """Everything the chains' forwards need, built on the host before the first runs: the
-        catch-up, and every draft step's rows, positions and attention metadata (request j drafts
-        output positions len(output) .. + limit[j] - 1 and feeds its drafts at KV positions
-        next_pos[j] ..). None: nothing to run (no request catches up or drafts)."""
+        """The host's part of the chains (request j drafts output positions len(output) .. +
+        limit[j] - 1 and feeds its drafts at KV positions next_pos[j] ..): the catch-up's inputs,
+        which requests draft which steps, the draft KV records, the proposal's shape; the draft
+        steps' inputs are built by the job itself (_feeds). None: nothing to run (no request
+        catches up or drafts)."""
         catch_up, rows, last_rows = self._catch_up(inp)
         if catch_up.tokens is None:
             return None
-        next_pos = catch_up.ends[rows]
+        next_pos = catch_up.ends[rows]  # (a drafting request caught up: rows are live)
         states = [inp.requests[r] for r in rows]
         limit = inp.max_drafts[rows]
         meta = None
@@ -187,35 +194,45 @@ class DraftModelProposer(Proposer):
                           meta is not None and not meta.all_greedy)
         steps = int(limit.max(initial=0))
         plan.actives = [np.flatnonzero(limit > i) for i in range(steps)]  # requests drafting token i
-        if steps > 1 and len(plan.actives[steps - 1]) == len(rows):  # every request drafts every step: one pass
-            for attn, pos_t in attention_metadata_for_decode_steps(inp.block_rows[rows], next_pos, steps - 1,
-                                                                   self.block_size, self.device):
-                plan.feeds.append((None, pos_t, attn))
-        for i in range(len(plan.feeds), steps - 1):
-            nxt = plan.actives[i + 1]
-            positions = next_pos[nxt] + i
-            attn, _ = attention_metadata_for_runs(inp.block_rows[rows[nxt]], positions, np.ones(len(nxt), np.int64),
-                                                  self.block_size, self.device)
-            keep = None if len(nxt) == len(plan.actives[i]) else torch.from_numpy(
-                np.searchsorted(plan.actives[i], nxt)).to(self.device)
-            plan.feeds.append((keep, torch.from_numpy(positions).to(self.device), attn))
-        # the draft KV these forwards write
-        draft_runs = (inp.block_rows[rows], next_pos.astype(np.int64), (next_pos + limit - 1).astype(np.int64))
-        self.records.will_write_runs(*draft_runs)
+        plan.draft_rows = (inp.block_rows[rows], next_pos)  # what _feeds builds the draft steps' inputs from
+        # the draft KV these forwards write: the catch-up's runs, and a drafting request's run on
+        # through its fed drafts (one pass over the records)
         live = catch_up.live
-        plan.writes = [(inp.block_rows[live], catch_up.starts[live], catch_up.ends[live]), draft_runs]
-        # the drafted tokens come out step after step; request j's are at off[i] + (its rank among
-        # the requests drafting step i): gathered into request order on the device
-        drafting = np.arange(steps)[None, :] < limit[:, None]  # [P, steps]
-        off = np.concatenate([[0], np.cumsum(drafting.sum(0))])[:-1]
-        rank = np.cumsum(drafting, axis=0) - 1
-        plan.order = torch.from_numpy((off[None, :] + rank)[drafting]).to(self.device)
+        ends = catch_up.ends.copy()
+        ends[rows] += limit - 1
+        plan.writes = [(inp.block_rows[live], catch_up.starts[live], ends[live])]
+        self.records.will_write_runs(*plan.writes[0])
         plan.counts = limit.astype(np.int32)
         plan.cu = np.zeros(len(rows) + 1, np.int32)
         np.cumsum(plan.counts, out=plan.cu[1:])
         plan.core_ids = np.asarray([s.core_id for s in states], np.uint64)
         plan.forward_tokens = [len(catch_up.tokens)] + [len(a) for a in plan.actives[1:]]
         return plan
+
+    def _feeds(self, plan: "_ChainPlan") -> tuple[list, torch.Tensor]:
+        """The draft steps' inputs, built where the forwards run (they are the device's part of the
+        proposal: on the forward thread, off the engine's critical path): per draft step but the
+        last, (which of actives[i] feed it, positions, attention metadata); and where the drafted
+        tokens, coming out step after step, go in request order (request j's draft i is at off[i] +
+        its rank among the requests drafting step i)."""
+        block_rows, next_pos = plan.draft_rows
+        steps, actives, feeds = len(plan.actives), plan.actives, []
+        if steps > 1 and len(actives[steps - 1]) == len(actives[0]):  # every request drafts every step: one pass
+            for attn, pos_t in attention_metadata_for_decode_steps(block_rows, next_pos, steps - 1, self.block_size,
+                                                                   self.device):
+                feeds.append((None, pos_t, attn))
+        for i in range(len(feeds), steps - 1):
+            nxt = actives[i + 1]
+            positions = next_pos[nxt] + i
+            attn, _ = attention_metadata_for_runs(block_rows[nxt], positions, np.ones(len(nxt), np.int64),
+                                                  self.block_size, self.device)
+            keep = None if len(nxt) == len(actives[i]) else torch.from_numpy(
+                np.searchsorted(actives[i], nxt)).to(self.device)
+            feeds.append((keep, torch.from_numpy(positions).to(self.device), attn))
+        drafting = np.arange(steps)[None, :] < plan.counts[:, None]  # [P, steps]
+        off = np.concatenate([[0], np.cumsum(drafting.sum(0))])[:-1]
+        rank = np.cumsum(drafting, axis=0) - 1
+        return feeds, torch.from_numpy((off[None, :] + rank)[drafting]).to(self.device)
 
     def _run_chains(self, plan: "_ChainPlan"):
         """The catch-up forward, then the draft steps back to back (no host round trip per draft
@@ -226,6 +243,7 @@ class DraftModelProposer(Proposer):
         if steps == 0:  # (a catch-up alone: prefill chunks)
             return torch.zeros(0, dtype=torch.int64, device=hidden.device), None
         logits = self.runner.logits(hidden[plan.last_rows])
+        feeds, order = self._feeds(plan)  # (beside the catch-up, where the device computes asynchronously)
         tokens, probs_out = [], []
         for i in range(steps):
             tok, probs = sample_drafts(logits, plan.meta, plan.actives[i], i, plan.want_probs)
@@ -233,11 +251,11 @@ class DraftModelProposer(Proposer):
             probs_out.append((plan.actives[i], probs))
             if i + 1 == steps:
                 break
-            keep, pos_t, attn = plan.feeds[i]
+            keep, pos_t, attn = feeds[i]
             hidden, _ = self.runner.forward(tok if keep is None else tok[keep], pos_t, attn)
             logits = self.runner.logits(hidden)
         q = gather_probs(probs_out, len(plan.counts), plan.counts) if plan.want_probs else None
-        return torch.cat(tokens)[plan.order], q
+        return torch.cat(tokens)[order], q
 
     def _draft_tree(self, inp, rows, roots, logits) -> Proposal:
         """Trees under the roots (int64[P] KV positions of each drafting request's last token)."""
@@ -275,7 +293,8 @@ class _CatchUp:
 
     def __init__(self, live, starts, ends):
         self.live, self.starts, self.ends = live, starts, ends
-        self.tokens = self.positions = self.attn = None  # device inputs, where some request catches up
+        self.tokens = None  # int64[T] the tokens fed, where some request catches up
+        self.block_rows = None  # int32[len(live), W]
         self.records = None  # wrote_confirmed_runs' arguments, once the forward ran
         self.core_ids = np.zeros(0, np.uint64)  # of the live requests
 
@@ -286,9 +305,9 @@ class _ChainPlan:
     def __init__(self, catch_up, last_rows, meta, want_probs: bool):
         self.catch_up, self.last_rows, self.meta, self.want_probs = catch_up, last_rows, meta, want_probs
         self.actives: list = []  # per draft step: the drafting requests (rows of the proposal) int64
-        self.feeds: list = []  # per draft step but the last: (which of actives[i] feed it, positions, metadata)
+        self.draft_rows = None  # (block rows int32[P, W], next KV position int64[P]) of the drafting requests
         self.writes: list = []  # (block rows, starts, ends) of every draft KV run the forwards write
-        self.order = self.counts = self.cu = self.core_ids = None
+        self.counts = self.cu = self.core_ids = None
         self.forward_tokens: list = []
 
 

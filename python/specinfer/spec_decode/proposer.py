@@ -46,7 +46,7 @@ class ProposalInput:
     # alive; every alive one for proposers that see every step)
     catch_up: np.ndarray
     block_rows: np.ndarray  # int32[R, W] each request's block table row
-    hidden: TargetHidden
+    hidden: TargetHidden | None  # None for a proposer that does not read it (reads_target_hidden)
 
     @property
     def num_requests(self) -> int:
@@ -138,6 +138,7 @@ class Proposer:
     # or pause shapes the budgets, the step hands it the scheduled requests and skips
     # ProposalInput (propose_in_core)
     drafts_in_core: bool = False
+    reads_target_hidden: bool = True  # reads ProposalInput.hidden (else it is None)
 
     def bind_kv_caches(self, kv_caches_per_model: list, backend) -> None:
         """The KV caches of `kv_models`, once allocated."""
