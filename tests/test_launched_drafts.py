@@ -61,7 +61,7 @@ def _summary(outs):
             for o in outs]
 
 
-@pytest.mark.parametrize("case", ["default", "split", "preempting", "like_cuda", "k1"])
+@pytest.mark.parametrize("case", ["default", "split", "preempting", "like_cuda", "k1", "penalized"])
 def test_launched_proposals_equal_the_serial_loop(models, case):
     kw, like_cuda, k = {}, False, 3
     if case == "split":  # the budget verifies a prefix of a proposal (its last row the draft after it)
@@ -73,6 +73,8 @@ def test_launched_proposals_equal_the_serial_loop(models, case):
     elif case == "k1":
         k = 1
     prompts, params = _prompts(10), _params(10)
+    if case == "penalized":  # while a penalized request runs, proposals are drafted on the host (its
+        params[2] = SamplingParams(max_tokens=8, repetition_penalty=1.3)  # verification reads its drafts)
     serial = _generator(models, k, overlap_steps=False, **kw)
     launched = _generator(models, k, like_cuda, **kw)
     assert serial.engine.proposing.launch_job is None and launched.engine.proposing.launch_job is not None

@@ -252,6 +252,7 @@ class LLMEngine:
         # before their tokens exist (spec_decode/launched_proposal.py)
         if self.proposing is not None and overlap_steps and self.executor.tensor_parallel_size == 1:
             self.proposing.launch_job = self.executor.launch_job
+            self.proposing.history_readers = self._history_readers
         self.num_scheduled_ahead = 0  # plain steps launched before the previous one's tokens (launch_ahead)
         self.num_launched_next = 0  # steps launched by _launch_next (right after the previous update)
         self.last_failed_request_ids: list[str] = []  # requests of the last step that raised

@@ -92,6 +92,7 @@ class StepProposing:
         # the executor's launch_job; a proposer that can (a draft model's chains) then launches its
         # forwards there and the next step is scheduled before its tokens exist (launch_proposal)
         self.launch_job = None
+        self.history_readers: set = set()  # the engine's ids of requests with penalties, grammars, min_tokens
         self.launched = None  # the LaunchedProposal whose tokens the core does not hold yet
         self.num_launched = 0  # proposals with drafts launched so far
         self._forgotten: set = set()  # core ids forgotten while a proposal was launched
@@ -268,8 +269,9 @@ class StepProposing:
             emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64),
             num_rows, sampled, np.where(speculate, max_drafts, 0),
             alive if sees_every_step else wants & alive, request_block_rows(sched), target)
+        readers = self.history_readers  # (a penalized request's verification reads its drafts on the host)
         if (self.launch_job is not None and not any_grammar and not forced
-                and not any(st.params.penalized for st in states)):
+                and not (readers and any(st.core_id in readers and st.params.penalized for st in states))):
             launched = self.proposer.launch_proposal(inp, self.launch_job)
             if launched is not None:
                 self._placeholders(launched)
@@ -321,6 +323,7 @@ class StepProposing:
         if launched is None:
             return
         tokens, q = launched.wait()
+        launched.settled()
         if len(launched.core_ids):
             self.get_core().replace_draft_tokens(launched.core_ids, launched.cu_num_draft, tokens)
             if q is not None:

@@ -83,7 +83,7 @@ class DraftModelProposer(Proposer):
         if plan is None:
             return _empty()
         tokens, q = self._run_chains(plan)  # here: the catch-up, then the draft steps back to back
-        self._wrote(plan.catch_up)
+        self._records_after(plan)
         if not len(plan.core_ids):
             return _empty()
         return Proposal(plan.core_ids, plan.cu, tokens.cpu().numpy(), q)  # the one copy back
@@ -99,20 +99,27 @@ class DraftModelProposer(Proposer):
         plan = self._chain_plan(inp)
         if plan is None:
             return LaunchedProposal.empty()
-        self._wrote(plan.catch_up)  # (the device runs the catch-up before anything that reads the records)
         try:
             pending = launch(partial(self._run_chains, plan), plan.forward_tokens)
         except BaseException:
             self._undo(plan)
             raise
-        return LaunchedProposal(plan.core_ids, plan.cu, pending, partial(self._undo, plan))
+        # the draft KV records follow once the forwards ran (nothing reads them before: the next
+        # proposal comes after the engine settled this one)
+        return LaunchedProposal(plan.core_ids, plan.cu, pending, partial(self._undo, plan),
+                                partial(self._records_after, plan))
+
+    def _records_after(self, plan) -> None:
+        """The draft KV records once the proposal's forwards ran: the blocks they wrote hold no
+        valid prefix any more, but for those the catch-up completed with confirmed tokens."""
+        self.records.will_write_runs(*plan.writes)
+        self._wrote(plan.catch_up)
 
     def _undo(self, plan) -> None:
-        """A launched proposal whose forwards may not all have run: its blocks' draft KV is not what
-        the records say, and its requests' catch-up starts over."""
-        for block_rows, starts, ends in plan.writes:
-            self.records.will_write_runs(block_rows, starts, ends)
-        self.forget(plan.catch_up.core_ids.tolist())
+        """A launched proposal whose forwards may not all have run: the blocks they write hold no
+        valid prefix, and its requests' catch-up starts over."""
+        self.records.will_write_runs(*plan.writes)
+        self.forget([st.core_id for st in plan.catch_up.states])
 
     def _catch_up(self, inp: ProposalInput) -> tuple["_CatchUp", np.ndarray, np.ndarray]:
         """The catch-up forward's runs (host bookkeeping: what each request has seen, the draft KV
@@ -147,10 +154,10 @@ class DraftModelProposer(Proposer):
         live = np.flatnonzero(ends > starts)
         run = _CatchUp(live, starts, ends)
         if len(live):
-            run.tokens = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            run.tokens = torch.from_numpy(np.array(tokens, dtype=np.int64)).to(self.device)
             run.block_rows = inp.block_rows[live]
-            run.records = ([inp.requests[r] for r in live], run.block_rows, starts[live], ends[live])
-            run.core_ids = np.fromiter((inp.requests[r].core_id for r in live), np.uint64, len(live))
+            run.states = [inp.requests[r] for r in live]
+            run.records = (run.states, run.block_rows, starts[live], ends[live])
         # a request drafts when it is level and its last confirmed token went through this forward
         ran = np.zeros(R, dtype=bool)
         ran[live] = True
@@ -200,8 +207,7 @@ class DraftModelProposer(Proposer):
         live = catch_up.live
         ends = catch_up.ends.copy()
         ends[rows] += limit - 1
-        plan.writes = [(inp.block_rows[live], catch_up.starts[live], ends[live])]
-        self.records.will_write_runs(*plan.writes[0])
+        plan.writes = (inp.block_rows[live], catch_up.starts[live], ends[live])
         plan.counts = limit.astype(np.int32)
         plan.cu = np.zeros(len(rows) + 1, np.int32)
         np.cumsum(plan.counts, out=plan.cu[1:])
@@ -296,7 +302,7 @@ class _CatchUp:
         self.tokens = None  # int64[T] the tokens fed, where some request catches up
         self.block_rows = None  # int32[len(live), W]
         self.records = None  # wrote_confirmed_runs' arguments, once the forward ran
-        self.core_ids = np.zeros(0, np.uint64)  # of the live requests
+        self.states: list = []  # of the live requests
 
 
 class _ChainPlan:
@@ -306,7 +312,7 @@ class _ChainPlan:
         self.catch_up, self.last_rows, self.meta, self.want_probs = catch_up, last_rows, meta, want_probs
         self.actives: list = []  # per draft step: the drafting requests (rows of the proposal) int64
         self.draft_rows = None  # (block rows int32[P, W], next KV position int64[P]) of the drafting requests
-        self.writes: list = []  # (block rows, starts, ends) of every draft KV run the forwards write
+        self.writes = None  # (block rows, starts, ends): the draft KV runs the forwards write
         self.counts = self.cu = self.core_ids = None
         self.forward_tokens: list = []
 

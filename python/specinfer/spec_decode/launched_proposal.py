@@ -20,15 +20,17 @@ class LaunchedProposal:
     `pending` (executor PendingForward) -> (int64[N] the drafted tokens request after request,
     where the forwards run; per request q Tensor[k_j, V] or None, or None when every draft is
     deterministic); `undo()`: the proposer forgets what the forwards would have written (they
-    failed, or their step was undone)."""
+    failed, or their step was undone); `settled()`: its bookkeeping once they ran (the draft KV
+    records), off the critical path."""
 
-    def __init__(self, core_ids: np.ndarray, cu_num_draft: np.ndarray, pending, undo):
+    def __init__(self, core_ids: np.ndarray, cu_num_draft: np.ndarray, pending, undo, settled=None):
         self.core_ids, self.cu_num_draft, self.pending, self._undo = core_ids, cu_num_draft, pending, undo
+        self.settled = settled if settled is not None else _nothing
         self.row_of = {cid: j for j, cid in enumerate(core_ids.tolist())}  # core id -> row of the proposal
 
     @classmethod
     def empty(cls) -> "LaunchedProposal":
-        return cls(np.zeros(0, np.uint64), np.zeros(1, np.int32), None, lambda: None)
+        return cls(np.zeros(0, np.uint64), np.zeros(1, np.int32), None, _nothing)
 
     @property
     def num_drafts(self) -> int:
@@ -50,3 +52,7 @@ class LaunchedProposal:
         if self.pending is not None:
             self.pending.settle()
         self._undo()
+
+
+def _nothing() -> None:
+    pass
