@@ -699,16 +699,30 @@ fn launched_step(
     }
     s.set_draft_tokens(live, &cu, &vec![0; real.len()], None)
         .unwrap();
+    // the engine's proposal holds only requests ready to decode (the others keep what they had)
+    let mut ids = vec![];
+    let mut pcu = vec![0i32];
+    let mut given = vec![];
+    for (i, &id) in live.iter().enumerate() {
+        let req = s.request(id).unwrap();
+        if req.status == specinfer_scheduler::RequestStatus::Running
+            && req.num_computed_tokens + 1 == req.num_tokens()
+        {
+            ids.push(id);
+            given.extend_from_slice(&real[cu[i] as usize..cu[i + 1] as usize]);
+            pcu.push(given.len() as i32);
+        }
+    }
     let mut out = s.schedule().unwrap();
     check_batch(s, &out);
     s.check_invariants().unwrap();
-    s.replace_draft_tokens(live, &cu, &real).unwrap();
-    for (i, &id) in live.iter().enumerate() {
+    s.replace_draft_tokens(&ids, &pcu, &given).unwrap();
+    for (j, &id) in ids.iter().enumerate() {
         if let Some(req) = s.request(id) {
-            let given = &real[cu[i] as usize..cu[i + 1] as usize];
+            let mine = &given[pcu[j] as usize..pcu[j + 1] as usize];
             assert_eq!(
                 req.draft_token_ids,
-                given[..req.draft_token_ids.len()],
+                mine[..req.draft_token_ids.len()],
                 "request {id}: a placeholder was left"
             );
         }
@@ -717,10 +731,14 @@ fn launched_step(
     for r in 0..out.num_reqs() {
         let v = out.num_draft_tokens[r] as usize;
         let n = out.num_scheduled_tokens[r] as usize;
-        if v > 0 {
+        // (a run whose request holds an older proposal has its real drafts already)
+        if let Some(j) = ids
+            .iter()
+            .position(|&id| id == out.req_ids[r])
+            .filter(|_| v > 0)
+        {
             // the query holds n - 1 drafts after the last token; a split's last row verifies one more
-            let i = live.iter().position(|&id| id == out.req_ids[r]).unwrap();
-            let src = &real[cu[i] as usize..cu[i + 1] as usize];
+            let src = &given[pcu[j] as usize..pcu[j + 1] as usize];
             assert!(n - 1 <= v && v <= src.len());
             for j in 0..v {
                 out.draft_token_ids[d0 + j] = i64::from(src[j]);
