@@ -2,8 +2,10 @@
 Llama whose forward (~0.1-0.3 ms) runs on the engine's forward thread, so the host's Python and
 the "device" share the GIL and two cores. Tokens/s of the serial loop, the overlapped loop with
 each step scheduled by the next call (`schedule_ahead=False`) and the default (plain steps
-scheduled ahead, n-gram steps launched right after the update), methods and loops interleaved,
-medians over repeats; every loop's tokens are checked equal.
+scheduled ahead, n-gram steps launched right after the update; a draft model's proposals launched
+on the forward thread in both overlapped loops), methods and loops interleaved, medians over
+repeats; every loop's tokens are checked equal. The draft model is the target's weights plus
+noise (as large as the target: its forwards cost what the target's do).
 
     python benches/loops_cpu.py --batch 32 --repeats 7
     python benches/loops_cpu.py --batch 1 --repeats 7
@@ -34,9 +36,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     models = Path(tempfile.mkdtemp())
     build_tiny_llama(models / "target")
+    build_tiny_llama(models / "draft", base=models / "target", perturb=0.02)
     prompts = repetitive_prompts(args.batch, args.prompt_len)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    methods = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"}}
+    methods = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": args.k, "policy": "fixed"},
+               "draft_model": {"method": "draft_model", "model": str(models / "draft"),
+                               "num_speculative_tokens": args.k, "policy": "fixed"}}
     gens = {(m, loop): Generator(str(models / "target"), speculative=spec, enable_prefix_caching=False,
                                  max_model_len=args.prompt_len + args.new_tokens + 16,
                                  num_kv_blocks=args.batch * 16 + 64, **kw)

@@ -156,3 +156,38 @@ def test_faults_with_a_launched_proposal_leave_outputs_exact(models, where, like
     eng = faults_leave_outputs_exact(_generator(models, overlap_steps=False), _generator(models, like_cuda=like_cuda),
                                      _prompts(8, seed=5), params, inject, min_faults=3)
     assert eng.proposing.num_launched >= 5 and eng.proposing.launched is None
+
+
+def test_the_steady_catch_up_equals_the_general_one(models, monkeypatch):
+    """The draft's catch-up in the steady state (every following request got tokens and had seen
+    all before them: this step's tokens, read from the emitted ones at once) equals the general
+    per-request pass, and is what most steps take."""
+    from specinfer.spec_decode.draft_model import DraftModelProposer
+
+    steady_catch_up, general = DraftModelProposer._steady_catch_up, DraftModelProposer._catch_up
+    taken = []
+
+    def both(self, inp):
+        seen = dict(self.num_seen)
+        fast = steady_catch_up(self, inp)
+        taken.append(fast is not None)
+        if fast is None:
+            return general(self, inp)
+        after, self.num_seen = self.num_seen, seen
+        monkeypatch.setattr(DraftModelProposer, "_steady_catch_up", lambda self, inp: None)
+        slow = general(self, inp)
+        monkeypatch.setattr(DraftModelProposer, "_steady_catch_up", steady_catch_up)
+        assert after == self.num_seen
+        for a, b in zip(fast[1:], slow[1:]):
+            assert a.tolist() == b.tolist()
+        run_f, run_s = fast[0], slow[0]
+        assert run_f.live.tolist() == run_s.live.tolist() and run_f.starts.tolist() == run_s.starts.tolist()
+        assert run_f.ends.tolist() == run_s.ends.tolist()
+        assert (run_f.tokens is None and run_s.tokens is None) or run_f.tokens.tolist() == run_s.tokens.tolist()
+        return fast
+
+    monkeypatch.setattr(DraftModelProposer, "_catch_up", both)
+    gen = _generator(models, max_num_batched_tokens=12)  # chunked prompts: the general pass too
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, speculate=i != 2) for i in range(6)]
+    gen.generate(_prompts(6, seed=9), params, use_tqdm=False)
+    assert sum(taken) >= 5 and not all(taken)

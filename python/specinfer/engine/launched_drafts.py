@@ -15,6 +15,8 @@ from collections import ChainMap
 import numpy as np
 import torch
 
+from specinfer.spec_decode.launched_proposal import concat_ranges
+
 
 class DraftFill:
     def __init__(self, sched, launched, device: torch.device):
@@ -33,8 +35,8 @@ class DraftFill:
         first = self.launched.cu_num_draft[rows].astype(np.int64)  # the run's drafts in the tokens
         # the verifier reads all v drafts; the inputs hold n - 1 of them (a split proposal's last
         # logits row verifies the draft after its query)
-        self.draft_pos, self.src = _ranges(cu_draft, v), _ranges(first, v)
-        self.input_pos, in_src = _ranges(tok_start + 1, n[runs] - 1), _ranges(first, n[runs] - 1)
+        self.draft_pos, self.src = concat_ranges(cu_draft, v), concat_ranges(first, v)
+        self.input_pos, in_src = concat_ranges(tok_start + 1, n[runs] - 1), concat_ranges(first, n[runs] - 1)
         self._input_pos_t = torch.from_numpy(self.input_pos).to(device)
         self._in_src_t = torch.from_numpy(in_src).to(device)
         self._src_t = torch.from_numpy(self.src).to(device)
@@ -67,8 +69,3 @@ def verify_filled(step_sampler, fill: DraftFill, logits, sched, states, draft_pr
     return step_sampler(logits, sched, states, fill.draft_probs(draft_probs), masks, positions,
                         draft_ids=fill.draft_ids(sched))
 
-
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """int64: starts[i] .. starts[i] + lens[i] - 1, one range after another."""
-    lens = lens.astype(np.int64)
-    return np.repeat(starts.astype(np.int64) - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))

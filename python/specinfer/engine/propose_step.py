@@ -268,7 +268,8 @@ class StepProposing:
             states, np.asarray(sched.num_computed_tokens, np.int64), num_scheduled,
             emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64),
             num_rows, sampled, np.where(speculate, max_drafts, 0),
-            alive if sees_every_step else wants & alive, request_block_rows(sched), target)
+            alive if sees_every_step else wants & alive, request_block_rows(sched), target,
+            (emitted.token_ids, emitted.cu_num_emitted))
         readers = self.history_readers  # (a penalized request's verification reads its drafts on the host)
         if (self.launch_job is not None and not any_grammar and not forced
                 and not (readers and any(st.core_id in readers and st.params.penalized for st in states))):

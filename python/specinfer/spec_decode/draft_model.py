@@ -35,7 +35,7 @@ from specinfer.models.model_runner import ModelRunner
 from specinfer.sample.request_rows import all_greedy, sampling_metadata
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
 from specinfer.spec_decode.draft_kv_records import DraftKvRecords
-from specinfer.spec_decode.launched_proposal import LaunchedProposal
+from specinfer.spec_decode.launched_proposal import LaunchedProposal, concat_ranges
 from specinfer.spec_decode.proposer import Proposal, ProposalInput, Proposer
 from specinfer.spec_decode.tree_drafting import draft_trees, tree_lookahead, tree_proposal
 
@@ -125,6 +125,9 @@ class DraftModelProposer(Proposer):
         """The catch-up forward's runs (host bookkeeping: what each request has seen, the draft KV
         records) -> (the runs, the drafting requests' rows int64[P], their last rows in the
         catch-up's hidden states int64[P])."""
+        steady = self._steady_catch_up(inp)
+        if steady is not None:
+            return steady
         R = inp.num_requests
         num_computed, scheduled = inp.num_computed.tolist(), inp.num_scheduled.tolist()
         follow, sampled = inp.catch_up.tolist(), inp.sampled.tolist()
@@ -150,18 +153,51 @@ class DraftModelProposer(Proposer):
             starts[r], ends[r] = start, end
             num_seen[st.core_id] = end
             level[r] = end == confirmed
-        starts, ends = np.array(starts, np.int64), np.array(ends, np.int64)
+        return self._catch_up_runs(inp, np.array(starts, np.int64), np.array(ends, np.int64),
+                                   np.array(tokens, dtype=np.int64), np.array(level))
+
+    def _steady_catch_up(self, inp: ProposalInput):
+        """_catch_up where every request that follows got tokens this step and had seen every
+        token before them (the steady state): its catch-up is exactly this step's tokens, read from
+        the emitted ones, array at a time. None where some request is otherwise (a prefill chunk,
+        a first sight, a catch-up after a pause)."""
+        if inp.emitted is None:
+            return None
+        follow = inp.catch_up
+        if (follow & ~inp.sampled).any():
+            return None
+        flat, cu = inp.emitted
+        n_new = np.diff(cu).astype(np.int64)
+        num_seen = self.num_seen
+        f = np.flatnonzero(follow)
+        states = [inp.requests[r] for r in f.tolist()]
+        seen = np.array([num_seen.get(st.core_id, -1) for st in states], np.int64)
+        confirmed = np.array([st.num_tokens for st in states], np.int64)
+        n = n_new[f]
+        if (seen < 0).any() or (seen + n != confirmed).any() or int(n.sum()) > self.max_catch_up_tokens + len(f):
+            return None
+        for st, end in zip(states, confirmed.tolist()):
+            num_seen[st.core_id] = end
+        R = inp.num_requests
+        starts, ends = np.zeros(R, np.int64), np.zeros(R, np.int64)
+        starts[f], ends[f] = seen, confirmed
+        tokens = flat if len(f) == R else flat[concat_ranges(cu[:-1][f], n)]
+        level = np.zeros(R, dtype=bool)
+        level[f] = True
+        return self._catch_up_runs(inp, starts, ends, tokens, level)
+
+    def _catch_up_runs(self, inp, starts, ends, tokens, level):
         live = np.flatnonzero(ends > starts)
         run = _CatchUp(live, starts, ends)
         if len(live):
-            run.tokens = torch.from_numpy(np.array(tokens, dtype=np.int64)).to(self.device)
+            run.tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(self.device)
             run.block_rows = inp.block_rows[live]
-            run.states = [inp.requests[r] for r in live]
+            run.states = [inp.requests[r] for r in live.tolist()]
             run.records = (run.states, run.block_rows, starts[live], ends[live])
         # a request drafts when it is level and its last confirmed token went through this forward
-        ran = np.zeros(R, dtype=bool)
+        ran = np.zeros(len(starts), dtype=bool)
         ran[live] = True
-        rows = np.flatnonzero(np.array(level) & ran & (inp.max_drafts > 0))
+        rows = np.flatnonzero(level & ran & (inp.max_drafts > 0))
         last_row_of = np.cumsum(ends[live] - starts[live]) - 1  # per live request
         last_rows = last_row_of[np.searchsorted(live, rows)] if len(rows) else np.zeros(0, np.int64)
         return run, rows, last_rows.astype(np.int64)

@@ -56,3 +56,9 @@ class LaunchedProposal:
 
 def _nothing() -> None:
     pass
+
+
+def concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """int64: starts[i] .. starts[i] + lens[i] - 1, one range after another."""
+    lens = lens.astype(np.int64)
+    return np.repeat(starts.astype(np.int64) - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))

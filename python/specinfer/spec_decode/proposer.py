@@ -47,6 +47,9 @@ class ProposalInput:
     catch_up: np.ndarray
     block_rows: np.ndarray  # int32[R, W] each request's block table row
     hidden: TargetHidden | None  # None for a proposer that does not read it (reads_target_hidden)
+    # (int64[E] the tokens each request got this step, int32[R + 1] their offsets), the states'
+    # newest tokens (a finished request's are cut at its stop token there)
+    emitted: tuple | None = None
 
     @property
     def num_requests(self) -> int:
