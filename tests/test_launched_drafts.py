@@ -191,3 +191,27 @@ def test_the_steady_catch_up_equals_the_general_one(models, monkeypatch):
     params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, speculate=i != 2) for i in range(6)]
     gen.generate(_prompts(6, seed=9), params, use_tqdm=False)
     assert sum(taken) >= 5 and not all(taken)
+
+
+def test_the_flags_made_beside_the_forward_equal_those_after_the_commit(models, monkeypatch):
+    """A launched proposal's request flags and block rows are made beside the forward and
+    corrected by the step's tokens (StepProposing.prepare_proposal): equal to those computed once
+    the states took the tokens, also where requests end (EOS, max_tokens) and prompts are chunked."""
+    from specinfer.engine import propose_step
+
+    checked = []
+    requests_now = propose_step.StepProposing._requests_now
+
+    def both(self, sched, states, emitted):
+        prepared = self._prepared is not None and self._prepared[0] is states
+        flags, rows = requests_now(self, sched, states, emitted)
+        want = propose_step.request_flags(states, self.speculation_paused(), self.max_model_len)
+        assert flags.tolist() == want.tolist()
+        assert rows.tolist() == propose_step.request_block_rows(sched).tolist()
+        checked.append(prepared)
+        return flags, rows
+
+    monkeypatch.setattr(propose_step.StepProposing, "_requests_now", both)
+    gen = _generator(models, max_num_batched_tokens=12)
+    gen.generate(_prompts(8, seed=4), _params(8), use_tqdm=False)
+    assert sum(checked) >= 5

@@ -92,6 +92,7 @@ class StepProposing:
         # the executor's launch_job; a proposer that can (a draft model's chains) then launches its
         # forwards there and the next step is scheduled before its tokens exist (launch_proposal)
         self.launch_job = None
+        self._prepared = None  # (states, block rows, flags before the step's tokens): prepare_proposal
         self.history_readers: set = set()  # the engine's ids of requests with penalties, grammars, min_tokens
         self.launched = None  # the LaunchedProposal whose tokens the core does not hold yet
         self.num_launched = 0  # proposals with drafts launched so far
@@ -126,6 +127,26 @@ class StepProposing:
         self._core_ok = self.proposer.drafts_in_core and all(st.params.speculate and st.grammar is None
                                                               for st in states)
         self._core_k = draft_length(self.spec, self.proposer, self.platform, len(states))
+
+    def prepare_proposal(self, sched, states) -> None:
+        """Beside the forward of a step whose proposal is launched (launch_job): what the general
+        path reads of the step, as of now — each request's block-table row, and its flags, which
+        propose() then corrects by the step's tokens (ended requests, tokens left) — off the
+        critical path. Not where a pause (disable_by_batch_size) may change with the update."""
+        self._prepared = None
+        if self.launch_job is not None and self.spec.disable_by_batch_size is None and not self.proposer.drafts_in_core:
+            self._prepared = (states, request_block_rows(sched), request_flags(states, False, self.max_model_len))
+
+    def _requests_now(self, sched, states, emitted) -> tuple[np.ndarray, np.ndarray]:
+        """(request_flags, request_block_rows) of the step's requests once the states took its
+        tokens: those prepare_proposal made beside the forward, corrected by them, where made."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is None or prepared[0] is not states:
+            return request_flags(states, self.speculation_paused(), self.max_model_len), request_block_rows(sched)
+        _, block_rows, flags = prepared
+        flags[:, 0] = np.fromiter((not st.finished for st in states), np.int64, len(states))
+        flags[:, 4] -= np.diff(emitted.cu_num_emitted)
+        return flags, block_rows
 
     def _unconstrained(self, states) -> bool:
         """A proposer that drafts in the core, and every request speculates unconstrained."""
@@ -223,7 +244,7 @@ class StepProposing:
         self.budgets = None
         R = len(states)
         kept = spend_verified_drafts(self.draft_probs, states, emitted)
-        flags = request_flags(states, self.speculation_paused(), self.max_model_len)
+        flags, block_rows = self._requests_now(sched, states, emitted)
         alive, wants, unseeded, constrained = (flags[:, j].astype(bool) for j in range(4))
         cu = emitted.cu_num_emitted
         sampled = (cu[1:] > cu[:-1]) & alive
@@ -268,7 +289,7 @@ class StepProposing:
             states, np.asarray(sched.num_computed_tokens, np.int64), num_scheduled,
             emitted.num_draft_tokens.astype(np.int64), emitted.num_accepted.astype(np.int64),
             num_rows, sampled, np.where(speculate, max_drafts, 0),
-            alive if sees_every_step else wants & alive, request_block_rows(sched), target,
+            alive if sees_every_step else wants & alive, block_rows, target,
             (emitted.token_ids, emitted.cu_num_emitted))
         readers = self.history_readers  # (a penalized request's verification reads its drafts on the host)
         if (self.launch_job is not None and not any_grammar and not forced

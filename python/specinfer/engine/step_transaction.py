@@ -145,6 +145,7 @@ class StepTransaction:
         self.masks = self.engine.step_grammar.masks(self.sched, self.states, tree_requests(self.sched))
         if self.engine.proposing is not None:
             self.engine.proposing.prepare_core_proposal(self.states)  # what the core's proposal reads of them
+            self.engine.proposing.prepare_proposal(self.sched, self.states)  # and a launched one's
             self.engine.proposing.prepare(len(self.states))  # the policy's cost tables for the next proposal
             self.engine.proposing.plan(self.sched, self.states)  # and its choice, where made beside the forward
         self.t["overlapped"] = time.perf_counter()
