@@ -133,13 +133,12 @@ def test_plain_steps_scheduled_ahead_on_cuda_equal_the_serial_loop(models, forwa
     assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
 
 
-@pytest.mark.parametrize("forward_thread", ["auto", "on"])
 @fresh_process
-def test_draft_model_proposals_launched_on_cuda_equal_the_serial_loop(models, forward_thread):
-    """A draft model's proposal launched where the forwards run (auto: its kernels queued from the
-    engine's thread; on: the worker thread), the step verifying it scheduled before its tokens
-    exist and its inputs filled on the device (engine/launched_drafts.py): greedy, seeded and
-    unseeded requests give the serial loop's tokens."""
+def test_draft_model_proposals_launched_on_cuda_equal_the_serial_loop(models):
+    """A draft model's proposal launched on the stream (its kernels queued from the engine's
+    thread), the step verifying it scheduled before its tokens exist and its inputs filled on the
+    device (engine/launched_drafts.py): greedy, seeded and unseeded requests give the serial
+    loop's tokens."""
     from specinfer import Generator, SamplingParams
 
     target, draft = models
@@ -148,7 +147,7 @@ def test_draft_model_proposals_launched_on_cuda_equal_the_serial_loop(models, fo
     params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 3 == 0 else 0.9,
                              seed=100 + i if i % 3 == 1 else None, ignore_eos=True) for i in range(12)]
     serial = Generator(target, device="cuda", overlap_steps=False, seed=7, speculative=spec, **ENGINE)
-    launched = Generator(target, device="cuda", forward_thread=forward_thread, seed=7, speculative=spec, **ENGINE)
+    launched = Generator(target, device="cuda", seed=7, speculative=spec, **ENGINE)
     want = serial.generate(prompts, params, use_tqdm=False)
     got = launched.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]

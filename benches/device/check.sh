@@ -51,7 +51,7 @@ step "gpu tests (tests/test_gpu.py -m gpu)"
 # a per-test limit where pytest-timeout is installed (the device image has it): one hung kernel
 # compile must not eat the other tests' time
 per_test=$(python3 -c 'import pytest_timeout' 2>/dev/null && echo --timeout=100)
-env -u TRITON_INTERPRET timeout 150 python3 -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -rA $per_test \
+env -u TRITON_INTERPRET timeout 200 python3 -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider -rA $per_test \
     --junitxml="$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
 rc=$?; tail -n 15 "$OUT/gpu_tests.log" | tee -a "$OUT/summary.txt"; [ $rc -eq 0 ] || status=1
 
