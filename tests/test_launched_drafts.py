@@ -215,3 +215,20 @@ def test_the_flags_made_beside_the_forward_equal_those_after_the_commit(models, 
     gen = _generator(models, max_num_batched_tokens=12)
     gen.generate(_prompts(8, seed=4), _params(8), use_tqdm=False)
     assert sum(checked) >= 5
+
+
+def test_the_default_policy_chooses_beside_the_forward_and_greedy_output_is_exact(models):
+    """Under the goodput policy (the default) a launched proposal's budgets are chosen beside the
+    forward (StepProposing.plan), as n-gram's are: greedy outputs equal the serial loop's."""
+    target, draft = models
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    settings = dict(block_size=4, max_num_batched_tokens=64, num_kv_blocks=128, max_model_len=160)
+    serial = Generator(str(target), speculative=spec, overlap_steps=False, **settings)
+    launched = Generator(str(target), speculative=spec, **settings)
+    assert launched.engine.policy is not None and launched.engine.proposing.plans_beside_forward
+    assert not serial.engine.proposing.plans_beside_forward
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(8, seed=2)
+    want = [o.token_ids for o in serial.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in launched.generate(prompts, params, use_tqdm=False)] == want
+    assert launched.engine.proposing.num_launched >= 5

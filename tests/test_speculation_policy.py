@@ -282,10 +282,13 @@ def test_goodput_policy_keeps_greedy_output_exact(target_and_draft):
     assert gen.engine.policy.cost.num_steps > 0
 
 
-def test_goodput_policy_drafts_little_when_drafts_fail_and_k_when_they_all_pass(tiny_dir):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_goodput_policy_drafts_little_when_drafts_fail_and_k_when_they_all_pass(tiny_dir, overlap):
     """With costs fixed (a step's fixed cost 10 ms, 1 ms per token), once the engine has learnt
     acceptance on a first batch, an unrelated draft (every draft rejected) gets no drafts while
-    the target drafting for itself gets k."""
+    the target drafting for itself gets k. In the overlapped loop the choice is made beside the
+    forward, from estimates one verification old (StepProposing.plan): a probe that failed is
+    followed by one more proposal before the policy knows."""
     from specinfer import Generator, SamplingParams
 
     target, _ = tiny_dir("llama", False)
@@ -294,7 +297,8 @@ def test_goodput_policy_drafts_little_when_drafts_fail_and_k_when_they_all_pass(
     prompts = _prompts(2)
     drafted = {}
     for name, draft in (("unrelated", unrelated), ("self", target)):
-        gen = Generator(str(target), block_size=4, speculative=_spec(draft))
+        gen = Generator(str(target), block_size=4, speculative=_spec(draft), overlap_steps=overlap)
+        assert gen.engine.proposing.plans_beside_forward == overlap
         cost = gen.engine.policy.cost
         cost.min_steps, cost.step_seconds = 0, lambda base: linear_cost(0.01, 0.001, 0.001, base)
         gen.generate(prompts, params, use_tqdm=False)  # learn
@@ -303,7 +307,7 @@ def test_goodput_policy_drafts_little_when_drafts_fail_and_k_when_they_all_pass(
         m = gen.spec_metrics()
         drafted[name] = m["num_draft_tokens"] / max(m["num_drafts"], 1), m["num_draft_tokens"]
     assert drafted["self"][0] >= 3.5  # k, but near max_tokens fewer drafts fit
-    assert drafted["unrelated"][1] < 0.1 * drafted["self"][1]
+    assert drafted["unrelated"][1] < (0.15 if overlap else 0.1) * drafted["self"][1]
 
 
 def test_policy_is_validated():

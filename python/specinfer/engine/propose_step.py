@@ -83,10 +83,12 @@ class StepProposing:
         # the policy's choice for the next proposal, made beside the forward (plan()): int64[R] per
         # request of the step, or None (then the choice is made after the step, on the general path)
         self.budgets: np.ndarray | None = None
+        self._budget_states = None  # the states plan() chose for
         # prepare_core_proposal(), beside the forward: the step's states, whether every one of them
         # speculates unconstrained, and the platform's k for their batch
         self._core_states = None
         self._core_ok = False
+        self._all_plain = False  # every request of _core_states speculates unconstrained
         self._core_k = 0
         # where set (the overlapped loop, one process): launch(fn, forward_tokens) -> PendingForward,
         # the executor's launch_job; a proposer that can (a draft model's chains) then launches its
@@ -100,11 +102,13 @@ class StepProposing:
 
     @property
     def plans_beside_forward(self) -> bool:
-        """A policy chooses the drafts of a proposer that drafts in the core (n-gram): the choice is
-        made beside the forward from the acceptance estimates one verification old (plan()), the
-        verification is observed with the output work, and the core drafts within the budgets —
-        the policy's work is off the critical path."""
-        return self.policy is not None and self.proposer.drafts_in_core
+        """A policy chooses the drafts of a proposer that drafts in the core (n-gram) or launches
+        its proposals (a draft model's chains): the choice is made beside the forward from the
+        acceptance estimates one verification old (plan()), the verification is observed with the
+        output work, and the proposal is made within the budgets — the policy's work is off the
+        critical path."""
+        return self.policy is not None and (self.proposer.drafts_in_core or (
+            self.launch_job is not None and self.proposer.launches_proposals))
 
     def speculation_paused(self) -> bool:
         """disable_by_batch_size: no drafts for unseeded requests while this many run."""
@@ -124,8 +128,8 @@ class StepProposing:
         """Beside the forward of a step: what the core's own proposal after it reads of the step's
         states, ahead of the critical path (propose_in_core runs right after update())."""
         self._core_states = states
-        self._core_ok = self.proposer.drafts_in_core and all(st.params.speculate and st.grammar is None
-                                                              for st in states)
+        self._all_plain = all(st.params.speculate and st.grammar is None for st in states)
+        self._core_ok = self.proposer.drafts_in_core and self._all_plain
         self._core_k = draft_length(self.spec, self.proposer, self.platform, len(states))
 
     def prepare_proposal(self, sched, states) -> None:
@@ -160,8 +164,12 @@ class StepProposing:
         estimates through the last verification observed), min(k, what it may still emit) for seeded
         ones — as if it emits one token now (the core clips each budget to what is left)."""
         self.budgets = None
-        if not self.plans_beside_forward or self.speculation_paused() or not self._unconstrained(states):
+        if not self.plans_beside_forward or self.speculation_paused():
             return  # the general path decides after the step
+        plain = self._all_plain if states is self._core_states else all(
+            st.params.speculate and st.grammar is None for st in states)
+        if not plain:
+            return
         flags = request_flags(states, False, self.max_model_len)
         alive, unseeded = flags[:, 0].astype(bool), flags[:, 2].astype(bool)
         cu = np.asarray(sched.cu_num_logits)
@@ -183,6 +191,7 @@ class StepProposing:
             budgets[free] = self.policy.num_drafts([states[r].core_id for r in free], max_drafts[free],
                                                    int(alive.sum()), None if left is None else left[free], horizon)
         self.budgets = budgets
+        self._budget_states = states
 
     def observe_verification(self, states, emitted) -> None:
         if self.policy is not None:
@@ -241,7 +250,8 @@ class StepProposing:
         if self.propose_in_core(sched, states, emitted):
             return
         self.num_drafted = 0
-        self.budgets = None
+        planned = self.budgets if self._budget_states is states else None  # (plan(): beside the forward)
+        self.budgets = self._budget_states = None
         R = len(states)
         kept = spend_verified_drafts(self.draft_probs, states, emitted)
         flags, block_rows = self._requests_now(sched, states, emitted)
@@ -264,7 +274,11 @@ class StepProposing:
             self.num_forced_drafts += sum(len(t) for t in forced.values())
             max_drafts[list(forced)] = 0
             speculate &= max_drafts > 0
-        if self.policy is not None:  # unseeded requests: drafts chosen for goodput (seeded keep k)
+        if self.policy is not None and planned is not None:  # its choice, made beside the forward
+            free = np.flatnonzero(speculate & unseeded)
+            max_drafts[free] = np.minimum(max_drafts[free], planned[free])
+            speculate &= max_drafts > 0
+        elif self.policy is not None:  # unseeded requests: drafts chosen for goodput (seeded keep k)
             free = np.flatnonzero(speculate & unseeded)
             left = whole_batch_tokens_left(self.get_core(), self.max_model_len, states, alive)
             horizon = 0.0

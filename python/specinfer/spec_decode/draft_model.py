@@ -50,6 +50,7 @@ class DraftModelProposer(Proposer):
         _check_same_vocabulary(ctx.target, self.loaded, spec.model)
         self.kv_models = [self.loaded.model]
         self.tree = spec.token_tree  # StaticTree | DynamicTree | None (chains)
+        self.launches_proposals = self.tree is None  # (a tree's drafting loop reads its choices on the host)
         # slots past the root: the target's tree nodes, and the draft's fed nodes at root + 1 + slot
         self.num_lookahead_tokens = self.k if self.tree is None else tree_lookahead(self.tree, 1)
         self.block_size = ctx.block_size

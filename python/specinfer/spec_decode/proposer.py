@@ -142,6 +142,7 @@ class Proposer:
     # ProposalInput (propose_in_core)
     drafts_in_core: bool = False
     reads_target_hidden: bool = True  # reads ProposalInput.hidden (else it is None)
+    launches_proposals: bool = False  # launch_proposal() launches its forwards (else it returns None)
 
     def bind_kv_caches(self, kv_caches_per_model: list, backend) -> None:
         """The KV caches of `kv_models`, once allocated."""
