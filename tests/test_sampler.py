@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from specinfer.sample.metadata import RowParameterError
 from specinfer.sample import (RandomStreams, Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p,
                               probs_from_logits, process_logits)
 from stats import ALPHA, chi_square_pvalue
@@ -54,6 +55,32 @@ def test_metadata_flags():
 def test_metadata_bad_input_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingMetadata.build(**kwargs)
+
+
+def test_metadata_built_on_the_host_for_another_device_equals_build():
+    """For a device other than the CPU the rows are validated and flagged on the host and copied
+    asynchronously (a check on the device would wait for every kernel queued on its stream);
+    take() and expand() of such metadata select on the host too. The CPU stands in for the device."""
+    rows = dict(top_k=[0, 3, -1, 0], top_p=[1.0, 0.9, 1.0, 0.5], min_p=[0.0, 0.0, 0.1, 0.0])
+    streams = RandomStreams.build([5, 9, 2, 7], [4, 10, 0, 3])
+    plain = SamplingMetadata.build([0.0, 0.7, 1.2, 0.0], streams=streams, **rows)
+    host = SamplingMetadata.built_on_host([0.0, 0.7, 1.2, 0.0], streams=streams, device="cpu", **rows)
+    assert plain.host is None and host.host is not None
+
+    def same(a, b):
+        for f in ("temperature", "top_k", "top_p", "min_p"):
+            assert getattr(a, f).tolist() == getattr(b, f).tolist()
+        assert (a.all_greedy, a.all_random, a.no_top_k, a.no_top_p, a.no_min_p) == \
+               (b.all_greedy, b.all_random, b.no_top_k, b.no_top_p, b.no_min_p)
+        assert a.streams.positions.tolist() == b.streams.positions.tolist()
+
+    same(host, plain)
+    same(host.take([2, 0]), plain.take([2, 0]))
+    same(host.take([0, 3]), plain.take([0, 3]))  # all greedy
+    assert host.take([2, 0]).host is not None
+    same(host.expand([1, 3, 0, 2]), plain.expand([1, 3, 0, 2]))
+    with pytest.raises(RowParameterError, match="top_p"):
+        SamplingMetadata.built_on_host([1.0], top_p=[1.5], device="cpu")
 
 
 def test_metadata_expand_repeats_rows_and_advances_positions():

@@ -17,9 +17,15 @@ class ModelBatch:
     attn: AttentionMetadata
 
 
-def _t(a: np.ndarray, device) -> torch.Tensor:
+def as_device(a: np.ndarray, device) -> torch.Tensor:
+    """A host array as a tensor on `device`: a view on CPU; elsewhere an asynchronous copy (a
+    blocking host-to-device copy would first wait for every kernel queued on the stream: on the
+    critical path of an overlapped step, that is the step the host should be ahead of)."""
     t = torch.from_numpy(a)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+_t = as_device
 
 
 def model_batch_from_schedule(out, block_size: int, device: torch.device) -> ModelBatch:

@@ -15,6 +15,7 @@ from collections import ChainMap
 import numpy as np
 import torch
 
+from specinfer.attention.batch_metadata import as_device
 from specinfer.spec_decode.launched_proposal import concat_ranges
 
 
@@ -37,9 +38,9 @@ class DraftFill:
         # logits row verifies the draft after its query)
         self.draft_pos, self.src = concat_ranges(cu_draft, v), concat_ranges(first, v)
         self.input_pos, in_src = concat_ranges(tok_start + 1, n[runs] - 1), concat_ranges(first, n[runs] - 1)
-        self._input_pos_t = torch.from_numpy(self.input_pos).to(device)
-        self._in_src_t = torch.from_numpy(in_src).to(device)
-        self._src_t = torch.from_numpy(self.src).to(device)
+        self._input_pos_t = as_device(self.input_pos, device)
+        self._in_src_t = as_device(in_src, device)
+        self._src_t = as_device(self.src, device)
 
     @property
     def empty(self) -> bool:

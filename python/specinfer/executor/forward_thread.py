@@ -183,10 +183,12 @@ def fill_ahead_inputs(previous: PendingForward, input_pos, src, batch) -> None:
     sampling ran — on the forward thread from its host tokens, or where launches are asynchronous
     (CUDA) as device ops queued behind the previous step's sampling. The previous step's failure
     fails this one."""
+    from specinfer.attention.batch_metadata import as_device
+
     emitted = previous.done_result()[2]
     device = batch.input_ids.device
     if hasattr(emitted, "tokens"):  # sampled on the device (engine/device_sampling.py): a device-side gather
-        tokens = emitted.tokens[torch.from_numpy(src).to(emitted.tokens.device)]
+        tokens = emitted.tokens[as_device(src, emitted.tokens.device)]
     else:
         tokens = torch.from_numpy(emitted.token_ids[src])
-    batch.input_ids[torch.from_numpy(input_pos).to(device)] = tokens.to(device)
+    batch.input_ids[as_device(input_pos, device)] = tokens.to(device, non_blocking=True)

@@ -13,6 +13,7 @@ Conventions (the same as vLLM / HF):
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -62,6 +63,10 @@ class SamplingMetadata:
     no_top_k: bool  # no random row uses top-k
     no_top_p: bool  # no random row uses top-p
     no_min_p: bool  # no random row uses min-p
+    # the four per-row tensors on the host, where they were built there for another device: take()
+    # and expand() then select and validate on the host (a check on the device would wait for the
+    # stream: every kernel queued before it)
+    host: tuple | None = None
 
     @property
     def num_rows(self) -> int:
@@ -81,7 +86,12 @@ class SamplingMetadata:
         streams: RandomStreams | None = None,
         device: torch.device | str | None = None,
     ) -> "SamplingMetadata":
-        """Validate per-row parameters (errors name the field and row) and set the flags."""
+        """Validate per-row parameters (errors name the field and row) and set the flags. Host
+        values for another device are validated on the host and copied asynchronously."""
+        values = (temperature, top_k, top_p, min_p)
+        if device is not None and torch.device(device).type != "cpu" and not any(
+                isinstance(v, torch.Tensor) and v.device.type != "cpu" for v in values):
+            return cls.built_on_host(*values, streams, device=device)
         temp = _as_tensor("temperature", temperature, torch.float32, None, device)
         n = temp.shape[0]
         k = _as_tensor("top_k", [0] * n if top_k is None else top_k, torch.int64, n, device)
@@ -103,6 +113,16 @@ class SamplingMetadata:
             no_min_p=not bool((random & (m > 0)).any()),
         )
 
+    @classmethod
+    def built_on_host(cls, temperature, top_k=None, top_p=None, min_p=None, streams=None, *,
+                      device) -> "SamplingMetadata":
+        """build() on the host (validation and flags there), the tensors then copied to `device`
+        asynchronously; the host's copies are kept (`host`) for take() and expand()."""
+        cpu = cls.build(temperature, top_k, top_p, min_p, streams)
+        host = (cpu.temperature, cpu.top_k, cpu.top_p, cpu.min_p)
+        t = tuple(x.to(device, non_blocking=True) for x in host)
+        return dataclasses.replace(cpu, temperature=t[0], top_k=t[1], top_p=t[2], min_p=t[3], host=host)
+
     def expand(self, num_rows_per_request: Sequence[int]) -> "SamplingMetadata":
         """Repeat row i ``num_rows_per_request[i]`` times (e.g. ``1 + k`` verification rows);
         the j-th copy decides output position ``positions[i] + j``."""
@@ -110,15 +130,23 @@ class SamplingMetadata:
         if len(counts) != self.num_rows:
             raise ValueError(
                 f"num_rows_per_request has {len(counts)} entries, metadata has {self.num_rows} rows")
-        rep = torch.as_tensor(counts, dtype=torch.int64, device=self.temperature.device)
         streams = None if self.streams is None else self.streams.expand(counts)
+        if self.host is not None:
+            rep = torch.as_tensor(counts, dtype=torch.int64)
+            return SamplingMetadata.built_on_host(*(x.repeat_interleave(rep) for x in self.host), streams,
+                                                  device=self.temperature.device)
+        rep = torch.as_tensor(counts, dtype=torch.int64, device=self.temperature.device)
         return SamplingMetadata.build(
             self.temperature.repeat_interleave(rep), self.top_k.repeat_interleave(rep),
             self.top_p.repeat_interleave(rep), self.min_p.repeat_interleave(rep), streams)
 
     def take(self, rows: Sequence[int]) -> "SamplingMetadata":
         """The metadata of a subset of rows, in the given order."""
-        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.temperature.device)
         streams = None if self.streams is None else self.streams.take(list(rows))
+        if self.host is not None:
+            idx = torch.as_tensor(list(rows), dtype=torch.int64)
+            return SamplingMetadata.built_on_host(*(x[idx] for x in self.host), streams,
+                                                  device=self.temperature.device)
+        idx = torch.as_tensor(list(rows), dtype=torch.int64, device=self.temperature.device)
         return SamplingMetadata.build(self.temperature[idx], self.top_k[idx], self.top_p[idx],
                                       self.min_p[idx], streams)

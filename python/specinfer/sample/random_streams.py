@@ -151,8 +151,10 @@ class RandomStreams:
         width: int = 1,
         device: torch.device | str | None = None,
     ) -> torch.Tensor:  # float64[R, width]: U(seed_i, positions_i + j, purpose)
-        seeds = torch.from_numpy(self.seeds.view(np.int64)).to(device)
-        pos = torch.from_numpy(self.positions).to(device).unsqueeze(1) + torch.arange(width, device=seeds.device)
+        # (asynchronous copies: a blocking one would wait for every kernel queued on the stream)
+        seeds = torch.from_numpy(self.seeds.view(np.int64)).to(device, non_blocking=True)
+        pos = (torch.from_numpy(self.positions).to(device, non_blocking=True).unsqueeze(1)
+               + torch.arange(width, device=seeds.device))
         return counter_uniform_torch(seeds, pos, purpose)
 
 

@@ -29,8 +29,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from specinfer.attention.batch_metadata import (attention_metadata_for_decode_steps, attention_metadata_for_runs,
-                                               attention_metadata_for_tree_nodes)
+from specinfer.attention.batch_metadata import (as_device, attention_metadata_for_decode_steps,
+                                               attention_metadata_for_runs, attention_metadata_for_tree_nodes)
 from specinfer.models.model_runner import ModelRunner
 from specinfer.sample.request_rows import all_greedy, sampling_metadata
 from specinfer.spec_decode.draft_sampling import gather_probs, sample_drafts
@@ -78,7 +78,7 @@ class DraftModelProposer(Proposer):
             self._wrote(catch_up)
             if not len(rows):
                 return _empty()
-            logits = self.runner.logits(hidden[torch.from_numpy(last_rows).to(self.device)])
+            logits = self.runner.logits(hidden[as_device(last_rows, self.device)])
             return self._draft_tree(inp, rows, catch_up.ends[rows] - 1, logits)
         plan = self._chain_plan(inp)
         if plan is None:
@@ -191,7 +191,7 @@ class DraftModelProposer(Proposer):
         live = np.flatnonzero(ends > starts)
         run = _CatchUp(live, starts, ends)
         if len(live):
-            run.tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).to(self.device)
+            run.tokens = as_device(np.ascontiguousarray(tokens, dtype=np.int64), self.device)
             run.block_rows = inp.block_rows[live]
             run.states = [inp.requests[r] for r in live.tolist()]
             run.records = (run.states, run.block_rows, starts[live], ends[live])
@@ -209,7 +209,7 @@ class DraftModelProposer(Proposer):
         live = run.live
         attn, positions = attention_metadata_for_runs(run.block_rows, run.starts[live], run.ends[live] - run.starts[live],
                                                       self.block_size, self.device)
-        return self.runner.forward(run.tokens, torch.from_numpy(positions).to(self.device), attn)[0]
+        return self.runner.forward(run.tokens, as_device(positions, self.device), attn)[0]
 
     def _wrote(self, run: "_CatchUp") -> None:
         """The draft KV records of the blocks the catch-up completed."""
@@ -234,7 +234,7 @@ class DraftModelProposer(Proposer):
             # draft i decides output position len(output) + i of its request
             first_out = np.array([len(st.output_token_ids) for st in states], dtype=np.int64)
             meta = sampling_metadata(states, device=self.device, positions=first_out)
-        plan = _ChainPlan(catch_up, torch.from_numpy(last_rows).to(self.device), meta,
+        plan = _ChainPlan(catch_up, as_device(last_rows, self.device), meta,
                           meta is not None and not meta.all_greedy)
         steps = int(limit.max(initial=0))
         plan.actives = [np.flatnonzero(limit > i) for i in range(steps)]  # requests drafting token i
@@ -269,13 +269,12 @@ class DraftModelProposer(Proposer):
             positions = next_pos[nxt] + i
             attn, _ = attention_metadata_for_runs(block_rows[nxt], positions, np.ones(len(nxt), np.int64),
                                                   self.block_size, self.device)
-            keep = None if len(nxt) == len(actives[i]) else torch.from_numpy(
-                np.searchsorted(actives[i], nxt)).to(self.device)
-            feeds.append((keep, torch.from_numpy(positions).to(self.device), attn))
+            keep = None if len(nxt) == len(actives[i]) else as_device(np.searchsorted(actives[i], nxt), self.device)
+            feeds.append((keep, as_device(positions, self.device), attn))
         drafting = np.arange(steps)[None, :] < plan.counts[:, None]  # [P, steps]
         off = np.concatenate([[0], np.cumsum(drafting.sum(0))])[:-1]
         rank = np.cumsum(drafting, axis=0) - 1
-        return feeds, torch.from_numpy((off[None, :] + rank)[drafting]).to(self.device)
+        return feeds, as_device((off[None, :] + rank)[drafting], self.device)
 
     def _run_chains(self, plan: "_ChainPlan"):
         """The catch-up forward, then the draft steps back to back (no host round trip per draft
@@ -311,8 +310,7 @@ class DraftModelProposer(Proposer):
                     self.records.will_write(block_rows[p], int(roots[p] + 1 + lo), int(roots[p] + 2 + hi))
             attn, positions = attention_metadata_for_tree_nodes(block_rows[ids], roots[ids], counts, slots, depths,
                                                                 masks, self.block_size, self.device)
-            hidden, _ = self.runner.forward(torch.from_numpy(tokens).to(self.device),
-                                            torch.from_numpy(positions).to(self.device), attn)
+            hidden, _ = self.runner.forward(as_device(tokens, self.device), as_device(positions, self.device), attn)
             return self.runner.logits(hidden), None
 
         cap = inp.max_drafts[rows]
