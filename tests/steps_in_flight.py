@@ -30,6 +30,22 @@ def drive_with_abort(gen, prompts, params, abort: str = "r1", at_step: int = 4) 
     return final
 
 
+def stop_strings_and_abort_match_serial(make, prompts, params_of):
+    """`make(**kw)` -> a Generator, `params_of(n)` -> n SamplingParams (EOS ignored): stop strings cut
+    from a probe's texts (with_stop_strings), r1 aborted while a step holds it (drive_with_abort);
+    the engine under test (make()) must give the serial loop's outputs for every other request and
+    free every KV block. -> that engine, for the caller's own counters."""
+    n = len(prompts)
+    probe = make(overlap_steps=False).generate(prompts, params_of(n), use_tqdm=False)
+    params = with_stop_strings(probe, params_of(n), [40 + i for i in range(n)])
+    serial, gen = make(overlap_steps=False), make()
+    want, got = drive_with_abort(serial, prompts, params), drive_with_abort(gen, prompts, params)
+    assert "r1" not in got and got == {k: v for k, v in want.items() if k != "r1"}
+    assert sum(v[2] == "stop" for v in got.values()) >= 2
+    assert gen.engine.core.num_free_blocks() == gen.engine.core.num_total_blocks()
+    return gen.engine
+
+
 def faults_leave_outputs_exact(serial, gen, prompts, params, inject, min_faults: int):
     """Run the prompts on the serial loop (no faults), then on `gen` with `inject(engine)` (-> an
     Injector it installed) raising; the outputs must be equal, the faults all seen, every KV block

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from functools import partial
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch
 from specinfer import Generator, SamplingParams
 
 from fault_injection import Injector
-from steps_in_flight import drive_with_abort, faults_leave_outputs_exact, with_stop_strings
+from steps_in_flight import faults_leave_outputs_exact, stop_strings_and_abort_match_serial
 
 
 @pytest.fixture(scope="module")
@@ -121,16 +122,9 @@ def test_the_step_verifying_a_launched_proposal_is_packed_with_placeholders(mode
 
 
 def test_stop_strings_and_aborts_with_a_launched_proposal(models):
-    prompts = _prompts(6, seed=3)
-    probe = _generator(models, overlap_steps=False).generate(prompts, _params(6, eos=False), use_tqdm=False)
-    params = with_stop_strings(probe, _params(6, eos=False), [40 + i for i in range(6)])
-    serial, launched = _generator(models, overlap_steps=False), _generator(models)
-    want, got = drive_with_abort(serial, prompts, params), drive_with_abort(launched, prompts, params)
-    assert "r1" not in got and got == {k: v for k, v in want.items() if k != "r1"}
-    assert sum(v[2] == "stop" for v in got.values()) >= 2
-    eng = launched.engine
+    eng = stop_strings_and_abort_match_serial(partial(_generator, models), _prompts(6, seed=3),
+                                              lambda n: _params(n, eos=False))
     assert eng.proposing.num_launched > 0 and eng.proposing.launched is None
-    assert eng.core.num_free_blocks() == eng.core.num_total_blocks()
 
 
 @pytest.mark.parametrize("where", ["draft", "forward", "sampler"])

@@ -51,6 +51,19 @@ fn token_id(field: &str, t: i64) -> PyResult<u32> {
     u32::try_from(t).map_err(|_| invalid(field, format!("token id {t} out of range [0, 2**32)")))
 }
 
+/// A proposal's arrays as the core takes them: request ids, offsets, token ids (checked).
+fn proposal_args(
+    req_ids: &PyArrayLike1<'_, u64, AllowTypeChange>,
+    cu_num_draft: &PyArrayLike1<'_, i32, AllowTypeChange>,
+    draft_token_ids: &PyArrayLike1<'_, i64, AllowTypeChange>,
+) -> PyResult<(Vec<u64>, Vec<i32>, Vec<u32>)> {
+    Ok((
+        req_ids.as_array().to_vec(),
+        cu_num_draft.as_array().to_vec(),
+        token_ids("draft_token_ids", draft_token_ids)?,
+    ))
+}
+
 fn token_ids(field: &str, arr: &PyArrayLike1<'_, i64, AllowTypeChange>) -> PyResult<Vec<u32>> {
     arr.as_array().iter().map(|&t| token_id(field, t)).collect()
 }
@@ -254,9 +267,7 @@ impl SchedulerCore {
         draft_token_ids: PyArrayLike1<'_, i64, AllowTypeChange>,
         draft_parents: Option<PyArrayLike1<'_, i64, AllowTypeChange>>,
     ) -> PyResult<()> {
-        let ids = req_ids.as_array().to_vec();
-        let cu = cu_num_draft.as_array().to_vec();
-        let drafts = token_ids("draft_token_ids", &draft_token_ids)?;
+        let (ids, cu, drafts) = proposal_args(&req_ids, &cu_num_draft, &draft_token_ids)?;
         let parents = match draft_parents {
             None => None,
             Some(p) => Some(
@@ -284,9 +295,7 @@ impl SchedulerCore {
         cu_num_draft: PyArrayLike1<'_, i32, AllowTypeChange>,
         draft_token_ids: PyArrayLike1<'_, i64, AllowTypeChange>,
     ) -> PyResult<()> {
-        let ids = req_ids.as_array().to_vec();
-        let cu = cu_num_draft.as_array().to_vec();
-        let drafts = token_ids("draft_token_ids", &draft_token_ids)?;
+        let (ids, cu, drafts) = proposal_args(&req_ids, &cu_num_draft, &draft_token_ids)?;
         let inner = &mut self.inner;
         py.detach(|| inner.replace_draft_tokens(&ids, &cu, &drafts))
             .map_err(to_py)
