@@ -83,7 +83,11 @@ class DraftModelProposer(Proposer):
         plan = self._chain_plan(inp)
         if plan is None:
             return _empty()
-        tokens, q = self._run_chains(plan)  # here: the catch-up, then the draft steps back to back
+        try:
+            tokens, q = self._run_chains(plan)  # here: the catch-up, then the draft steps back to back
+        except BaseException:
+            self._undo(plan)  # (its forwards may have written part of their blocks)
+            raise
         self._records_after(plan)
         if not len(plan.core_ids):
             return _empty()
